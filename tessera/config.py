@@ -1,0 +1,213 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+`EngineArgs` is the flat set of user-facing knobs (the same names for `LLM(**kwargs)` and for
+`tessera serve --flag`); `EngineArgs.create_engine_config()` turns it into the per-part configs once
+the model's own limits are known. Nothing here reads files or touches tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+
+class PreemptionMode(enum.Enum):
+    """How a running group gives up its device blocks when the pool runs dry."""
+
+    SWAP = "swap"  # KV goes to the CPU swap pool and comes back later
+    RECOMPUTE = "recompute"  # KV is dropped; the group prefills prompt + output again
+
+
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model to run and in which dtype. `max_model_len` is resolved against the model."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry. The number of device blocks comes from `kv_cache_space` (GiB)
+    unless `num_gpu_blocks_override` pins it; the CPU swap pool from `swap_space` (GiB)."""
+
+    block_size: int = 16
+    kv_cache_space: float = 1.0
+    swap_space: float = 1.0
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.kv_cache_space <= 0:
+            raise ValueError(f"--kv-cache-space must be > 0 GiB, got {self.kv_cache_space}")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits and policy. `preemption_mode=None` means: recompute for groups with one
+    running sequence, swap for groups with several."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = False
+    preemption_mode: PreemptionMode | None = None
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"--max-model-len ({self.max_model_len}): enable chunked prefill "
+                "(--enable-chunked-prefill) or raise --max-num-batched-tokens"
+            )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        import importlib
+
+        # validate the string without importing torch at module import time
+        torch = importlib.import_module("torch")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"--device {self.device!r} is not a valid torch device: {e}") from e
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+
+def _arg(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine flag, by the name users type. Field metadata carries the `--help` text, so the
+    CLI is generated from this class and nothing is listed twice."""
+
+    model: str | None = _arg(
+        None, "GGUF file or HF directory (config.json + *.safetensors); default: SmolLM2-135M-Instruct"
+    )
+    dtype: str = _arg("float32", "compute dtype", choices=["float32", "bfloat16"])
+    device: str = _arg("cpu", "torch device, e.g. cpu or cuda:0")
+    seed: int = _arg(0, "seed for sampling requests that do not give their own")
+    max_model_len: int | None = _arg(
+        None, "longest prompt + output in tokens (default: the model's limit, at most 2048)"
+    )
+    block_size: int = _arg(16, "tokens per KV cache block")
+    max_num_batched_tokens: int | None = _arg(
+        None, "token budget of one engine step (default: max(max_model_len, 2048), or 512 with chunked prefill)"
+    )
+    max_num_seqs: int = _arg(256, "most sequences running at once")
+    num_gpu_blocks_override: int | None = _arg(
+        None, "number of device KV blocks, ignoring --kv-cache-space"
+    )
+    kv_cache_space: float = _arg(1.0, "device KV cache size in GiB")
+    swap_space: float = _arg(1.0, "CPU swap space for preempted KV, in GiB")
+    preemption_mode: str | None = _arg(
+        None,
+        "how to preempt when blocks run out (default: recompute for single sequences, swap for n>1)",
+        choices=["swap", "recompute"],
+    )
+    enable_chunked_prefill: bool = _arg(False, "split long prompts to fill each step's token budget")
+    enable_prefix_caching: bool = _arg(False, "reuse KV blocks of shared prompt prefixes")
+    scheduling_policy: str = _arg("fcfs", "request order", choices=["fcfs", "priority"])
+
+    def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
+        """Resolve defaults against the model's context limit and validate the combination."""
+        if self.max_model_len is None:
+            max_model_len = min(model_max_len or 2048, 2048)
+        else:
+            max_model_len = self.max_model_len
+            if model_max_len is not None and max_model_len > model_max_len:
+                raise ValueError(
+                    f"--max-model-len ({max_model_len}) exceeds the model's limit ({model_max_len})"
+                )
+        if self.max_num_batched_tokens is not None:
+            budget = self.max_num_batched_tokens
+        elif self.enable_chunked_prefill:
+            budget = 512
+        else:
+            budget = max(max_model_len, 2048)
+        for name, enum_cls in (("preemption_mode", PreemptionMode), ("scheduling_policy", SchedulingPolicy)):
+            value = getattr(self, name)
+            if value is not None and value not in {m.value for m in enum_cls}:
+                choices = ", ".join(m.value for m in enum_cls)
+                raise ValueError(f"{_flag(name)} must be one of {choices}, got {value!r}")
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model, dtype=self.dtype, max_model_len=max_model_len, seed=self.seed
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_space=self.kv_cache_space,
+                swap_space=self.swap_space,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=budget,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                preemption_mode=PreemptionMode(self.preemption_mode) if self.preemption_mode else None,
+                scheduling_policy=SchedulingPolicy(self.scheduling_policy),
+            ),
+            device=DeviceConfig(device=self.device),
+        )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def default_num_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))

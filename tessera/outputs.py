@@ -1,0 +1,51 @@
+"""What the engine hands back for each request after a step (vLLM's `RequestOutput` shape).
+
+Text and token ids are cumulative: a streaming front end sends the part it has not sent yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    # per generated token: {token_id: logprob} holding the chosen token and the top-k alternatives
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Engine-clock timestamps (seconds) for latency histograms."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    # [prompt_len] entries, None for the first token; set only when prompt_logprobs was asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # why the request was rejected (e.g. prompt longer than max_model_len); outputs are then empty
+    error: str | None = None
+    num_cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)
