@@ -1,0 +1,106 @@
+"""Building blocks of Llama-family models: linear (optionally prepacked for oneDNN), RMSNorm, RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _mkldnn_linear_ok(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class Linear:
+    """y = x @ W^T (+ b). On CPU the weight is reordered once into oneDNN's blocked layout: plain
+    `F.linear` reaches only ~12 GB/s at M=1 on our Zen4 build, the packed kernel ~2.2x that
+    (measured in ../shared/DESIGN.md; see benchmarks/runner.py). Elsewhere it is plain F.linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.contiguous()
+        self.bias = bias.contiguous() if bias is not None else None
+        self.packed: torch.Tensor | None = None
+        if pack and _mkldnn_linear_ok(weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm:
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # computed in float32 like the reference, whatever the compute dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype) if x.dtype != torch.float32 else xf * self.weight
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with Llama-3 ("llama3") or linear scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not rope_scaling:
+        return inv_freq.float()
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    factor = float(rope_scaling["factor"])
+    if kind == "linear":
+        return (inv_freq / factor).float()
+    if kind == "llama3":
+        low = float(rope_scaling.get("low_freq_factor", 1.0))
+        high = float(rope_scaling.get("high_freq_factor", 4.0))
+        old_len = float(rope_scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled).float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables [max_positions, head_dim] in HF's rotate-half layout."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        rope_scaling: dict | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each token: [num_tokens, 1, head_dim] (broadcast over heads). Once per step."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(
+            0, positions
+        ).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] -> x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,80 @@
+"""The KV tensors: a device pool and a CPU swap pool, and the block moves the scheduler asks for.
+
+Both pools are one tensor each, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, so
+`kv_caches[layer] = (K, V)` are views and a swap or copy of any set of blocks is a single batched
+index operation over all layers (no Python loop per block, nor per layer). Decides nothing: it
+applies the block-id mappings in a `SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.config import GiB
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for(self, gib: float) -> int:
+        return int(gib * GiB) // self.block_bytes
+
+
+class CacheEngine:
+    def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device):
+        self.spec = spec
+        self.device = device
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        shape = (spec.num_layers, 2, 0, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # zeros, not empty: padding slots are read (then masked) by decode attention, and garbage
+        # could hold NaN/Inf that a mask does not neutralise in every kernel
+        self.gpu_cache = torch.zeros(
+            shape[:2] + (num_gpu_blocks,) + shape[3:], dtype=spec.dtype, device=device
+        )
+        pin = device.type == "cuda"
+        self.cpu_cache = torch.zeros(
+            shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=spec.dtype, device="cpu", pin_memory=pin
+        )
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim] (views)."""
+        return [(layer[0], layer[1]) for layer in self.gpu_cache]
+
+    def swap_in(self, mapping: dict[int, int]) -> None:
+        """CPU block -> device block, for every layer at once."""
+        if mapping:
+            src, dst = self._ids(mapping.keys(), "cpu"), self._ids(mapping.values(), self.device)
+            moved = self.cpu_cache.index_select(2, src).to(self.device, non_blocking=True)
+            self.gpu_cache.index_copy_(2, dst, moved)
+
+    def swap_out(self, mapping: dict[int, int]) -> None:
+        """Device block -> CPU block, for every layer at once."""
+        if mapping:
+            src, dst = self._ids(mapping.keys(), self.device), self._ids(mapping.values(), "cpu")
+            self.cpu_cache.index_copy_(2, dst, self.gpu_cache.index_select(2, src).to("cpu"))
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block copies (copy-on-write). Sources are read before any destination is written."""
+        if pairs:
+            src = self._ids((s for s, _ in pairs), self.device)
+            dst = self._ids((d for _, d in pairs), self.device)
+            self.gpu_cache.index_copy_(2, dst, self.gpu_cache.index_select(2, src))
+
+    @staticmethod
+    def _ids(ids, device) -> torch.Tensor:
+        return torch.tensor(list(ids), dtype=torch.long, device=device)

@@ -1,0 +1,168 @@
+"""Turns one `SchedulerOutput` into flat tensors, runs ONE forward pass over every scheduled token
+(prefill chunks and decodes mixed, no padding to the longest prompt), and samples.
+
+Order inside the flat batch: decodes first (so decode attention is one padded SDPA over a contiguous
+slice), then prompt chunks. Logits are computed only at sampled positions: the last token of a
+sequence whose KV reaches its full length this step. The runner keeps no request state between
+steps; per-sequence RNGs for seeded sampling are owned by the engine and passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from tessera.model.attention import AttentionMetadata, PrefillSpan
+from tessera.sampling.sampler import SampledToken, Sampler, SamplingRow
+from tessera.worker.cache_engine import CacheEngine
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] flat positions whose logits are needed
+    sampled: list[ScheduledSequence] = field(default_factory=list)  # one per logits row
+
+
+@dataclass
+class ModelRunnerOutput:
+    # seq_id -> sampled tokens (num_samples of them: n when a prompt of an n>1 request completes)
+    samples: dict[int, list[SampledToken]] = field(default_factory=dict)
+
+
+def _slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        cache_engine: CacheEngine,
+        block_size: int,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.cache_engine = cache_engine
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    # ---- input preparation -------------------------------------------------------------------
+    def prepare_input(self, seqs: list[ScheduledSequence]) -> ModelInput:
+        """Flatten the step; build all attention metadata once (not per layer)."""
+        bs = self.block_size
+        decodes = [s for s in seqs if s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0]
+        prefills = [s for s in seqs if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0)]
+        ordered = decodes + prefills
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[ScheduledSequence] = []
+        spans: list[PrefillSpan] = []
+        for i, s in enumerate(ordered):
+            start = s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            offset = len(input_ids)
+            input_ids.extend(s.seq.get_token_ids()[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(_slots(s.block_table, bs, start, end))
+            if i >= len(decodes):
+                spans.append(self._prefill_span(s, offset, start, end))
+            if s.do_sample:
+                logits_indices.append(offset + s.num_new_tokens - 1)
+                sampled.append(s)
+
+        decode_slots = decode_mask = None
+        if decodes:
+            decode_slots, decode_mask = self._decode_tables(decodes)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=spans,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            attn_metadata=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sampled=sampled,
+        )
+
+    def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded flat cache slots [B, max_len] of each decode's whole context, and its mask."""
+        bs = self.block_size
+        lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        max_len = max(lens)
+        num_blocks = -(-max_len // bs)
+        tables = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table[:num_blocks])) for s in decodes]
+        dev = self.device
+        table_t = torch.tensor(tables, dtype=torch.long, device=dev)  # [B, num_blocks]
+        offsets = torch.arange(bs, dtype=torch.long, device=dev)
+        slots = (table_t.unsqueeze(-1) * bs + offsets).view(len(decodes), -1)[:, :max_len]
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        mask = torch.arange(max_len, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)  # [B, max_len]
+        return slots.contiguous(), mask.view(len(decodes), 1, 1, max_len)
+
+    def _prefill_span(self, s: ScheduledSequence, offset: int, start: int, end: int) -> PrefillSpan:
+        span = PrefillSpan(start=offset, end=offset + (end - start), num_context=start)
+        if start > 0:  # continues a cached context: gather it (new tokens included) and mask
+            dev = self.device
+            span.context_slots = torch.tensor(
+                _slots(s.block_table, self.block_size, 0, end), dtype=torch.long, device=dev
+            )
+            q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
+            span.mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos  # [n, end]
+        return span
+
+    # ---- execution ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, generators: dict[int, torch.Generator] | None = None
+    ) -> ModelRunnerOutput:
+        """Cache moves first (swap out, swap in, copy-on-write), then one forward pass and sampling."""
+        self.cache_engine.swap_out(out.blocks_to_swap_out)
+        self.cache_engine.swap_in(out.blocks_to_swap_in)
+        self.cache_engine.copy(out.blocks_to_copy)
+        seqs = [s for g in out.scheduled_groups for s in g.seqs]
+        if not seqs:
+            return ModelRunnerOutput()
+        group_of = {id(s): g.group for g in out.scheduled_groups for s in g.seqs}
+        inp = self.prepare_input(seqs)
+        hidden = self.model.forward(
+            inp.input_ids, inp.positions, self.cache_engine.kv_caches, inp.attn_metadata
+        )
+        if not inp.sampled:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+        generators = generators or {}
+        rows = []
+        for s in inp.sampled:
+            group = group_of[id(s)]
+            params = group.sampling_params
+            fork_pending = len(group.seqs) < params.n and not s.seq.output_token_ids
+            rows.append(
+                SamplingRow(
+                    params=params,
+                    prompt_token_ids=s.seq.prompt_token_ids,
+                    output_token_ids=s.seq.output_token_ids,
+                    num_samples=params.n - len(group.seqs) + 1 if fork_pending else 1,
+                    generator=generators.get(s.seq.seq_id),
+                    eos_token_ids=self.eos_token_ids,
+                )
+            )
+        result = self.sampler(logits, rows)
+        return ModelRunnerOutput(
+            samples={s.seq.seq_id: toks for s, toks in zip(inp.sampled, result.samples, strict=True)}
+        )
