@@ -1,8 +1,23 @@
 """Tessera: an LLM serving engine with continuous batching over a paged KV cache."""
 
-from tessera.entrypoints.llm import LLM
-from tessera.outputs import CompletionOutput, RequestOutput
-from tessera.sampling.params import SamplingParams
+from typing import Any
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # lazy, so that `import tessera.core.scheduler` does not load torch and the model stack
+    if name == "LLM":
+        from tessera.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tessera.sampling.params import SamplingParams
+
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from tessera import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'tessera' has no attribute {name!r}")

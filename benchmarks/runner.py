@@ -1,0 +1,154 @@
+"""Model-runner speed against HF transformers' own forward pass (DynamicCache), same weights, same run.
+
+Prints prefill tok/s for 1x512 tokens, decode tok/s at batch 1/16/64 with 256-token contexts, and
+achieved GFLOP/s against a matmul peak measured here. Ratios are what carry across machines.
+
+    python benchmarks/runner.py [--dtype bfloat16] [--batches 1,16,64] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from tessera.config import default_num_threads
+from tessera.core.scheduler_output import ScheduledSequence
+from tessera.model.default_model import resolve_model_path
+from tessera.model.llama import LlamaForCausalLM
+from tessera.model.loader import load_model
+from tessera.sequence import Sequence
+from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
+from tessera.worker.model_runner import ModelRunner
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    t = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def linear_flops_per_token(cfg) -> float:
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * cfg.intermediate_size
+    return 2.0 * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * h)
+
+
+def attn_flops(cfg, num_queries: int, context: float) -> float:
+    return 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * num_queries * context
+
+
+class Ours:
+    def __init__(self, cfg, weights, dtype, block_size=16, num_blocks=1300):
+        self.model = LlamaForCausalLM(cfg, weights, dtype, torch.device("cpu"), 2048)
+        spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
+        self.cache = CacheEngine(spec, num_blocks, 0, torch.device("cpu"))
+        self.runner = ModelRunner(self.model, self.cache, block_size, torch.device("cpu"))
+        self.block_size = block_size
+
+    def _forward(self, scheduled):
+        inp = self.runner.prepare_input(scheduled)
+        h = self.model.forward(inp.input_ids, inp.positions, self.cache.kv_caches, inp.attn_metadata)
+        return self.model.compute_logits(h.index_select(0, inp.logits_indices)).argmax(-1)
+
+    def prefill(self, prompts):
+        per = -(-(max(len(p) for p in prompts) + 64) // self.block_size)
+        self.seqs = [
+            ScheduledSequence(Sequence(i, p), len(p), list(range(i * per, (i + 1) * per)))
+            for i, p in enumerate(prompts)
+        ]
+        return self._forward(self.seqs)
+
+    def decode(self, tokens):
+        for s, t in zip(self.seqs, tokens.tolist(), strict=True):
+            s.seq.num_computed_tokens = s.seq.get_len()
+            s.seq.output_token_ids.append(t)
+            s.num_new_tokens = 1
+        return self._forward(self.seqs)
+
+
+class HF:
+    def __init__(self, cfg, weights, dtype):
+        hf_cfg = LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+            tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_position_embeddings,
+        )
+        self.model = HFLlama(hf_cfg).eval()
+        self.model.load_state_dict(weights, strict=False)
+        self.model.to(dtype)
+
+    def prefill(self, prompts):
+        self.cache = DynamicCache()
+        out = self.model(torch.tensor(prompts), past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1].argmax(-1)
+
+    def decode(self, tokens):
+        out = self.model(tokens.view(-1, 1), past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1].argmax(-1)
+
+
+def timed(fn, *args) -> tuple[float, object]:
+    t = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - t, result
+
+
+@torch.inference_mode()
+def run(engine, cfg, batches, ctx, steps, prefill_len):
+    torch.manual_seed(0)
+    res = {}
+    prompt = [torch.randint(100, 49000, (prefill_len,)).tolist()]
+    engine.prefill(prompt)  # warm-up
+    dt, _ = timed(engine.prefill, prompt)
+    res["prefill"] = (prefill_len / dt, (linear_flops_per_token(cfg) * prefill_len + attn_flops(cfg, prefill_len, prefill_len / 2)) / dt / 1e9)
+    for b in batches:
+        prompts = [torch.randint(100, 49000, (ctx,)).tolist() for _ in range(b)]
+        tok = engine.prefill(prompts)
+        tok = engine.decode(tok)  # warm-up
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = engine.decode(tok)
+        dt = time.perf_counter() - t
+        flops = steps * b * (linear_flops_per_token(cfg) + attn_flops(cfg, 1, ctx + steps / 2))
+        res[f"decode@{b}"] = (steps * b / dt, flops / dt / 1e9)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(default_num_threads())
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg, weights = load_model(resolve_model_path(None))
+    peak = matmul_peak(dtype)
+    print(f"threads={torch.get_num_threads()} dtype={args.dtype} matmul peak {peak:.0f} GFLOP/s")
+    results = {"tessera": run(Ours(cfg, weights, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)}
+    if not args.skip_hf:
+        results["hf"] = run(HF(cfg, weights, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)
+    print(f"{'workload':<14}{'tessera tok/s':>14}{'GFLOP/s':>9}{'% peak':>8}" + (f"{'HF tok/s':>10}{'ratio':>8}" if "hf" in results else ""))
+    for key, (tps, gf) in results["tessera"].items():
+        line = f"{key:<14}{tps:>14.1f}{gf:>9.1f}{100 * gf / peak:>7.0f}%"
+        if "hf" in results:
+            hf_tps = results["hf"][key][0]
+            line += f"{hf_tps:>10.1f}{tps / hf_tps:>7.2f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The architecture of a loaded model: what the loaders read from GGUF metadata or `config.json`.
+
+A plain frozen dataclass, shared by both loaders and the model code. It never reads files; the
+loaders fill it in and `__post_init__` checks that the numbers are consistent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Shape and numerics of a Llama-family decoder, in Hugging Face's vocabulary.
+
+    `rope_scaling` is None or HF's dict form, e.g. `{"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}` or
+    `{"rope_type": "linear", "factor": 2.0}`. `attention_bias` is True for Qwen2 (bias on q/k/v).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
+            raise ValueError(f"model config: rope_scaling lacks 'rope_type': {self.rope_scaling}")
+
+    @property
+    def q_size(self) -> int:
+        """Rows of q_proj: num_attention_heads * head_dim."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Rows of k_proj (and of v_proj): num_key_value_heads * head_dim."""
+        return self.num_key_value_heads * self.head_dim
+
+    def weight_names(self) -> list[str]:
+        """The HF parameter names a loader returns for this config, in model order."""
+        names = ["model.embed_tokens.weight"]
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                names.append(f"{p}self_attn.{proj}.weight")
+                if self.attention_bias:
+                    names.append(f"{p}self_attn.{proj}.bias")
+            names.append(f"{p}self_attn.o_proj.weight")
+            names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+            names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+        names.append("model.norm.weight")
+        if not self.tie_word_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Expected shape of each weight in HF layout ([out_features, in_features])."""
+        h, f = self.hidden_size, self.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in self.weight_names():
+            leaf = name.rsplit(".", 2)[-2]  # q_proj, mlp gate_proj, input_layernorm, ...
+            is_bias = name.endswith(".bias")
+            out, inp = {
+                "embed_tokens": (self.vocab_size, h),
+                "lm_head": (self.vocab_size, h),
+                "q_proj": (self.q_size, h),
+                "k_proj": (self.kv_size, h),
+                "v_proj": (self.kv_size, h),
+                "o_proj": (h, self.q_size),
+                "gate_proj": (f, h),
+                "up_proj": (f, h),
+                "down_proj": (h, f),
+            }.get(leaf, (h, None))
+            shapes[name] = (out,) if is_bias or inp is None else (out, inp)
+        return shapes

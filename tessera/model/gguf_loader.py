@@ -1,0 +1,250 @@
+"""GGUF files (llama.cpp's format) through the `gguf` package: metadata -> config, tensors -> HF.
+
+Three things differ from an HF checkpoint and are undone here:
+- names: `blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight` (see `_NAME_MAP`);
+- quantisation: every tensor is dequantised to float32 with `gguf.quants.dequantize`;
+- llama.cpp's converter permutes the rows of Llama's Q and K weights so that its interleaved RoPE
+  (pairs (2j, 2j+1)) equals HF's rotate_half RoPE (pairs (j, j + head_dim/2)); `_unpermute_rows`
+  puts them back. Qwen2 uses NEOX-style RoPE in llama.cpp and is stored unpermuted.
+Llama 3.x GGUFs carry RoPE scaling as a `rope_freqs.weight` tensor of per-frequency divisors
+rather than metadata; `llama3_rope_scaling_from_factors` recovers HF's `rope_scaling` dict.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import gguf
+import numpy as np
+import torch
+
+from tessera.model.config import ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> (HF architecture, Q/K rows permuted by llama.cpp, bias on q/k/v)
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True, False),
+    "qwen2": ("Qwen2ForCausalLM", False, True),
+}
+
+_NAME_MAP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAME_MAP = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Types the reader already hands back as plain numpy dtypes that `dequantize` does not cover.
+_PLAIN_TYPES = {
+    gguf.GGMLQuantizationType.F64,
+    gguf.GGMLQuantizationType.I8,
+    gguf.GGMLQuantizationType.I16,
+    gguf.GGMLQuantizationType.I32,
+    gguf.GGMLQuantizationType.I64,
+}
+
+
+def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Config from the GGUF metadata and float32 HF-named, HF-laid-out weights."""
+    reader = gguf.GGUFReader(path, "r")
+    arrays = {t.name: dequantize_tensor(t) for t in reader.tensors}
+    rope_freqs = arrays.pop("rope_freqs.weight", None)
+    config = _read_config(reader, path, arrays, rope_freqs)
+    _, permuted, _ = _ARCHITECTURES[_field(reader, "general.architecture")]
+
+    weights: dict[str, torch.Tensor] = {}
+    for gguf_name, array in arrays.items():
+        name = _hf_name(gguf_name)
+        if name is None:
+            logger.warning("%s: ignoring tensor %s", path, gguf_name)
+            continue
+        if permuted and (".q_proj." in name or ".k_proj." in name):
+            num_heads = (
+                config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            )
+            array = _unpermute_rows(array, num_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return config, weights
+
+
+def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """One GGUF tensor as a writable float32 array in numpy order (GGUF's shape reversed)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest dim first
+    if tensor.tensor_type in _PLAIN_TYPES:
+        array = np.asarray(tensor.data, dtype=np.float32)
+    else:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # F32 comes back as a view of the read-only memmap: copy so torch owns writable memory.
+    array = np.array(array, dtype=np.float32, copy=True)
+    return array.reshape(shape)
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K permutation: within each head, rows were stored as interleaved
+    pairs (j, j + head_dim/2) -> (2j, 2j+1); regroup them into the two halves HF expects."""
+    head_dim = w.shape[0] // num_heads
+    rest = w.shape[1:]
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        hf = _LAYER_NAME_MAP.get(part)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    hf = _NAME_MAP.get(base)
+    return None if hf is None or kind != "weight" else f"{hf}.{kind}"
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _read_config(
+    reader: gguf.GGUFReader, path: str, arrays: dict[str, np.ndarray], rope_freqs: np.ndarray | None
+) -> ModelArchConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(_ARCHITECTURES)}"
+        )
+    architecture, _, attention_bias = _ARCHITECTURES[arch]
+
+    def key(name: str, default=None):
+        value = _field(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    hidden_size = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    head_dim = int(
+        _field(reader, f"{arch}.attention.key_length", 0)
+        or _field(reader, f"{arch}.rope.dimension_count", 0)
+        or hidden_size // num_heads
+    )
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    eos_ids: list[int] = []
+    for tok_key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        tok = _field(reader, f"tokenizer.ggml.{tok_key}")
+        if tok is not None and int(tok) not in eos_ids:
+            eos_ids.append(int(tok))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+
+    # The embedding's rows are the model's vocabulary (it may be padded past the token list).
+    vocab_size = int(arrays["token_embd.weight"].shape[0])
+    return ModelArchConfig(
+        architecture=architecture,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(reader, arch, path, rope_freqs, rope_theta, head_dim),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in arrays,
+        attention_bias=attention_bias,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos_ids),
+    )
+
+
+def _rope_scaling(
+    reader: gguf.GGUFReader,
+    arch: str,
+    path: str,
+    rope_freqs: np.ndarray | None,
+    rope_theta: float,
+    head_dim: int,
+) -> dict | None:
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if rope_freqs is not None:
+        return llama3_rope_scaling_from_factors(rope_freqs, rope_theta, head_dim)
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type == "linear":
+        return {
+            "rope_type": "linear",
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+        }
+    raise ValueError(
+        f"{path}: RoPE scaling type {scaling_type!r} is not supported (none, linear, llama3)"
+    )
+
+
+def llama3_rope_factors(scaling: dict, rope_theta: float, head_dim: int) -> np.ndarray:
+    """Per-frequency divisors of Llama-3 RoPE scaling (what llama.cpp stores as rope_freqs)."""
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    orig = scaling["original_max_position_embeddings"]
+    smooth = np.clip((orig / wavelen - low) / (high - low), 0.0, 1.0)
+    # new_inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq; divisor = inv / new
+    return 1.0 / ((1.0 - smooth) / factor + smooth)
+
+
+def llama3_rope_scaling_from_factors(factors: np.ndarray, rope_theta: float, head_dim: int) -> dict:
+    """Recover HF's llama3 `rope_scaling` from llama.cpp's rope_freqs divisors.
+
+    The divisors are 1 at high frequencies, `factor` at low ones and blend between. Between the
+    two, `smooth = (orig / wavelen - low) / (high - low)` is linear in 1/wavelen, which fixes two
+    of (orig, low, high); we assume low_freq_factor = 1, as in every Llama 3.x release, solve for
+    the others, and check the result reproduces every divisor.
+    """
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if factors.shape[0] != head_dim // 2:
+        raise ValueError(f"rope_freqs has {factors.shape[0]} entries, expected {head_dim // 2}")
+    factor = float(factors.max())
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    x = inv_freq / (2 * math.pi)  # 1 / wavelen
+    mid = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    candidates = [
+        {
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    ]
+    if mid.sum() >= 2 and factor > 1:
+        smooth = (factor / factors[mid] - 1) / (factor - 1)
+        slope, intercept = np.polyfit(x[mid], smooth, 1)  # smooth = orig/(h-1) * x - 1/(h-1)
+        high = 1 - 1 / intercept
+        orig = slope * (high - 1)
+        candidates.insert(
+            0,
+            {
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": float(round(high, 3)),
+                "original_max_position_embeddings": int(round(orig)),
+            },
+        )
+    for params in candidates:
+        scaling = {"rope_type": "llama3", **params}
+        if np.allclose(llama3_rope_factors(scaling, rope_theta, head_dim), factors, rtol=1e-3):
+            return scaling
+    raise ValueError("rope_freqs does not match Llama-3 RoPE scaling; this GGUF is not supported")

@@ -1,0 +1,119 @@
+"""Hugging Face checkpoint directories: `config.json` + `*.safetensors` (one file or shards).
+
+Names and layout already match what the model code expects; this reads the config into a
+`ModelArchConfig`, converts every tensor to float32 and drops what the model does not use
+(e.g. old checkpoints' `rotary_emb.inv_freq` buffers, or a tied `lm_head.weight`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from tessera.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+# Llama-shaped HF architectures; the value is the ModelArchConfig.architecture they load as.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "LlamaForCausalLM",
+    "MistralForCausalLM": "LlamaForCausalLM",  # only without a sliding window (checked below)
+    "Qwen2ForCausalLM": "Qwen2ForCausalLM",
+}
+
+
+def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Config from `config.json` (+ `generation_config.json` for extra EOS ids) and float32
+    weights from every `*.safetensors` file in the directory."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(
+            f"{path}: no *.safetensors files (only safetensors checkpoints are supported)"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(file, device="cpu").items():
+            weights[name] = tensor.to(torch.float32)
+    config = read_hf_config(path, has_lm_head="lm_head.weight" in weights)
+
+    expected = set(config.weight_names())
+    for name in [n for n in weights if n not in expected]:
+        if name != "lm_head.weight":  # a tied checkpoint may still store a copy
+            logger.warning("%s: ignoring tensor %s", path, name)
+        del weights[name]
+    return config, weights
+
+
+def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
+    """`ModelArchConfig` from an HF directory's config.json (transformers v4 or v5 layout)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    archs = cfg.get("architectures") or []
+    hf_arch = next((a for a in archs if a in _ARCHITECTURES), None)
+    if hf_arch is None:
+        raise ValueError(
+            f"{path}: architectures {archs} are not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (and MistralForCausalLM without sliding window)"
+        )
+    sliding = cfg.get("sliding_window")
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    uses_sliding = cfg.get("use_sliding_window", hf_arch == "MistralForCausalLM")
+    if uses_sliding and sliding is not None and sliding < max_pos:
+        raise ValueError(f"{path}: sliding-window attention ({sliding}) is not supported")
+
+    # transformers v5 writes rope_parameters {rope_theta, rope_type, ...}; v4 rope_theta and
+    # rope_scaling.
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if cfg.get("rope_scaling"):
+        rope.update(cfg["rope_scaling"])
+    if "type" in rope:  # older spelling
+        rope.setdefault("rope_type", rope.pop("type"))
+    rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+
+    if hf_arch != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ValueError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+
+    num_heads = int(cfg["num_attention_heads"])
+    tie = cfg.get("tie_word_embeddings")
+    if tie is None:
+        tie = not has_lm_head
+    if not tie and not has_lm_head:
+        raise ValueError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
+
+    eos_ids: list[int] = []
+    gen_path = os.path.join(path, "generation_config.json")
+    sources = [cfg.get("eos_token_id")]
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    for src in sources:
+        for tok in src if isinstance(src, list) else [src]:
+            if tok is not None and int(tok) not in eos_ids:
+                eos_ids.append(int(tok))
+
+    return ModelArchConfig(
+        architecture=_ARCHITECTURES[hf_arch],
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(tie),
+        attention_bias=hf_arch == "Qwen2ForCausalLM",
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos_ids),
+    )

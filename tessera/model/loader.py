@@ -1,0 +1,60 @@
+"""Load a model's architecture and weights from a GGUF file or a Hugging Face directory.
+
+`load_model(path)` is the one entry point. Both formats come back the same way: a
+`ModelArchConfig` and a dict of float32 CPU tensors named and laid out as in Hugging Face's
+Llama (`model.layers.{i}.self_attn.q_proj.weight`, shape `[out_features, in_features]`), so the
+model code never knows which format it came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tessera.model.config import ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Read config and weights from a `.gguf` file or an HF directory (config.json + safetensors).
+
+    Weights are float32 CPU tensors with HF names; `lm_head.weight` is present only when the
+    embeddings are untied. Raises ValueError for a path that is neither, or an unsupported model.
+    """
+    path = os.path.expanduser(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from tessera.model.gguf_loader import load_gguf
+
+        config, weights = load_gguf(path)
+    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        from tessera.model.hf_loader import load_hf_dir
+
+        config, weights = load_hf_dir(path)
+    elif not os.path.exists(path):
+        raise ValueError(f"model path {path!r} does not exist")
+    else:
+        raise ValueError(
+            f"model path {path!r} is neither a .gguf file nor a directory with config.json "
+            "and *.safetensors"
+        )
+    check_weights(config, weights, path)
+    return config, weights
+
+
+def check_weights(config: ModelArchConfig, weights: dict[str, torch.Tensor], path: str) -> None:
+    """ValueError unless `weights` holds exactly the expected names, with the expected shapes."""
+    expected = config.weight_shapes()
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        raise ValueError(f"{path}: missing weights {missing[:5]} ({len(missing)} in all)")
+    extra = [n for n in weights if n not in expected]
+    if extra:
+        raise ValueError(f"{path}: unexpected weights {extra[:5]} ({len(extra)} in all)")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(weights[name].shape)}, expected {shape}"
+            )

@@ -1,0 +1,130 @@
+"""`SamplingParams`: how one request wants its tokens chosen and when it stops.
+
+Names, defaults and validation follow vLLM so that users feel at home. Every bad value raises
+`ValueError` whose message starts with the field's name ("temperature must be >= 0, got -1").
+The sampler (`tessera/sampling/sampler.py`) reads the sampling fields; the stop checker
+(`tessera/engine/stop_checker.py`) reads `stop*`, `ignore_eos`, `max_tokens`, `min_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Below this temperature a request is greedy: dividing logits by ~0 only overflows.
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.Enum):
+    GREEDY = "greedy"
+    RANDOM = "random"  # sampled from the engine's shared RNG
+    RANDOM_SEED = "random_seed"  # sampled from the request's own generator
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return (isinstance(x, int | float) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)  # also accepts a str or None
+    stop_token_ids: list[int] = field(default_factory=list)  # also accepts None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per generated token (the chosen one always)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # normalise the forms vLLM accepts before validating
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop) if isinstance(self.stop, list | tuple) else self.stop
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, list | tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        need(_is_int(self.n), "n", "an int")
+        need(self.n >= 1, "n", ">= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            need(_is_real(getattr(self, name)), name, "a finite number")
+        need(self.temperature >= 0, "temperature", ">= 0")
+        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(_is_int(self.top_k), "top_k", "an int")
+        need(self.top_k == -1 or self.top_k >= 0, "top_k", "-1 or 0 (off) or >= 1")
+        need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        need(self.seed is None or _is_int(self.seed), "seed", "an int or None")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        need(self.repetition_penalty > 0, "repetition_penalty", "> 0")
+        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+             "stop", "a string or a list of non-empty strings")
+        need(isinstance(self.stop_token_ids, list)
+             and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids", "a list of non-negative ints")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            need(isinstance(getattr(self, name), bool), name, "a bool")
+        need(self.max_tokens is None or _is_int(self.max_tokens), "max_tokens", "an int or None")
+        need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1 or None")
+        need(_is_int(self.min_tokens), "min_tokens", "an int")
+        need(self.min_tokens >= 0, "min_tokens", ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            need(value is None or _is_int(value), name, "an int or None")
+            need(value is None or 0 <= value <= MAX_LOGPROBS, name, f"in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self) -> SamplingParams:
+        """An independent copy (its lists are not shared)."""
+        return SamplingParams(**{**self.__dict__, "stop": list(self.stop),
+                                 "stop_token_ids": list(self.stop_token_ids)})

@@ -1,0 +1,102 @@
+"""The model's own tokenizer and chat template, from a GGUF file or an HF directory.
+
+transformers can build a fast tokenizer from a GGUF's embedded vocabulary, but that takes seconds
+(it parses the whole file and converts the BPE merges), so the built tokenizer is saved once under
+`~/.cache/tessera/tokenizers/<key>` (key: the file's path, size, mtime and the transformers
+version) and later loads read that directory instead. Set TESSERA_CACHE_DIR to move the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import transformers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+
+def cache_root() -> str:
+    """$TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera, else ~/.cache/tessera."""
+    if os.environ.get("TESSERA_CACHE_DIR"):
+        return os.environ["TESSERA_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tessera")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The fast tokenizer (with chat template) of a `.gguf` file or an HF directory."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        tokenizer = _load_gguf_tokenizer(path)
+    elif os.path.isdir(path):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        raise ValueError(f"no tokenizer at {path!r}: expected a .gguf file or an HF directory")
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ValueError(f"{path}: no fast tokenizer (tokenizer.json) found")
+    if tokenizer.chat_template is None:
+        logger.warning("%s: the model has no chat template; chat requests will be refused", path)
+    return tokenizer
+
+
+def _gguf_cache_dir(path: str) -> str:
+    st = os.stat(path)
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|transformers={transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = os.path.basename(path).removesuffix(".gguf")
+    return os.path.join(cache_root(), "tokenizers", f"{name}-{digest}")
+
+
+def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    cache_dir = _gguf_cache_dir(path)
+    if os.path.isdir(cache_dir):
+        return AutoTokenizer.from_pretrained(cache_dir)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
+    logger.info("built tokenizer from %s in %.1f s", path, time.perf_counter() - start)
+    try:
+        # Save to a scratch dir and rename: a reader never sees a half-written cache entry.
+        os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
+        scratch = tempfile.mkdtemp(dir=os.path.dirname(cache_dir), prefix=".tmp-")
+        tokenizer.save_pretrained(scratch)
+        try:
+            os.rename(scratch, cache_dir)
+        except OSError:  # another process got there first
+            shutil.rmtree(scratch, ignore_errors=True)
+    except OSError as e:
+        logger.warning("could not cache the tokenizer under %s: %s", cache_dir, e)
+    return tokenizer
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]
+) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template, ending with the
+    assistant's generation prompt. ValueError if the model has no chat template."""
+    if tokenizer.chat_template is None:
+        raise ValueError("this model has no chat template; use a completion prompt instead")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if not isinstance(ids, list):  # a BatchEncoding, in some transformers versions
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def get_eos_token_ids(
+    tokenizer: PreTrainedTokenizerFast, model_eos_token_ids: tuple[int, ...] = ()
+) -> tuple[int, ...]:
+    """Token ids that end generation: the model's (`ModelArchConfig.eos_token_ids`, which for a
+    GGUF includes end-of-turn ids) and the tokenizer's eos token, without duplicates."""
+    ids = list(model_eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(ids)
