@@ -19,11 +19,17 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
     block_table: list[int]
+    # the sequence's num_computed_tokens when scheduled (the first position of this step's tokens);
+    # kept so that `do_sample` stays right after `Scheduler.update_after_step` advances the sequence
+    num_computed_tokens: int | None = None
 
     @property
     def do_sample(self) -> bool:
         """Sample after this step iff it brings the sequence's KV up to its full length."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.get_len()
+        start = self.num_computed_tokens
+        if start is None:
+            start = self.seq.num_computed_tokens
+        return start + self.num_new_tokens == self.seq.get_len()
 
 
 @dataclass

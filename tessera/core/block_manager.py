@@ -1,0 +1,328 @@
+"""Block tables: which physical KV blocks hold each sequence's tokens, on the device or in the CPU
+swap pool. Emits block-id mappings (swap, copy-on-write) that the cache engine applies; never
+touches tensors.
+
+    token positions  0 .. 15 | 16 .. 31 | 32 .. 40      (block_size 16, seq of 41 tokens)
+    block table      [   7   ,    3     ,    12    ]    logical block i -> physical block id
+                      full,     full,     partial: the next decode writes here
+
+A sequence's blocks are all on the device or all on the CPU. Blocks are shared by ref count between
+the sequences of one request after a fork, and, with prefix caching, between requests whose prompts
+start with the same full blocks. Invariant: a shared block is never written. Fork shares a partial
+block, so `append_slots` copies it first (copy-on-write); prefix caching shares only full, computed
+blocks, which lie wholly before every holder's `num_computed_tokens`, where nothing writes.
+
+Blocks for a sequence's whole current length are allocated at admission (so chunked prefill never
+runs out mid-prompt); decoding appends one block at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from tessera.core.block_pool import BlockPool
+from tessera.core.prefix_cache import PrefixCache
+from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_WAITING = SequenceStatus.WAITING
+_RUNNING = SequenceStatus.RUNNING
+_SWAPPED = SequenceStatus.SWAPPED
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"  # fits now
+    LATER = "later"  # fits once other requests release blocks
+    NEVER = "never"  # does not fit even in an empty cache
+
+
+class BlockManager:
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        # admissions leave this many blocks free, so running sequences can keep decoding a while
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self._tables: dict[int, list[int]] = {}  # seq_id -> device block table
+        self._cpu_tables: dict[int, list[int]] = {}  # seq_id -> CPU block table (swapped)
+        self.prefix_cache = PrefixCache(self.gpu, block_size) if enable_prefix_caching else None
+        self.num_prefix_cache_queries = 0  # tokens looked up at admission
+        self.num_prefix_cache_hits = 0  # of which found computed in the cache
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # admission
+
+    def num_required_blocks(self, group: SequenceGroup) -> int:
+        """Blocks the group's waiting sequences need in all (each prefills its own tokens)."""
+        return sum(self._num_blocks(s.get_len()) for s in group.seqs if s.status is _WAITING)
+
+    def can_allocate(self, group: SequenceGroup, num_reserved_blocks: int = 0) -> AllocStatus:
+        """OK if the group's waiting sequences fit now leaving the watermark (and
+        `num_reserved_blocks`, promised elsewhere) free; NEVER if not even in an empty cache."""
+        required = self.num_required_blocks(group)
+        if self.num_gpu_blocks - required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        taken = required
+        if self.enable_prefix_caching:
+            revived: set[int] = set()
+            for seq in group.seqs:
+                if seq.status is _WAITING:
+                    hits = self.prefix_cache.hit_blocks(seq)  # type: ignore[union-attr]
+                    taken -= len(hits)
+                    # a hit on an evictable block still takes it off the free count
+                    revived.update(b for b in hits if self.gpu.ref_counts[b] == 0)
+            taken += len(revived)
+        if self.gpu.num_free - num_reserved_blocks - taken >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of `seq` whose KV a prefix-cache hit would supply (no side effects)."""
+        if self.prefix_cache is None:
+            return 0
+        return len(self.prefix_cache.hit_blocks(seq)) * self.block_size
+
+    def allocate(self, group: SequenceGroup) -> int:
+        """Give every waiting sequence of the group blocks for its whole length. With prefix
+        caching, leading cached blocks are shared and the sequence's `num_computed_tokens` starts
+        after them. Returns the number of prompt tokens served from the cache."""
+        seqs = [s for s in group.seqs if s.status is _WAITING]
+        tables = []
+        for seq in seqs:  # take every hit first, so fresh allocations cannot evict them
+            assert seq.seq_id not in self._tables and seq.seq_id not in self._cpu_tables
+            hits = self.prefix_cache.hit_blocks(seq) if self.prefix_cache is not None else []
+            for block in hits:
+                self.gpu.incref(block)
+            tables.append(hits)
+        num_hit_tokens = 0
+        for seq, table in zip(seqs, tables, strict=True):
+            hit_tokens = len(table) * self.block_size
+            for _ in range(self._num_blocks(seq.get_len()) - len(table)):
+                table.append(self.gpu.allocate())
+            self._tables[seq.seq_id] = table
+            seq.num_computed_tokens = hit_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.admitted(seq, hit_tokens // self.block_size)
+                self.num_prefix_cache_queries += seq.get_len()
+                self.num_prefix_cache_hits += hit_tokens
+            num_hit_tokens += hit_tokens
+        return num_hit_tokens
+
+    # decode
+
+    def num_append_blocks(self, group: SequenceGroup) -> int:
+        """Blocks `append_slots` will take for the group's running sequences: growth, plus one
+        copy per writer of a shared block except that its last holder writes in place."""
+        bs = self.block_size
+        tables = self._tables
+        ref_counts = self.gpu.ref_counts
+        need = 0
+        writers: dict[int, int] = {}  # shared block about to be written -> writers in this group
+        for seq in group.seqs:
+            if seq.status is not _RUNNING:
+                continue
+            table = tables[seq.seq_id]
+            num_tokens = seq.get_len()
+            grow = -(-num_tokens // bs) - len(table)
+            if grow > 0:
+                need += grow
+            for i in range(seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)):
+                block = table[i]
+                if ref_counts[block] > 1:
+                    writers[block] = writers.get(block, 0) + 1
+        for block, w in writers.items():
+            need += min(w, ref_counts[block] - 1)
+        return need
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every running sequence of the group can get the slots for its new tokens."""
+        return self.num_append_blocks(group) <= self.gpu.num_free
+
+    def try_append_slots(self, group: SequenceGroup) -> list[tuple[int, int]] | None:
+        """`can_append_slots` + `append_slots` for every running sequence of the group in one
+        pass: the copy-on-write pairs, or None (nothing changed) if the blocks are not there.
+        The hot path: a decode that lands in its own partial block costs a few lookups."""
+        bs = self.block_size
+        tables = self._tables
+        ref_counts = self.gpu.ref_counts
+        for seq in group.seqs:
+            if seq.status is not _RUNNING:
+                continue
+            table = tables[seq.seq_id]
+            last = (len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1) // bs
+            if not (
+                last < len(table)
+                and seq.num_computed_tokens // bs == last
+                and ref_counts[table[last]] == 1
+            ):
+                break  # needs a new block or a copy: take the careful path
+        else:
+            return []
+        if self.num_append_blocks(group) > self.gpu.num_free:
+            return None
+        copies: list[tuple[int, int]] = []
+        for seq in group.seqs:
+            if seq.status is _RUNNING:
+                copies += self.append_slots(seq)
+        return copies
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make the table cover `seq.get_len()` tokens and give the sequence its own copy of every
+        shared block it is about to write. Returns the (src, dst) block copies to perform."""
+        bs = self.block_size
+        table = self._tables[seq.seq_id]
+        num_tokens = seq.get_len()
+        copies: list[tuple[int, int]] = []
+        gpu = self.gpu
+        for i in range(seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)):
+            block = table[i]
+            if gpu.ref_counts[block] > 1:
+                assert not gpu.is_hashed(block), "a prefix-cached block is about to be written"
+                new = gpu.allocate()
+                gpu.decref(block)
+                table[i] = new
+                copies.append((block, new))
+        for _ in range(-(-num_tokens // bs) - len(table)):
+            table.append(gpu.allocate())
+        return copies
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child shares all of the parent's blocks (ref counts go up)."""
+        table = list(self._tables[parent_seq.seq_id])
+        for block in table:
+            self.gpu.incref(block)
+        self._tables[child_seq.seq_id] = table
+        if self.prefix_cache is not None:
+            self.prefix_cache.fork(parent_seq, child_seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Release whatever the sequence holds (device or CPU). Idempotent."""
+        sid = seq.seq_id
+        table = self._tables.pop(sid, None)
+        if table is not None:
+            # tail first: with prefix caching the prompt's head becomes the most recently used,
+            # so it is evicted last (it is the part other requests are likeliest to share)
+            for block in reversed(table):
+                self.gpu.decref(block)
+        cpu_table = self._cpu_tables.pop(sid, None)
+        if cpu_table is not None:
+            for block in reversed(cpu_table):
+                self.cpu.decref(block)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(seq)
+
+    # swap
+
+    def _distinct(self, tables: list[list[int]]) -> int:
+        return len({b for t in tables for b in t})
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        tables = [self._tables[s.seq_id] for s in group.seqs if s.status is _RUNNING]
+        return self._distinct(tables) <= self.cpu.num_free
+
+    def swap_out(self, group: SequenceGroup, mapping: dict[int, int] | None = None) -> dict[int, int]:
+        """Move the running sequences' blocks to the CPU pool. Returns {device_block: cpu_block},
+        each shared block once. Pass the step's mapping so far as `mapping` (it is extended in
+        place): a block that another group already swapped out this step (a shared prefix-cache
+        block) then reuses that CPU copy instead of needing a second entry for the same key."""
+        return self._move(group, _RUNNING, self._tables, self._cpu_tables, self.gpu, self.cpu, mapping)
+
+    def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
+        """Room for the swapped blocks plus one block per sequence for its next token."""
+        seqs = [s for s in group.seqs if s.status is _SWAPPED]
+        need = self._distinct([self._cpu_tables[s.seq_id] for s in seqs]) + len(seqs)
+        reserve = self.watermark_blocks if use_watermark else 0
+        return self.gpu.num_free - need >= reserve
+
+    def swap_in(self, group: SequenceGroup, mapping: dict[int, int] | None = None) -> dict[int, int]:
+        """Move the swapped sequences' blocks back to the device. Returns {cpu_block: device_block};
+        `mapping` as for `swap_out`."""
+        mapping = self._move(group, _SWAPPED, self._cpu_tables, self._tables, self.cpu, self.gpu, mapping)
+        if self.prefix_cache is not None:  # fresh device blocks: offer their computed KV again
+            for seq in group.seqs:
+                if seq.status is _SWAPPED:
+                    self.prefix_cache.admitted(seq, 0)
+                    self.cache_computed_blocks(seq)
+        return mapping
+
+    def _move(self, group, status, src_tables, dst_tables, src, dst, mapping) -> dict[int, int]:
+        # blocks shared between sequences (fork, prefix cache) are copied once and stay shared;
+        # they are full or about to be copied-on-write, so sharing the copy is safe
+        mapping = {} if mapping is None else mapping
+        for seq in group.seqs:
+            if seq.status is not status:
+                continue
+            table = src_tables.pop(seq.seq_id)
+            new_table = []
+            for block in table:
+                if block in mapping:
+                    dst.incref(mapping[block])
+                else:
+                    mapping[block] = dst.allocate()
+                new_table.append(mapping[block])
+            dst_tables[seq.seq_id] = new_table
+            for block in reversed(table):
+                src.decref(block)
+        return mapping
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's blocks that are now full and computed to other requests."""
+        if self.prefix_cache is not None:
+            table = self._tables.get(seq.seq_id)
+            if table is not None:
+                self.prefix_cache.register(seq, table)
+
+    # queries
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """The live device block table (mutated by later `append_slots`; read it this step)."""
+        return self._tables[seq.seq_id]
+
+    def get_cpu_block_table(self, seq: Sequence) -> list[int]:
+        return self._cpu_tables[seq.seq_id]
+
+    def has_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._tables or seq.seq_id in self._cpu_tables
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu.num_free
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu.num_free
+
+    def gpu_usage(self) -> float:
+        return 1.0 - self.gpu.num_free / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+
+    def cpu_usage(self) -> float:
+        return 1.0 - self.cpu.num_free / self.num_cpu_blocks if self.num_cpu_blocks else 0.0
+
+    def check_integrity(self) -> None:
+        """In each pool free + used == total, every used block's ref count equals the number of
+        tables holding it, and no block is both free and owned. Raises AssertionError."""
+        for name, pool, tables in (
+            ("device", self.gpu, self._tables),
+            ("cpu", self.cpu, self._cpu_tables),
+        ):
+            refs: dict[int, int] = {}
+            for table in tables.values():
+                for block in table:
+                    refs[block] = refs.get(block, 0) + 1
+            pool.check_integrity(refs, name)
+        both = self._tables.keys() & self._cpu_tables.keys()
+        if both:
+            raise AssertionError(f"sequences {sorted(both)} hold blocks on device and CPU at once")

@@ -1,0 +1,118 @@
+"""One pool of KV block ids (device or CPU swap): ref counts, a free list and, for the device pool
+with prefix caching, the table of cached full blocks.
+
+A block is in exactly one of three states:
+
+    used       ref_count > 0            held by >= 1 block tables
+    free       ref_count == 0, no hash  on `_free` (a LIFO stack: recently freed blocks are reused
+                                        first, which keeps the working set small)
+    evictable  ref_count == 0, hashed   on `_evictable` (an OrderedDict in LRU order); its KV is
+                                        still valid, so a later prompt with the same prefix can take
+                                        it back; it is evicted (hash dropped) only when `_free` is empty
+
+Free counts include evictable blocks: they can be handed out at any moment. Every operation is
+O(1) per block. Pure Python: the pool only hands out ids, the cache engine owns the tensors.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        # popped from the end, so block 0 is handed out first
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def allocate(self) -> int:
+        """A fresh block with ref count 1; evicts the least recently used cached block if needed."""
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            h = self._block_hash[block]
+            self._block_hash[block] = None
+            if self._cached.get(h) == block:  # type: ignore[arg-type]
+                del self._cached[h]  # type: ignore[arg-type]
+        else:
+            raise RuntimeError("out of KV blocks: the caller must check free counts first")
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        """Share a block (fork, swap mapping, prefix hit); revives it if it was evictable."""
+        if self.ref_counts[block] == 0:
+            # only hashed (evictable) blocks can be revived: lookups never return a plain free block
+            del self._evictable[block]
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> None:
+        rc = self.ref_counts[block] - 1
+        if rc < 0:
+            raise AssertionError(f"block {block} freed more often than it was allocated")
+        self.ref_counts[block] = rc
+        if rc == 0:
+            if self._block_hash[block] is not None:
+                self._evictable[block] = None  # most recently used end
+            else:
+                self._free.append(block)
+
+    # prefix cache
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block holding the computed KV of this chained hash, if it is cached."""
+        return self._cached.get(block_hash)
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Mark a full, computed, used block as reusable under `block_hash`. A block that already
+        has a hash, or content already cached in another block, is left as it is."""
+        if self._block_hash[block] is not None or block_hash in self._cached:
+            return
+        self._block_hash[block] = block_hash
+        self._cached[block_hash] = block
+
+    def is_hashed(self, block: int) -> bool:
+        return self._block_hash[block] is not None
+
+    def check_integrity(self, refs: dict[int, int], name: str) -> None:
+        """`refs`: block id -> number of block tables holding it. Raises AssertionError on any
+        leak, double ownership or ref-count drift."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError(f"{name}: a block is on the free list twice")
+        evictable = set(self._evictable)
+        if free & evictable:
+            raise AssertionError(f"{name}: blocks both free and evictable: {free & evictable}")
+        for block in range(self.num_blocks):
+            rc = self.ref_counts[block]
+            if rc != refs.get(block, 0):
+                raise AssertionError(
+                    f"{name}: block {block} has ref count {rc} but {refs.get(block, 0)} tables hold it"
+                )
+            unowned = block in free or block in evictable
+            if (rc == 0) != unowned:
+                raise AssertionError(f"{name}: block {block} ref {rc} but free={unowned}")
+            h = self._block_hash[block]
+            if block in free and h is not None:
+                raise AssertionError(f"{name}: free block {block} still has a hash")
+            if block in evictable and h is None:
+                raise AssertionError(f"{name}: evictable block {block} has no hash")
+            if h is not None and self._cached.get(h) != block:
+                raise AssertionError(f"{name}: block {block} hash not in the cache table")
+        used = sum(1 for rc in self.ref_counts if rc > 0)
+        if used + self.num_free != self.num_blocks:
+            raise AssertionError(f"{name}: used {used} + free {self.num_free} != {self.num_blocks}")
+        if len(self._cached) != sum(1 for h in self._block_hash if h is not None):
+            raise AssertionError(f"{name}: cache table and block hashes disagree")
