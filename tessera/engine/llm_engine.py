@@ -60,10 +60,11 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, bundle=None) -> LLMEngine:
+        """Load the model named by `args` (or reuse a loaded `ModelBundle`) and build the engine."""
         from tessera.engine.loading import build_engine
 
-        return build_engine(cls, args)
+        return build_engine(cls, args, bundle)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(

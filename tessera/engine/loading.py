@@ -3,13 +3,16 @@ runner. Kept apart from `LLMEngine` so the engine itself can be built from parts
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
 from tessera.config import EngineArgs, default_num_threads
+from tessera.model.config import ModelArchConfig
 from tessera.model.default_model import resolve_model_path
 from tessera.model.loader import load_model
 from tessera.model.registry import get_model_class
@@ -20,18 +23,48 @@ from tessera.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-def build_engine(engine_cls, args: EngineArgs):
-    start = time.perf_counter()
+@dataclass
+class ModelBundle:
+    """A loaded model and its tokenizer: what several engines (different cache or scheduler
+    settings, same weights and dtype) can share."""
+
+    path: str
+    arch: ModelArchConfig
+    model: object
+    tokenizer: object
+    dtype: str
+    device: str
+    max_positions: int
+
+
+def load_bundle(args: EngineArgs) -> ModelBundle:
     path = resolve_model_path(args.model)
     arch, weights = load_model(path)
     config = args.create_engine_config(arch.max_position_embeddings)
     torch.set_num_threads(default_num_threads())
+    device = torch.device(config.device.device)
+    model_cls = get_model_class(arch.architecture)
+    model = model_cls(arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len)
+    return ModelBundle(
+        path, arch, model, load_tokenizer(path), config.model.dtype, config.device.device,
+        config.model.max_model_len,
+    )
+
+
+def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None):
+    """Load the model (unless a compatible `bundle` is given), size the KV pools, build the engine."""
+    start = time.perf_counter()
+    bundle = bundle or load_bundle(args)
+    arch, path = bundle.arch, bundle.path
+    config = args.create_engine_config(arch.max_position_embeddings)
+    if (config.model.dtype, config.device.device) != (bundle.dtype, bundle.device) or (
+        config.model.max_model_len > bundle.max_positions
+    ):
+        raise ValueError("the model bundle was loaded with another dtype, device or max_model_len")
     torch.manual_seed(config.model.seed)
     device = torch.device(config.device.device)
     dtype = getattr(torch, config.model.dtype)
-    model_cls = get_model_class(arch.architecture)
-    model = model_cls(arch, weights, dtype, device, config.model.max_model_len)
-    del weights
+    model, tokenizer = bundle.model, bundle.tokenizer
 
     spec = KVCacheSpec(
         num_layers=arch.num_hidden_layers,
@@ -48,7 +81,6 @@ def build_engine(engine_cls, args: EngineArgs):
         )
     num_cpu_blocks = spec.num_blocks_for(config.cache.swap_space)
     cache_engine = CacheEngine(spec, num_gpu_blocks, num_cpu_blocks, device)
-    tokenizer = load_tokenizer(path)
     eos = tuple(arch.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos)
     logger.info(
@@ -56,6 +88,10 @@ def build_engine(engine_cls, args: EngineArgs):
         time.perf_counter() - start, os.path.basename(path), config.model.dtype,
         num_gpu_blocks, num_gpu_blocks * config.cache.block_size, num_cpu_blocks,
     )
+    # long-lived objects out of the cyclic GC's way: full collections otherwise walk every
+    # waiting request each time and make step cost grow with the queue (benchmarks/scheduler.py)
+    gc.collect()
+    gc.freeze()
     return engine_cls(
         config,
         runner,

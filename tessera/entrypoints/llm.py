@@ -30,6 +30,14 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self._request_ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built elsewhere (e.g. several engines sharing one loaded model)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        llm._request_ids = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
