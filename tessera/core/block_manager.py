@@ -82,7 +82,7 @@ class BlockManager:
             revived: set[int] = set()
             for seq in group.seqs:
                 if seq.status is _WAITING:
-                    hits = self.prefix_cache.hit_blocks(seq)  # type: ignore[union-attr]
+                    hits = self._prefix_hits(group, seq)
                     taken -= len(hits)
                     # a hit on an evictable block still takes it off the free count
                     revived.update(b for b in hits if self.gpu.ref_counts[b] == 0)
@@ -91,11 +91,16 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def get_num_cached_tokens(self, seq: Sequence) -> int:
+    def _prefix_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """Cached leading blocks of `seq`; none for a request that wants prompt logprobs, since
+        those need the logits of every prompt position."""
+        if self.prefix_cache is None or getattr(group.sampling_params, "prompt_logprobs", None) is not None:
+            return []
+        return self.prefix_cache.hit_blocks(seq)
+
+    def get_num_cached_tokens(self, group: SequenceGroup, seq: Sequence) -> int:
         """Leading tokens of `seq` whose KV a prefix-cache hit would supply (no side effects)."""
-        if self.prefix_cache is None:
-            return 0
-        return len(self.prefix_cache.hit_blocks(seq)) * self.block_size
+        return len(self._prefix_hits(group, seq)) * self.block_size
 
     def allocate(self, group: SequenceGroup) -> int:
         """Give every waiting sequence of the group blocks for its whole length. With prefix
@@ -105,7 +110,7 @@ class BlockManager:
         tables = []
         for seq in seqs:  # take every hit first, so fresh allocations cannot evict them
             assert seq.seq_id not in self._tables and seq.seq_id not in self._cpu_tables
-            hits = self.prefix_cache.hit_blocks(seq) if self.prefix_cache is not None else []
+            hits = self._prefix_hits(group, seq)
             for block in hits:
                 self.gpu.incref(block)
             tables.append(hits)

@@ -332,7 +332,7 @@ class Scheduler:
             seqs = [s for s in group.seqs if s.status is _WAITING]
             if not self.config.enable_chunked_prefill:
                 first = seqs[0]
-                if first.get_len() - bm.get_num_cached_tokens(first) > budget[0]:
+                if first.get_len() - bm.get_num_cached_tokens(group, first) > budget[0]:
                     break  # scheduled whole or not at all
             self._pop_waiting()
             out.num_prefix_cache_hit_tokens += bm.allocate(group)

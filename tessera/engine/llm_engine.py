@@ -151,6 +151,7 @@ class LLMEngine:
             group = sg.group
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = now
+            self._record_prompt_logprobs(group, sg.seqs[0].seq.seq_id, out)
             sampled = [(s.seq, out.samples[s.seq.seq_id]) for s in sg.seqs if s.seq.seq_id in out.samples]
             if not sampled:
                 continue
@@ -163,6 +164,17 @@ class LLMEngine:
             group.last_token_time = now
             progressed.append(group)
         return progressed
+
+    @staticmethod
+    def _record_prompt_logprobs(group: SequenceGroup, seq_id: int, out: ModelRunnerOutput) -> None:
+        """Extend the group's prompt logprobs with this chunk's (once: a recompute scores again)."""
+        if seq_id not in out.prompt_logprobs:
+            return
+        first_pos, chunk = out.prompt_logprobs[seq_id]
+        if group.prompt_logprobs is None:
+            group.prompt_logprobs = [None]  # the first prompt token has no logprob
+        if len(group.prompt_logprobs) == first_pos:
+            group.prompt_logprobs.extend(chunk)
 
     def _fork_children(self, group: SequenceGroup, parent: Sequence, tokens: list[SampledToken]) -> None:
         seed = group.sampling_params.seed

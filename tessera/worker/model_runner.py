@@ -15,7 +15,7 @@ import torch
 
 from tessera.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tessera.model.attention import AttentionMetadata, PrefillSpan
-from tessera.sampling.sampler import SampledToken, Sampler, SamplingRow
+from tessera.sampling.sampler import SampledToken, Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
 
 
@@ -26,12 +26,17 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] flat positions whose logits are needed
     sampled: list[ScheduledSequence] = field(default_factory=list)  # one per logits row
+    # seq_id -> (flat index of the first row, target token ids): rows whose logits score the
+    # next prompt token, for requests that asked for prompt logprobs
+    prompt_rows: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
 
 @dataclass
 class ModelRunnerOutput:
     # seq_id -> sampled tokens (num_samples of them: n when a prompt of an n>1 request completes)
     samples: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # seq_id -> (position of the first scored prompt token, {token: logprob} per position)
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 def _slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
@@ -55,7 +60,9 @@ class ModelRunner:
         self.sampler = Sampler()
 
     # ---- input preparation -------------------------------------------------------------------
-    def prepare_input(self, seqs: list[ScheduledSequence]) -> ModelInput:
+    def prepare_input(
+        self, seqs: list[ScheduledSequence], want_prompt_logprobs: set[int] | None = None
+    ) -> ModelInput:
         """Flatten the step; build all attention metadata once (not per layer)."""
         bs = self.block_size
         decodes = [s for s in seqs if s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0]
@@ -68,6 +75,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampled: list[ScheduledSequence] = []
         spans: list[PrefillSpan] = []
+        prompt_rows: dict[int, tuple[int, list[int]]] = {}
         for i, s in enumerate(ordered):
             start = s.seq.num_computed_tokens
             end = start + s.num_new_tokens
@@ -77,6 +85,10 @@ class ModelRunner:
             slot_mapping.extend(_slots(s.block_table, bs, start, end))
             if i >= len(decodes):
                 spans.append(self._prefill_span(s, offset, start, end))
+                if want_prompt_logprobs and s.seq.seq_id in want_prompt_logprobs:
+                    targets = s.seq.prompt_token_ids[start + 1 : end + 1]
+                    if targets:
+                        prompt_rows[s.seq.seq_id] = (offset, targets)
             if s.do_sample:
                 logits_indices.append(offset + s.num_new_tokens - 1)
                 sampled.append(s)
@@ -98,6 +110,7 @@ class ModelRunner:
             attn_metadata=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sampled=sampled,
+            prompt_rows=prompt_rows,
         )
 
     def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,14 +152,30 @@ class ModelRunner:
         if not seqs:
             return ModelRunnerOutput()
         group_of = {id(s): g.group for g in out.scheduled_groups for s in g.seqs}
-        inp = self.prepare_input(seqs)
+        want_prompt_logprobs = {
+            s.seq.seq_id for s in seqs if group_of[id(s)].sampling_params.prompt_logprobs is not None
+        }
+        inp = self.prepare_input(seqs, want_prompt_logprobs)
         hidden = self.model.forward(
             inp.input_ids, inp.positions, self.cache_engine.kv_caches, inp.attn_metadata
         )
-        if not inp.sampled:
-            return ModelRunnerOutput()
+        result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(inp, hidden, seqs, group_of))
+        if inp.sampled:
+            result.samples = self._sample(inp, hidden, group_of, generators or {})
+        return result
+
+    def _prompt_logprobs(self, inp: ModelInput, hidden, seqs, group_of) -> dict:
+        result = {}
+        for s in seqs:
+            if s.seq.seq_id in inp.prompt_rows:
+                first, targets = inp.prompt_rows[s.seq.seq_id]
+                logits = self.model.compute_logits(hidden[first : first + len(targets)])
+                k = group_of[id(s)].sampling_params.prompt_logprobs
+                result[s.seq.seq_id] = (s.seq.num_computed_tokens + 1, token_logprobs(logits, targets, k))
+        return result
+
+    def _sample(self, inp: ModelInput, hidden, group_of, generators) -> dict[int, list[SampledToken]]:
         logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
-        generators = generators or {}
         rows = []
         for s in inp.sampled:
             group = group_of[id(s)]
@@ -163,6 +192,4 @@ class ModelRunner:
                 )
             )
         result = self.sampler(logits, rows)
-        return ModelRunnerOutput(
-            samples={s.seq.seq_id: toks for s, toks in zip(inp.sampled, result.samples, strict=True)}
-        )
+        return {s.seq.seq_id: toks for s, toks in zip(inp.sampled, result.samples, strict=True)}

@@ -116,3 +116,17 @@ def test_chat_uses_the_template(llm):
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], greedy(max_tokens=12), use_tqdm=False)[0]
     assert out.outputs[0].text.strip()
     assert out.prompt_token_ids[:1] == llm.get_tokenizer().encode("<|im_start|>")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_match_reference(make_llm, llm, hf_model, chunked):
+    engine = make_llm(enable_chunked_prefill=True, max_num_batched_tokens=8) if chunked else llm
+    prompt = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog near the river bank")
+    out = engine.generate({"prompt_token_ids": prompt}, greedy(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    for pos in range(1, len(prompt)):
+        lp = out.prompt_logprobs[pos]
+        assert abs(lp[prompt[pos]] - ref[pos - 1, prompt[pos]].item()) < 1e-3
+        assert int(ref[pos - 1].argmax()) in lp
