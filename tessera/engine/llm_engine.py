@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,24 @@ from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
 from tessera.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimes:
+    """Where the engine's time goes, summed over steps (seconds): for benchmarks and profiling."""
+
+    num_steps: int = 0
+    num_tokens: int = 0
+    schedule: float = 0.0
+    execute: float = 0.0
+    update: float = 0.0
+
+    def record(self, schedule: float, execute: float, update: float, num_tokens: int) -> None:
+        self.num_steps += 1
+        self.num_tokens += num_tokens
+        self.schedule += schedule
+        self.execute += execute
+        self.update += update
 
 
 class LLMEngine:
@@ -56,6 +75,7 @@ class LLMEngine:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> RNG of a seeded request
         self._seq_ids = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
+        self.step_times = StepTimes()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
@@ -135,12 +155,17 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         runner_out = self.model_runner.execute(sched_out, self.generators)
+        t2 = time.perf_counter()
         self.scheduler.update_after_step(sched_out)
         progressed = self._process_samples(sched_out, runner_out)
         finished = self.scheduler.free_finished_seq_groups()
-        return self._make_outputs(progressed + sched_out.ignored_groups, finished)
+        outputs = self._make_outputs(progressed + sched_out.ignored_groups, finished)
+        self.step_times.record(t1 - t0, t2 - t1, time.perf_counter() - t2, sched_out.num_batched_tokens)
+        return outputs
 
     def _process_samples(self, sched_out: SchedulerOutput, out: ModelRunnerOutput) -> list[SequenceGroup]:
         """Append each sampled token (forking n-1 children when a prompt completes), detokenize and

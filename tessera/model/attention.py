@@ -5,8 +5,9 @@ The runner orders a step's sequences as: decodes first (one query token each), t
 
 Three paths, chosen per sequence by the runner:
 - decodes: one padded `scaled_dot_product_attention` for all of them, K/V gathered through the block
-  tables with one `index_select`; GQA folded into the query dimension (q as [B, kv_heads, group, D]),
-  so K/V are never repeated per query head.
+  tables with one `index_select` of whole blocks (rows of block_size * kv_heads * head_dim values:
+  1.5x faster in fp32 than gathering token slots, benchmarks/attention.py); GQA folded into the query
+  dimension (q as [B, kv_heads, group, D]), so K/V are never repeated per query head.
 - fresh prefills (nothing cached yet): causal SDPA on the new K/V directly, no gather.
 - continuing chunks (chunked prefill after the first chunk, recompute after a prefix hit): gather the
   cached context plus the new tokens and attend with an explicit causal-offset mask.
@@ -30,16 +31,16 @@ class PrefillSpan:
     start: int
     end: int
     num_context: int
-    context_slots: torch.Tensor | None = None  # [num_context + n] flat cache slots, new tokens last
-    mask: torch.Tensor | None = None  # [n, num_context + n] bool, True = may attend
+    block_table: torch.Tensor | None = None  # [num_blocks] blocks holding context + new tokens
+    mask: torch.Tensor | None = None  # [n, num_blocks * block_size] bool, True = may attend
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decodes: int  # tokens [0, num_decodes) are decodes, one per sequence
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] flat cache slots (padded)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = real context
+    decode_block_tables: torch.Tensor | None  # [num_decodes * max_blocks] flattened, padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -52,10 +53,11 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[*slots.shape, kv_heads, head_dim] rows of the flattened cache."""
-    flat = cache.view(-1, cache.shape[2], cache.shape[3])
-    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, cache.shape[2], cache.shape[3])
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Whole blocks, as [num_seqs, kv_heads, num_blocks * block_size, head_dim] (a strided view)."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    gathered = cache.index_select(0, blocks)  # [num_seqs * num_blocks, block_size, kvh, D]
+    return gathered.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def paged_attention(
@@ -78,10 +80,10 @@ def paged_attention(
 
     nd = meta.num_decodes
     if nd:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, kvh, group, D]
-        kd = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [B, kvh, L, D]
-        vd = _gather(v_cache, meta.decode_slots).transpose(1, 2)
+        kd = _gather(k_cache, meta.decode_block_tables, nd)  # [B, kvh, L, D]
+        vd = _gather(v_cache, meta.decode_block_tables, nd)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
@@ -95,9 +97,9 @@ def paged_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1
             )
         else:
-            assert span.context_slots is not None and span.mask is not None
-            kp = _gather(k_cache, span.context_slots).transpose(0, 1).unsqueeze(0)
-            vp = _gather(v_cache, span.context_slots).transpose(0, 1).unsqueeze(0)
+            assert span.block_table is not None and span.mask is not None
+            kp = _gather(k_cache, span.block_table, 1)  # [1, kvh, L, D]
+            vp = _gather(v_cache, span.block_table, 1)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=span.mask, scale=scale, enable_gqa=group > 1
             )

@@ -93,14 +93,14 @@ class ModelRunner:
                 logits_indices.append(offset + s.num_new_tokens - 1)
                 sampled.append(s)
 
-        decode_slots = decode_mask = None
+        decode_tables = decode_mask = None
         if decodes:
-            decode_slots, decode_mask = self._decode_tables(decodes)
+            decode_tables, decode_mask = self._decode_tables(decodes)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
             num_decodes=len(decodes),
-            decode_slots=decode_slots,
+            decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=spans,
         )
@@ -114,29 +114,30 @@ class ModelRunner:
         )
 
     def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded flat cache slots [B, max_len] of each decode's whole context, and its mask."""
+        """Flattened block tables [B * max_blocks] (padded with block 0) covering each decode's whole
+        context, and the mask [B, 1, 1, max_blocks * block_size] of real context positions."""
         bs = self.block_size
         lens = [s.seq.num_computed_tokens + 1 for s in decodes]
-        max_len = max(lens)
-        num_blocks = -(-max_len // bs)
-        tables = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table[:num_blocks])) for s in decodes]
+        max_blocks = -(-max(lens) // bs)
+        tables = []
+        for s, n in zip(decodes, lens, strict=True):
+            used = s.block_table[: -(-n // bs)]
+            tables.extend(used)
+            tables.extend([0] * (max_blocks - len(used)))
         dev = self.device
-        table_t = torch.tensor(tables, dtype=torch.long, device=dev)  # [B, num_blocks]
-        offsets = torch.arange(bs, dtype=torch.long, device=dev)
-        slots = (table_t.unsqueeze(-1) * bs + offsets).view(len(decodes), -1)[:, :max_len]
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        mask = torch.arange(max_len, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)  # [B, max_len]
-        return slots.contiguous(), mask.view(len(decodes), 1, 1, max_len)
+        mask = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)
+        return torch.tensor(tables, dtype=torch.long, device=dev), mask.view(len(decodes), 1, 1, -1)
 
     def _prefill_span(self, s: ScheduledSequence, offset: int, start: int, end: int) -> PrefillSpan:
         span = PrefillSpan(start=offset, end=offset + (end - start), num_context=start)
         if start > 0:  # continues a cached context: gather it (new tokens included) and mask
             dev = self.device
-            span.context_slots = torch.tensor(
-                _slots(s.block_table, self.block_size, 0, end), dtype=torch.long, device=dev
-            )
+            blocks = s.block_table[: -(-end // self.block_size)]
+            span.block_table = torch.tensor(blocks, dtype=torch.long, device=dev)
             q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
-            span.mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos  # [n, end]
+            key_pos = torch.arange(len(blocks) * self.block_size, device=dev).unsqueeze(0)
+            span.mask = key_pos <= q_pos  # [n, num_blocks * block_size]: causal, and < end
         return span
 
     # ---- execution ---------------------------------------------------------------------------

@@ -59,16 +59,17 @@ def test_paged_attention_matches_sdpa(block_size, seed):
         tables.append(table)
 
     nd = len(decodes)
-    max_len = max(c + 1 for c, _ in decodes)
-    decode_slots = torch.tensor([s + [0] * (max_len - len(s)) for s in slots_all[:nd]])
+    max_blocks = max(len(t) for t in tables[:nd])
+    decode_tables = torch.tensor([b for t in tables[:nd] for b in t + [0] * (max_blocks - len(t))])
+    max_len = max_blocks * block_size
     decode_mask = (torch.arange(max_len).unsqueeze(0) < torch.tensor([c + 1 for c, _ in decodes]).unsqueeze(1))
     spans, offset = [], nd
     for i in range(nd, len(shapes)):
         num_context, num_new = shapes[i]
         span = PrefillSpan(offset, offset + num_new, num_context)
         if num_context:
-            span.context_slots = torch.tensor(slots_all[i])
-            span.mask = torch.arange(num_context + num_new).unsqueeze(0) <= (
+            span.block_table = torch.tensor(tables[i])
+            span.mask = torch.arange(len(tables[i]) * block_size).unsqueeze(0) <= (
                 num_context + torch.arange(num_new)
             ).unsqueeze(1)
         spans.append(span)
@@ -76,7 +77,7 @@ def test_paged_attention_matches_sdpa(block_size, seed):
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([s for (c, _), sl in zip(shapes, slots_all) for s in sl[c:]]),
         num_decodes=nd,
-        decode_slots=decode_slots,
+        decode_block_tables=decode_tables,
         decode_mask=decode_mask.view(nd, 1, 1, max_len),
         prefills=spans,
     )

@@ -1,0 +1,94 @@
+"""Offline throughput on workload W1 (64 token-id prompts of 64-512 tokens, each generating exactly
+16-256 tokens with ignore_eos), Tessera against HF transformers static batching in the same run.
+
+    python benchmarks/throughput.py [--dtype bfloat16] [--num-requests 64] [--skip-hf] [--hf-batch 16]
+
+Prints useful output tok/s for both, the ratio, and where Tessera's step time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from tessera import LLM, SamplingParams
+
+
+def workload(num_requests: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(0)
+    in_lens = rng.integers(64, 513, 64)
+    out_lens = rng.integers(16, 257, 64)
+    prompts = [rng.integers(100, 49000, n).tolist() for n in in_lens]
+    return prompts[:num_requests], [int(n) for n in out_lens[:num_requests]]
+
+
+def run_tessera(prompts, out_lens, dtype: str, **engine_args) -> tuple[float, int, LLM]:
+    llm = LLM(dtype=dtype, **engine_args)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2], use_tqdm=False)  # warm-up
+    llm.llm_engine.step_times.__init__()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs), llm
+
+
+@torch.inference_mode()
+def run_hf(prompts, out_lens, dtype: str, batch_size: int) -> tuple[float, int]:
+    """Static batching: fixed batches in arrival order, left-padded, each run to its longest output."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from tessera.model.default_model import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
+    ).eval()
+    pad = model.config.pad_token_id or 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch, outs = prompts[i : i + batch_size], out_lens[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        n = max(outs)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return time.perf_counter() - start, sum(out_lens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-batch", type=int, default=16)
+    args = ap.parse_args()
+    prompts, out_lens = workload(args.num_requests)
+    elapsed, tokens, llm = run_tessera(
+        prompts, out_lens, args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    ours = tokens / elapsed
+    st = llm.llm_engine.step_times
+    print(f"tessera  {args.dtype}: {tokens} output tokens in {elapsed:.1f}s = {ours:.1f} tok/s "
+          f"({st.num_steps} steps, {1000 * elapsed / max(st.num_steps, 1):.1f} ms/step)")
+    total = st.schedule + st.execute + st.update
+    print(f"  step time: schedule {100 * st.schedule / total:.1f}%  execute {100 * st.execute / total:.1f}%  "
+          f"update {100 * st.update / total:.1f}%")
+    if not args.skip_hf:
+        hf_elapsed, hf_tokens = run_hf(prompts, out_lens, args.dtype, args.hf_batch)
+        theirs = hf_tokens / hf_elapsed
+        print(f"hf static batching (batch {args.hf_batch}) {args.dtype}: {hf_tokens} useful tokens in "
+              f"{hf_elapsed:.1f}s = {theirs:.1f} tok/s")
+        print(f"ratio tessera/hf: {ours / theirs:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
