@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.config import EngineArgs, EngineConfig, default_num_threads
+from tessera.config import EngineArgs, EngineConfig
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.detokenizer import IncrementalDetokenizer

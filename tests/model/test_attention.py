@@ -75,7 +75,7 @@ def test_paged_attention_matches_sdpa(block_size, seed):
         spans.append(span)
         offset += num_new
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([s for (c, _), sl in zip(shapes, slots_all) for s in sl[c:]]),
+        slot_mapping=torch.tensor([s for (c, _), sl in zip(shapes, slots_all, strict=False) for s in sl[c:]]),
         num_decodes=nd,
         decode_block_tables=decode_tables,
         decode_mask=decode_mask.view(nd, 1, 1, max_len),
@@ -85,6 +85,6 @@ def test_paged_attention_matches_sdpa(block_size, seed):
         torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale=head_dim**-0.5
     )
     expected = torch.cat(
-        [_reference(q, kf, vf, c) for q, kf, vf, (c, _) in zip(qs, full_k, full_v, shapes)]
+        [_reference(q, kf, vf, c) for q, kf, vf, (c, _) in zip(qs, full_k, full_v, shapes, strict=False)]
     )
     assert (out - expected).abs().max().item() <= 1e-5

@@ -122,7 +122,7 @@ def test_chunked_prefill_equals_whole_prefill(harness, prompt_ids):
     whole = harness.logits([harness.new_seq(0, prompt, len(prompt))])
     s = harness.new_seq(1, prompt, len(prompt))
     cuts = [0, 5, 11, len(prompt)]
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in zip(cuts, cuts[1:], strict=False):
         s.seq.num_computed_tokens = a
         s.num_new_tokens = b - a
         last = harness.logits([s])
