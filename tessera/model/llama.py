@@ -35,7 +35,7 @@ class LlamaLayer:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+        self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
 
     def __call__(
         self,
@@ -47,10 +47,11 @@ class LlamaLayer:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = h.shape[0]
-        q, k, v = self.wqkv(self.input_norm(h)).split(self.split, dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.wqkv(self.input_norm(h))  # [n, (H + 2 * KVH) * D]
+        # RoPE once over q and k together (they are adjacent in the fused output)
+        qk = apply_rope(qkv[:, : self.qk_size].view(n, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         h = h + self.wo(attn.view(n, -1))
         gate, up = self.w13(self.post_attn_norm(h)).chunk(2, dim=-1)
