@@ -1,0 +1,319 @@
+"""`AsyncLLMEngine`: the synchronous `LLMEngine` driven from a background thread for asyncio callers.
+
+Why a thread and not a process: the model's work happens inside torch ops, which release the GIL,
+so the HTTP event loop keeps answering (`/health` stays fast under a full batch) while outputs
+cross over without pickling. The engine is not thread-safe, so the rule is:
+
+    event loop ──(commands: add / abort / abort-all, a thread-safe queue)──▶ engine thread
+    engine thread ──(loop.call_soon_threadsafe(list of RequestOutput))──▶ per-request asyncio.Queue
+
+Only the engine thread touches the `LLMEngine`. When it has no work it sleeps on a
+`threading.Event` (set by every command), so an idle server burns no CPU. An exception from
+`engine.step()` fails the requests in flight with `EngineError` and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.outputs import RequestOutput
+from tessera.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request (not the client's fault)."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (client gone, or the server is shutting down)."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine no longer accepts requests."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    sampling_params: SamplingParams
+    priority: int
+    arrival_time: float
+    accepted: asyncio.Future  # set once the engine has taken (or refused) the request
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str] | None  # None: every request in flight
+
+
+_STOP = object()
+
+
+class AsyncLLMEngine:
+    """Asyncio front of one `LLMEngine`. Call `start()` from the event loop, `shutdown()` at exit.
+
+    `engine` is anything with the `LLMEngine` interface (tests use a fake)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.config.model.max_model_len
+        self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
+        # the server tokenizes on the event loop with this copy; the engine thread keeps the original
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.vocab_size: int = getattr(engine, "vocab_size", None) or len(self.tokenizer)
+        self.on_finished: list[Any] = []  # callbacks(RequestOutput) run on the event loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}  # event-loop side only
+        self._in_engine: set[str] = set()  # engine-thread side only
+        self._metrics: dict[str, float] = dict(engine.get_metrics())
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> AsyncLLMEngine:
+        from tessera.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(engine_args))
+
+    # -- event-loop side --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; outputs will be delivered on the running event loop."""
+        assert self._thread is None, "already started"
+        self._loop = asyncio.get_running_loop()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_accepting(self) -> bool:
+        """False once shutdown has begun (new requests get EngineShutdownError)."""
+        return self._accepting and self.is_running
+
+    def get_metrics(self) -> dict[str, float]:
+        """The engine's counters as of its last step (a snapshot; never blocks on the engine)."""
+        return self._metrics
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Hand a request to the engine; return its output stream once the engine has accepted it.
+
+        Raises `ValueError` if the engine refuses the request. The stream yields cumulative
+        `RequestOutput`s and ends after the finished one. Closing the stream early (or the task
+        consuming it being cancelled) aborts the request."""
+        if not self.is_accepting:
+            raise EngineShutdownError("the engine is shutting down")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        assert self._loop is not None
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        accepted = self._loop.create_future()
+        self._send(_Add(request_id, prompt, sampling_params, priority, time.monotonic(), accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self._streams.pop(request_id, None)
+            self.abort(request_id)  # cancelled while queued: the add may still land
+            raise
+        except Exception:
+            self._streams.pop(request_id, None)
+            raise
+        return self._iterate(request_id, stream)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM-style one-call form of `add_request` + iterating its stream."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        async for output in stream:
+            yield output
+
+    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine side already dropped it
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests: their streams end with `RequestAbortedError`, their blocks are freed
+        by the engine thread before its next step. Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put_nowait(RequestAbortedError(f"request {rid} was aborted"))
+        self._send(_Abort(ids))
+
+    def abort_all(self) -> None:
+        """Stop accepting requests and abort every one in flight. Safe to call from a signal
+        handler or another thread."""
+        self._accepting = False
+        self._send(_Abort(None))
+
+    async def shutdown(self) -> None:
+        """Abort what is in flight and stop the engine thread."""
+        self.abort_all()
+        self._send(_STOP)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        for rid in list(self._streams):
+            self._streams.pop(rid).put_nowait(RequestAbortedError("the server is shutting down"))
+
+    def _send(self, command: object) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """On the event loop: route outputs (or errors) of one engine step to their streams."""
+        for rid, item in items:
+            if isinstance(item, RequestOutput) and item.finished:
+                for callback in self.on_finished:
+                    try:
+                        callback(item)
+                    except Exception:
+                        logger.exception("on_finished callback failed")
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue  # aborted on this side already
+            stream.put_nowait(item)
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[rid]
+
+    # -- engine-thread side -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            # clear before draining: a command sent after the drain sets it again, so no lost wakeup
+            self._wake.clear()
+            try:
+                if not self._drain_commands():
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._metrics = dict(self.engine.get_metrics())
+                    self._wake.wait()
+                    continue
+                self._step()
+            except Exception as e:
+                # whatever broke (a step, a bad request, our own bookkeeping), the loop lives on
+                logger.exception("engine step failed; failing the %d requests in flight",
+                                 len(self._in_engine))
+                self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+        self._fail_all(RequestAbortedError("the server is shutting down"))
+        with contextlib.suppress(Exception):
+            self._metrics = dict(self.engine.get_metrics())
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        items: list[tuple[str, RequestOutput | BaseException]] = []
+        for out in outputs:
+            if out.request_id not in self._in_engine:
+                continue  # aborted while the step ran
+            if out.finished:
+                self._in_engine.discard(out.request_id)
+            items.append((out.request_id, out))
+        self._metrics = dict(self.engine.get_metrics())
+        if items:
+            self._post(items)
+
+    def _drain_commands(self) -> bool:
+        """Apply queued adds and aborts; False once asked to stop."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if command is _STOP:
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                ids = list(self._in_engine) if command.request_ids is None else command.request_ids
+                self._abort_in_engine(ids, RequestAbortedError("the server is shutting down"))
+
+    def _add(self, cmd: _Add) -> None:
+        assert self._loop is not None
+        if not self._accepting:
+            self._resolve(cmd.accepted, EngineShutdownError("the engine is shutting down"))
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.sampling_params,
+                                    priority=cmd.priority, arrival_time=cmd.arrival_time)
+        except Exception as e:
+            # ValueError is the client's fault; anything else is ours but must not kill the loop
+            if not isinstance(e, ValueError):
+                logger.exception("add_request(%s) failed", cmd.request_id)
+                e = EngineError(f"could not add the request: {type(e).__name__}: {e}")
+            self._resolve(cmd.accepted, e)
+            return
+        self._in_engine.add(cmd.request_id)
+        self._resolve(cmd.accepted, None)
+
+    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
+        def settle() -> None:
+            if fut.done():
+                return
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(settle)
+
+    def _abort_in_engine(self, ids: list[str], error: BaseException) -> None:
+        ids = [rid for rid in ids if rid in self._in_engine]
+        if not ids:
+            return
+        self._in_engine.difference_update(ids)
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("abort_request failed for %s", ids)
+        self._post([(rid, error) for rid in ids])
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._abort_in_engine(list(self._in_engine), error)
+
+    def _post(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._deliver, items)

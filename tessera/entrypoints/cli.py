@@ -1,0 +1,129 @@
+"""The `tessera` command. Subcommands register themselves in `SUBCOMMANDS` (`serve` today).
+
+Engine flags are generated from `EngineArgs`: each dataclass field becomes `--field-name` with the
+field's type, default, `help` and optional `choices` from its metadata; bools become `store_true`
+switches. So a new engine knob appears in `tessera serve --help` by being added to `EngineArgs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import types
+import typing
+from collections.abc import Callable
+
+from tessera.config import EngineArgs
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation) -> type:
+    """`int | None` -> int; `str` -> str."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        assert len(args) == 1, f"unsupported flag type {annotation}"
+        return args[0]
+    return annotation
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineArgs` field, in declaration order."""
+    group = parser.add_argument_group("engine", "engine flags (see tessera.config.EngineArgs)")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        kind = _base_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            if f.default:
+                group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
+                                   default=True, help=help_text)
+            else:
+                group.add_argument(_flag(f.name), action="store_true", help=help_text)
+            continue
+        if f.default is not None:
+            help_text += " (default: %(default)s)"
+        group.add_argument(_flag(f.name), type=kind, default=f.default,
+                           choices=f.metadata.get("choices"), help=help_text,
+                           metavar=None if f.metadata.get("choices") else f.name.upper())
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
+    return port
+
+
+def _add_serve(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                              description="Serve a model over an OpenAI-compatible HTTP API.")
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: %(default)s, loopback only)")
+    server.add_argument("--port", type=_port, default=8000, help="TCP port (default: %(default)s)")
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--served-model-name", default=None,
+                        help="model id reported by /v1/models and expected in requests "
+                             "(default: the engine's model name)")
+    server.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=_serve, parser=p)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.entrypoints.openai.server import run_server
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGINT/SIGTERM while the model loads: a clean exit too (the server handles them later)
+    def interrupted(sig, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
+    except ValueError as e:  # a bad flag combination, named by the config's validation
+        args.parser.error(str(e))
+    except KeyboardInterrupt:
+        logging.getLogger(__name__).info("interrupted while loading the model")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    run_server(engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
+               api_key=args.api_key, log_level=args.log_level)
+    return 0
+
+
+# each registers one subcommand (a parser with `func`); `bench` will join `serve` here
+SUBCOMMANDS: list[Callable] = [_add_serve]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="Tessera LLM serving engine")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""`POST /v1/chat/completions`: messages go through the model's chat template (with the generation
+prompt) and become one engine request with `n` sequences. Streaming sends, per choice, a chunk with
+the assistant role, then content deltas, then an empty delta carrying finish_reason."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tessera.engine.async_engine import EngineError, RequestAbortedError
+from tessera.entrypoints.openai.errors import OpenAIError, bad_request
+from tessera.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessageOut,
+    ChatStreamChoice,
+    UsageInfo,
+    dump_chunk,
+)
+from tessera.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    check_output,
+    merge_streams,
+    stream_error_event,
+    top_entries,
+    top_logprob,
+)
+from tessera.outputs import CompletionOutput, RequestOutput
+from tessera.tokenizer import apply_chat_template
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        token_ids = self.render(req)
+        max_tokens = self.resolve_max_tokens(len(token_ids),
+                                             req.max_completion_tokens or req.max_tokens)
+        params = self.sampling_params(
+            req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(self._stream(req, raw_request, base_id, token_ids, params),
+                                     media_type="text/event-stream")
+        request_ids = [f"{base_id}-0"]
+        final: RequestOutput | None = None
+        try:
+            async with self.abort_on_disconnect(raw_request, request_ids):
+                streams = await self.start(base_id, [token_ids], params, req.priority or 0)
+                async for _, out in merge_streams(streams):
+                    check_output(out)
+                    final = out
+        except RequestAbortedError:
+            return self.aborted_response()
+        except EngineError as e:
+            raise OpenAIError(500, str(e)) from None
+        finally:
+            self.engine.abort(request_ids)
+        assert final is not None and final.finished
+        choices = [
+            ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
+                       logprobs=self._logprobs(req, o, 0), finish_reason=o.finish_reason,
+                       stop_reason=o.stop_reason)
+            for o in sorted(final.outputs, key=lambda o: o.index)
+        ]
+        num_generated = sum(len(o.token_ids) for o in final.outputs)
+        usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=num_generated,
+                          total_tokens=len(token_ids) + num_generated)
+        body = ChatCompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
+                                      usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    def render(self, req: ChatCompletionRequest) -> list[int]:
+        """Prompt token ids: the chat template over the messages, with the generation prompt."""
+        conversation = []
+        for m in req.messages:
+            # templates know system/user/assistant; OpenAI's newer `developer` is a system turn
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            conversation.append(message)
+        try:
+            token_ids = apply_chat_template(self.tokenizer, conversation)
+        except Exception as e:  # no template, or jinja refusing (e.g. roles must alternate)
+            raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+        if not token_ids:
+            raise bad_request("messages render to an empty prompt", "messages")
+        return token_ids
+
+    def _logprobs(self, req: ChatCompletionRequest, o: CompletionOutput,
+                  start: int) -> ChatLogprobs | None:
+        if not req.logprobs:
+            return None
+        k = req.top_logprobs or 0
+        content = []
+        for tid, lps in zip(o.token_ids[start:], (o.logprobs or [])[start:], strict=False):
+            chosen = top_logprob(self.tokenizer, tid, lps.get(tid, float("-inf")))
+            content.append(ChatLogprobToken(
+                **chosen.model_dump(),
+                top_logprobs=[top_logprob(self.tokenizer, t, lp) for t, lp in top_entries(lps, k)],
+            ))
+        return ChatLogprobs(content=content)
+
+    async def _stream(self, req: ChatCompletionRequest, raw_request: Request, base_id: str,
+                      token_ids: list[int], params) -> AsyncIterator[str]:
+        created = int(time.time())
+        request_ids = [f"{base_id}-0"]
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return dump_chunk(ChatCompletionChunk(id=base_id, created=created,
+                                                  model=self.served_model_name, choices=choices,
+                                                  usage=usage))
+
+        sent = [(0, 0)] * req.n  # per choice: (chars, tokens) sent
+        done = [False] * req.n
+        num_generated = 0
+        try:
+            async with self.abort_on_disconnect(raw_request, request_ids):
+                streams = await self.start(base_id, [token_ids], params, req.priority or 0)
+                yield chunk([ChatStreamChoice(index=j, delta=ChatDelta(role="assistant",
+                                                                       content=""))
+                             for j in range(req.n)])
+                async for _, out in merge_streams(streams):
+                    check_output(out)
+                    for o in out.outputs:
+                        if done[o.index]:
+                            continue
+                        chars, tokens = sent[o.index]
+                        if len(o.text) > chars or len(o.token_ids) > tokens:
+                            yield chunk([ChatStreamChoice(
+                                index=o.index, delta=ChatDelta(content=o.text[chars:]),
+                                logprobs=self._logprobs(req, o, tokens))])
+                            sent[o.index] = (max(chars, len(o.text)), len(o.token_ids))
+                        if o.finished:
+                            done[o.index] = True
+                            num_generated += len(o.token_ids)
+                            yield chunk([ChatStreamChoice(index=o.index, delta=ChatDelta(),
+                                                          finish_reason=o.finish_reason)])
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], UsageInfo(prompt_tokens=len(token_ids),
+                                          completion_tokens=num_generated,
+                                          total_tokens=len(token_ids) + num_generated))
+        except (OpenAIError, EngineError, RequestAbortedError) as e:
+            yield stream_error_event(e)
+        finally:
+            self.engine.abort(request_ids)
+        yield "data: [DONE]\n\n"

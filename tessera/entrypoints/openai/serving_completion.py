@@ -1,0 +1,187 @@
+"""`POST /v1/completions`: each prompt becomes one engine request with `n` sequences; prompt i's
+sequence j is choice `i * n + j`. Streaming sends each choice's new text as it is decoded."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tessera.engine.async_engine import EngineError, RequestAbortedError
+from tessera.entrypoints.openai.errors import OpenAIError, bad_request
+from tessera.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    dump_chunk,
+)
+from tessera.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    check_output,
+    clamp_logprob,
+    merge_streams,
+    stream_error_event,
+    top_entries,
+)
+from tessera.outputs import CompletionOutput, RequestOutput
+
+
+class _Prompt:
+    def __init__(self, text: str | None, token_ids: list[int]) -> None:
+        self.text = text
+        self.token_ids = token_ids
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        prompts = self._prompts(req.prompt)
+        for p in prompts:
+            self.resolve_max_tokens(len(p.token_ids), req.max_tokens)
+        params = self.sampling_params(
+            req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo else None,
+        )
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(self._stream(req, raw_request, base_id, prompts, params),
+                                     media_type="text/event-stream")
+        request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async with self.abort_on_disconnect(raw_request, request_ids):
+                streams = await self.start(base_id, [p.token_ids for p in prompts], params,
+                                           req.priority or 0)
+                async for i, out in merge_streams(streams):
+                    check_output(out)
+                    finals[i] = out
+        except RequestAbortedError:
+            return self.aborted_response()
+        except EngineError as e:
+            raise OpenAIError(500, str(e)) from None
+        finally:
+            self.engine.abort(request_ids)  # no-op for finished requests
+        choices: list[CompletionChoice] = []
+        usage = UsageInfo()
+        for i, (prompt, out) in enumerate(zip(prompts, finals, strict=True)):
+            assert out is not None and out.finished
+            usage.prompt_tokens += len(prompt.token_ids)
+            for o in sorted(out.outputs, key=lambda o: o.index):
+                usage.completion_tokens += len(o.token_ids)
+                choices.append(self._choice(req, i * req.n + o.index, prompt, out, o, 0, 0, True))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        body = CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
+                                  usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    def _prompts(self, prompt: str | list) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        prompts = []
+        for i, p in enumerate(prompt):
+            param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
+            if isinstance(p, str):
+                token_ids = self.tokenizer.encode(p)
+                if not token_ids:
+                    raise bad_request(f"{param} must not be empty", param)
+                prompts.append(_Prompt(p, token_ids))
+            else:
+                self.check_token_ids(p, param)
+                prompts.append(_Prompt(None, list(p)))
+        return prompts
+
+    def _choice(self, req: CompletionRequest, index: int, prompt: _Prompt, out: RequestOutput,
+                o: CompletionOutput, sent_chars: int, sent_tokens: int, first: bool,
+                ) -> CompletionChoice:
+        """The choice for `o`'s text and tokens after `sent_chars` / `sent_tokens` (all of it when
+        not streaming); `first` marks the choice's first chunk, which carries the echoed prompt."""
+        text = o.text[sent_chars:]
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if first and req.echo:
+                self._add_prompt_logprobs(logprobs, prompt, out, req.logprobs)
+            for tid, lps in zip(o.token_ids[sent_tokens:], (o.logprobs or [])[sent_tokens:],
+                                strict=False):
+                self._add_logprob(logprobs, tid, lps.get(tid), lps, req.logprobs)
+        if first and req.echo:
+            text = self._prompt_text(prompt) + text
+        return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+
+    def _prompt_text(self, prompt: _Prompt) -> str:
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(prompt.token_ids)
+        return prompt.text
+
+    def _add_prompt_logprobs(self, logprobs: CompletionLogprobs, prompt: _Prompt,
+                             out: RequestOutput, k: int) -> None:
+        entries = out.prompt_logprobs or [None] * len(prompt.token_ids)
+        for tid, lps in zip(prompt.token_ids, entries, strict=False):
+            self._add_logprob(logprobs, tid, None if lps is None else lps.get(tid), lps, k)
+
+    def _add_logprob(self, logprobs: CompletionLogprobs, token_id: int, logprob: float | None,
+                     alternatives: dict[int, float] | None, k: int) -> None:
+        token = self.tokenizer.decode([token_id])
+        offset = (logprobs.text_offset[-1] + len(logprobs.tokens[-1])) if logprobs.tokens else 0
+        logprobs.tokens.append(token)
+        logprobs.token_logprobs.append(None if logprob is None else clamp_logprob(logprob))
+        logprobs.text_offset.append(offset)
+        if alternatives is None:
+            logprobs.top_logprobs.append(None)
+        else:
+            logprobs.top_logprobs.append(
+                {self.tokenizer.decode([t]): lp for t, lp in top_entries(alternatives, k)})
+
+    async def _stream(self, req: CompletionRequest, raw_request: Request, base_id: str,
+                      prompts: list[_Prompt], params) -> AsyncIterator[str]:
+        created = int(time.time())
+        request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        finished: set[int] = set()
+        usage = UsageInfo(prompt_tokens=sum(len(p.token_ids) for p in prompts))
+        try:
+            async with self.abort_on_disconnect(raw_request, request_ids):
+                streams = await self.start(base_id, [p.token_ids for p in prompts], params,
+                                           req.priority or 0)
+                async for i, out in merge_streams(streams):
+                    check_output(out)
+                    choices = []
+                    for o in out.outputs:
+                        index = i * req.n + o.index
+                        if index in finished:
+                            continue
+                        chars, tokens = sent.get(index, (0, 0))
+                        first = index not in sent
+                        if len(o.text) == chars and len(o.token_ids) == tokens and not (
+                                o.finished or (first and req.echo)):
+                            continue
+                        choices.append(self._choice(req, index, prompts[i], out, o, chars,
+                                                    tokens, first))
+                        sent[index] = (max(chars, len(o.text)), len(o.token_ids))
+                        if o.finished:
+                            finished.add(index)
+                            usage.completion_tokens += len(o.token_ids)
+                    if choices:
+                        yield dump_chunk(CompletionResponse(
+                            id=base_id, created=created, model=self.served_model_name,
+                            choices=choices))
+            if req.stream_options and req.stream_options.include_usage:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield dump_chunk(CompletionResponse(id=base_id, created=created,
+                                                    model=self.served_model_name, choices=[],
+                                                    usage=usage))
+        except (OpenAIError, EngineError, RequestAbortedError) as e:
+            yield stream_error_event(e)
+        finally:
+            self.engine.abort(request_ids)
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,201 @@
+"""What both POST endpoints share: checks against the model, SamplingParams, launching one engine
+request per prompt, merging their streams, and aborting them when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from collections.abc import AsyncIterator, Iterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from tessera.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineError,
+    EngineShutdownError,
+    RequestAbortedError,
+)
+from tessera.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from tessera.entrypoints.openai.protocol import TopLogprob, _SamplingRequest
+from tessera.outputs import RequestOutput
+from tessera.sampling.params import SamplingParams
+
+_DONE = object()
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                                   f"{self.served_model_name!r}", param="model",
+                              code="model_not_found")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise bad_request(f"{param} must not be empty", param)
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{param} holds token id {bad}, outside the vocabulary "
+                              f"[0, {self.vocab_size})", param)
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The request's max_tokens, checked against max_model_len (default: what is left)."""
+        limit = self.max_model_len
+        if max_tokens is None:
+            if num_prompt_tokens >= limit:
+                raise bad_request(f"this model's maximum context length is {limit} tokens, but "
+                                  f"the prompt has {num_prompt_tokens} tokens", "messages")
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
+                f"were requested ({num_prompt_tokens} in the prompt + {max_tokens} max_tokens); "
+                "shorten the prompt or lower max_tokens", "max_tokens")
+        return max_tokens
+
+    def sampling_params(self, req: _SamplingRequest, max_tokens: int | None,
+                        **kw) -> SamplingParams:
+        """SamplingParams from the request; unset fields keep SamplingParams' defaults."""
+        if req.n > self.engine.max_num_seqs:
+            raise bad_request(f"n ({req.n}) exceeds the server's --max-num-seqs "
+                              f"({self.engine.max_num_seqs})", "n")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        fields = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "min_tokens")
+        args = {name: getattr(req, name) for name in fields if getattr(req, name) is not None}
+        args.update({k: v for k, v in kw.items() if v is not None})
+        args["max_tokens"] = max_tokens
+        try:
+            return SamplingParams(**args)
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+    # -- running ------------------------------------------------------------------------------
+
+    async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
+                    priority: int) -> list[AsyncIterator[RequestOutput]]:
+        """Add one engine request per prompt; if any is refused, abort the others."""
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for i, token_ids in enumerate(prompts):
+                sp = params if len(prompts) == 1 else params.clone()
+                streams.append(await self.engine.add_request(f"{base_id}-{i}", token_ids, sp,
+                                                             priority))
+        except BaseException as e:
+            # a stream not yet iterated has no running `finally`: abort by id
+            self.engine.abort([f"{base_id}-{i}" for i in range(len(streams))])
+            if isinstance(e, ValueError):
+                raise bad_request(str(e)) from None
+            if isinstance(e, EngineShutdownError):
+                raise OpenAIError(503, str(e), code="service_unavailable") from None
+            if isinstance(e, EngineError):
+                raise OpenAIError(500, str(e)) from None
+            raise
+        return streams
+
+    def aborted_response(self) -> Response:
+        """A non-streaming request was aborted: by shutdown (tell the client), or because the
+        client left (nobody reads this; 499 is nginx's 'client closed request' for the logs)."""
+        if not self.engine.is_accepting:
+            raise OpenAIError(503, "the server is shutting down", code="service_unavailable")
+        return Response(status_code=499)
+
+    @contextlib.asynccontextmanager
+    async def abort_on_disconnect(self, request: Request, request_ids: list[str]):
+        """While inside, a client disconnect aborts `request_ids` (their streams then raise
+        RequestAbortedError), whether or not a first token was sent."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.engine.abort(request_ids)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt index, output) from several request streams as they arrive. Closing this
+    generator (or an error in one stream) closes all of them, which aborts the unfinished ones."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                merged.put_nowait((i, out))
+        except Exception as e:
+            merged.put_nowait((i, e))
+        finally:
+            merged.put_nowait((i, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await merged.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def check_output(out: RequestOutput) -> None:
+    """An engine-side rejection (e.g. prompt over max_model_len) becomes a 400."""
+    if out.error is not None:
+        raise bad_request(out.error, "prompt")
+
+
+def stream_error_event(e: BaseException) -> str:
+    """The SSE event for an error that ends a stream."""
+    if isinstance(e, OpenAIError):
+        body = error_body(e.status, e.message, type=e.type, param=e.param, code=e.code)
+    elif isinstance(e, RequestAbortedError):
+        body = error_body(503, str(e), code="aborted")
+    else:
+        body = error_body(500, str(e))
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def clamp_logprob(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
+
+
+def top_entries(logprobs: dict[int, float], k: int) -> Iterator[tuple[int, float]]:
+    """The k most likely (token id, logprob) pairs, best first."""
+    ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)
+    for tid, lp in ranked[:k]:
+        yield tid, clamp_logprob(lp)
+
+
+def top_logprob(tokenizer, token_id: int, logprob: float) -> TopLogprob:
+    text = tokenizer.decode([token_id])
+    return TopLogprob(token=text, logprob=clamp_logprob(logprob), bytes=list(text.encode()))
