@@ -159,10 +159,16 @@ class Sampler:
         logits = raw.clone()
         if pen:
             _apply_penalties(logits, [rows[i] for i in pen], pen)
+            # an extreme penalty (e.g. repetition_penalty=1e-300) must not make inf and then NaN
+            # probabilities; this bound survives division by the smallest temperature in float32
+            logits.clamp_(min=-_LOGIT_BOUND, max=_LOGIT_BOUND)
         if mask_rows:
             logits[torch.tensor(mask_rows, device=device),
                    torch.tensor(mask_cols, device=device)] = _NEG_INF
         return logits
+
+
+_LOGIT_BOUND = 1e30
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
@@ -287,6 +293,7 @@ def _apply_filters(cand: torch.Tensor, params: list[SamplingParams], complete: b
     keep &= above < (top_p * total)[:, None]
     # min-p compares with the most likely token; renormalising does not change that ratio
     keep &= cand >= (min_p * cand[:, 0])[:, None]
+    keep[:, 0] = True  # the most likely token always survives (top_p may underflow to 0)
     kept = cand * keep
     # the next token past the candidates is dropped if any active filter already drops it
     resolved = (use_k | ((top_p < 1) & (cand.sum(dim=-1) >= top_p * total))
@@ -306,7 +313,8 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1]
     # u * total may round up to total; the float just below it still lands on a nonzero weight
     x = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1)
+    picked = torch.searchsorted(cdf, x[:, None], right=True).squeeze(1)
+    return picked.clamp_(max=weights.shape[1] - 1)  # never past the end, whatever the weights
 
 
 def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
