@@ -1,4 +1,4 @@
-"""The `tessera` command. Subcommands register themselves in `SUBCOMMANDS` (`serve` today).
+"""The `tessera` command. Subcommands register themselves in `SUBCOMMANDS` (`serve`, `bench`).
 
 Engine flags are generated from `EngineArgs`: each dataclass field becomes `--field-name` with the
 field's type, default, `help` and optional `choices` from its metadata; bools become `store_true`
@@ -16,6 +16,7 @@ import types
 import typing
 from collections.abc import Callable
 
+from tessera.bench import add_bench_parser
 from tessera.config import EngineArgs
 
 
@@ -108,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 # each registers one subcommand (a parser with `func`); `bench` will join `serve` here
-SUBCOMMANDS: list[Callable] = [_add_serve]
+SUBCOMMANDS: list[Callable] = [_add_serve, add_bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
