@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from tessera.kernels.paged_attention import paged_decode_attention_available
 from tessera.model.attention import AttentionMetadata, PrefillSpan
 from tessera.sampling.sampler import SampledToken, Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
@@ -58,6 +59,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        # built (or loaded from its cache) here, at start-up, rather than inside the first request
+        self.use_decode_kernel = paged_decode_attention_available(device, cache_engine.spec.dtype)
 
     # ---- input preparation -------------------------------------------------------------------
     def prepare_input(
@@ -93,15 +96,16 @@ class ModelRunner:
                 logits_indices.append(offset + s.num_new_tokens - 1)
                 sampled.append(s)
 
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_lens = None
         if decodes:
-            decode_tables, decode_mask = self._decode_tables(decodes)
+            decode_tables, decode_mask, decode_lens = self._decode_tables(decodes)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
             num_decodes=len(decodes),
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
+            decode_seq_lens=decode_lens,
             prefills=spans,
         )
         return ModelInput(
@@ -113,9 +117,12 @@ class ModelRunner:
             prompt_rows=prompt_rows,
         )
 
-    def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(
+        self, decodes: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Flattened block tables [B * max_blocks] (padded with block 0) covering each decode's whole
-        context, and the mask [B, 1, 1, max_blocks * block_size] of real context positions."""
+        context; then either its context lengths [B] (for the kernel) or the padding mask
+        [B, 1, 1, max_blocks * block_size] (for the gather + SDPA path)."""
         bs = self.block_size
         lens = [s.seq.num_computed_tokens + 1 for s in decodes]
         max_blocks = -(-max(lens) // bs)
@@ -125,9 +132,12 @@ class ModelRunner:
             tables.extend(used)
             tables.extend([0] * (max_blocks - len(used)))
         dev = self.device
+        tables_t = torch.tensor(tables, dtype=torch.long, device=dev)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        if self.use_decode_kernel:
+            return tables_t, None, lens_t
         mask = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)
-        return torch.tensor(tables, dtype=torch.long, device=dev), mask.view(len(decodes), 1, 1, -1)
+        return tables_t, mask.view(len(decodes), 1, 1, -1), None
 
     def _prefill_span(self, s: ScheduledSequence, offset: int, start: int, end: int) -> PrefillSpan:
         span = PrefillSpan(start=offset, end=offset + (end - start), num_context=start)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tessera.kernels.paged_attention import paged_decode_attention_available
 from tessera.model.attention import AttentionMetadata, PrefillSpan, paged_attention
 
 
@@ -24,7 +25,10 @@ def _reference(q, k, v, num_context):
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_paged_attention_matches_sdpa(block_size, seed):
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["gather-sdpa", "cpp-kernel"])
+def test_paged_attention_matches_sdpa(block_size, seed, decode_kernel):
+    if decode_kernel and not paged_decode_attention_available(torch.device("cpu"), torch.float32):
+        pytest.skip("C++ paged-attention kernel could not be built here")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_heads, num_kv_heads, head_dim = 6, 2, 16
@@ -78,7 +82,8 @@ def test_paged_attention_matches_sdpa(block_size, seed):
         slot_mapping=torch.tensor([s for (c, _), sl in zip(shapes, slots_all, strict=False) for s in sl[c:]]),
         num_decodes=nd,
         decode_block_tables=decode_tables,
-        decode_mask=decode_mask.view(nd, 1, 1, max_len),
+        decode_mask=None if decode_kernel else decode_mask.view(nd, 1, 1, max_len),
+        decode_seq_lens=torch.tensor([c + 1 for c, _ in decodes]) if decode_kernel else None,
         prefills=spans,
     )
     out = paged_attention(

@@ -1,0 +1,108 @@
+"""Paged decode attention: a C++ CPU kernel that reads K/V blocks in place, with a torch fallback.
+
+The kernel (paged_attention.cpp) is compiled just in time by `torch.utils.cpp_extension.load` the
+first time it is asked for (~30-60 s, once per machine: the build is cached under
+`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions). It needs a C++ compiler and `ninja`.
+If the build fails, or the tensors are not on the CPU, `paged_decode_attention` falls back to the
+padded gather + SDPA path (the same math, slower).
+
+Inputs, as the runner builds them for the decodes of a step:
+    q             [B, num_heads, head_dim]   last dim contiguous (a slice of the flat batch is fine)
+    k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]  contiguous, same dtype as q
+    block_tables  [B, max_blocks] int64 or int32, contiguous; entries past a sequence's last used
+                  block are never read (any padding value works)
+    seq_lens      [B] int64: tokens to attend, the new one included (already written in the cache)
+GQA: query head h reads kv head h // (num_heads // num_kv_heads) (HF repeat_kv order).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_module: ModuleType | None = None
+_load_failed = False
+
+
+def _load() -> ModuleType | None:
+    """Build (or load the cached build of) the extension once per process; None if it fails."""
+    global _module, _load_failed
+    if _module is not None or _load_failed:
+        return _module
+    if os.environ.get("TESSERA_DISABLE_CPP_KERNELS"):
+        _load_failed = True
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _module = load(
+            name="tessera_paged_attention",
+            sources=[str(_SOURCE)],
+            # -march=native: the build is cached per machine; CI runs on the same CPU type.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # compiler, ninja or header problems: run on the torch path instead
+        _load_failed = True
+        logger.warning("paged attention kernel unavailable, using the torch fallback: %s", e)
+    return _module
+
+
+def paged_decode_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when the C++ kernel serves this device/dtype (builds it on the first call)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return _load() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int64 or int32
+    seq_lens: torch.Tensor,  # [B] int64
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, num_heads, head_dim]
+) -> torch.Tensor:
+    """softmax(q K^T * scale) V for one query token per sequence over its paged context."""
+    if out is None:
+        out = torch.empty_like(q)
+    if paged_decode_attention_available(q.device, q.dtype):
+        assert _module is not None
+        return _module.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out
+        )
+    return _torch_fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+
+
+def _torch_fallback(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The padded path of model/attention.py: gather whole blocks, mask the padding, one SDPA."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    blocks = block_tables.reshape(-1).long()
+    kd = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    vd = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(kd.shape[2], device=q.device)
+    mask = (positions.unsqueeze(0) < seq_lens.to(q.device).unsqueeze(1)).view(num_seqs, 1, 1, -1)
+    qd = q.reshape(num_seqs, num_kv_heads, group, head_dim)  # [B, kvh, group, D]
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+    out.copy_(od.reshape(num_seqs, num_heads, head_dim))
+    return out
