@@ -29,12 +29,19 @@ def cache_root() -> str:
     return os.path.join(base, "tessera")
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """The fast tokenizer (with chat template) of a `.gguf` file or an HF directory."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerFast | None:
+    """The fast tokenizer (with chat template) of a `.gguf` file or an HF directory; None for an
+    HF directory that ships no tokenizer at all (such a model takes token-id prompts only)."""
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.isfile(path) and path.endswith(".gguf"):
         tokenizer = _load_gguf_tokenizer(path)
     elif os.path.isdir(path):
+        if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+            logger.warning("%s has no tokenizer: only token-id prompts, no output text", path)
+            return None
         tokenizer = AutoTokenizer.from_pretrained(path)
     else:
         raise ValueError(f"no tokenizer at {path!r}: expected a .gguf file or an HF directory")

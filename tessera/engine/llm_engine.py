@@ -70,7 +70,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, cache.num_gpu_blocks, cache.num_cpu_blocks, clock=clock
         )
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        # no tokenizer (a bare HF checkpoint): token ids in, token ids out, no text
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(config.model.max_model_len, eos_token_ids)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> RNG of a seeded request
         self._seq_ids = itertools.count()
@@ -98,6 +99,8 @@ class LLMEngine:
         """Queue a request. Bad input raises ValueError; a prompt that can never fit is not an
         error here: it comes back from `step()` finished, with `error` set."""
         params = sampling_params or SamplingParams()
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop: stop strings need a tokenizer, and this model has none")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
@@ -124,6 +127,8 @@ class LLMEngine:
             else:
                 raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
             token_ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         else:
@@ -214,7 +219,7 @@ class LLMEngine:
         params = group.sampling_params
         seq.append_token(token.token_id, token.top_logprobs or {token.token_id: token.logprob})
         self.num_generation_tokens_total += 1
-        new_text = self.detokenizer.decode_new(seq, params.skip_special_tokens)
+        new_text = self.detokenizer.decode_new(seq, params.skip_special_tokens) if self.detokenizer else ""
         self.stop_checker.check(seq, params, len(new_text))
 
     def _make_outputs(self, groups: list[SequenceGroup], finished: list[SequenceGroup]) -> list[RequestOutput]:

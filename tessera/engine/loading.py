@@ -81,7 +81,9 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         )
     num_cpu_blocks = spec.num_blocks_for(config.cache.swap_space)
     cache_engine = CacheEngine(spec, num_gpu_blocks, num_cpu_blocks, device)
-    eos = tuple(arch.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+    eos = tuple(arch.eos_token_ids)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = (tokenizer.eos_token_id,)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos)
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
