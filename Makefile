@@ -20,7 +20,7 @@ serve: install
 	$(VENV)/bin/tessera serve $(ARGS)
 
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check tessera tests benchmarks
