@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/serving_figures.py run fig2     # one figure's measurements
     .venv/bin/python benchmarks/serving_figures.py plot         # PNGs + small JSONs from the results
     .venv/bin/python benchmarks/serving_figures.py print        # just print the exact commands
+    LLAMA_SERVER_URL=http://127.0.0.1:8080 ... run fig4          # also bench a running llama-server
 
 Each measurement is a plain `tessera bench sweep` (which starts `tessera serve` per setting with
 `--dtype bfloat16`, benches it, SIGINTs it, and records the /metrics counter deltas) or
@@ -49,6 +50,8 @@ FIG3_RATES = "1 3"
 FIG3_SETTINGS = ["", " --enable-prefix-caching"]
 FIG4_WORKLOAD = "--dataset sharegpt --sharegpt-output-len 128 --num-prompts 48 --ignore-eos"
 FIG4_HF_BATCH = 16
+# a running llama.cpp `llama-server` to add to figure 4, e.g. http://127.0.0.1:8080 (none here)
+LLAMA_SERVER_URL = os.environ.get("LLAMA_SERVER_URL", "")
 
 
 def _settings(settings: list[str]) -> str:
@@ -74,7 +77,10 @@ def commands() -> dict[str, list[str]]:
         "fig3": [_sweep("fig3_prefix_caching", FIG3_WORKLOAD, FIG3_RATES, FIG3_SETTINGS)],
         "fig4": [_sweep("fig4_tessera", FIG4_WORKLOAD, "inf", [""]),
                  f"{PYTHON} benchmarks/hf_static.py {FIG4_WORKLOAD} --batch-size {FIG4_HF_BATCH} "
-                 f"--dtype bfloat16 --result-file docs/results/fig4_hf_static.json"],
+                 f"--dtype bfloat16 --result-file docs/results/fig4_hf_static.json"]
+        + ([f"{TESSERA} bench serve --base-url {shlex.quote(LLAMA_SERVER_URL)} {FIG4_WORKLOAD} "
+            f"--request-rate inf --result-file docs/results/fig4_llamacpp.json"]
+           if LLAMA_SERVER_URL else []),
     }
 
 
@@ -284,6 +290,12 @@ def plot_fig4(plt) -> None:
         _cdf(axes[1], [r["e2el"] for r in per[key]["requests"] if r["success"]],
              "Tessera (serve, rate inf)")
     _cdf(axes[1], [r["e2el"] for r in hf["requests"]], f"HF static batching (batch {b})")
+    llamacpp_path = os.path.join(RESULTS, "fig4_llamacpp.json")
+    if os.path.exists(llamacpp_path):  # only when LLAMA_SERVER_URL was given to `run fig4`
+        llamacpp = _load("docs/results/fig4_llamacpp.json")
+        axes[0].bar(["llama.cpp\n(llama-server)"], [llamacpp["metrics"]["output_throughput"]])
+        _cdf(axes[1], [r["e2el"] for r in llamacpp["requests"] if r.get("success", True)],
+             "llama.cpp llama-server")
     axes[1].set_xlabel("E2E latency (s), all requests sent at t=0")
     axes[1].set_title("E2E latency CDF", fontsize=10)
     axes[1].legend(fontsize=8, loc="lower right")
