@@ -181,13 +181,19 @@ class LLMEngine:
             group = sg.group
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = now
+            # prompt tokens computed this step (update_after_step already advanced the counters):
+            # chunks, recomputed prompts and prompt-cache misses count, cache hits do not
+            self.num_prompt_tokens_total += sum(
+                max(0, min(s.seq.num_computed_tokens, s.seq.get_prompt_len())
+                    - (s.seq.num_computed_tokens - s.num_new_tokens))
+                for s in sg.seqs
+            )
             self._record_prompt_logprobs(group, sg.seqs[0].seq.seq_id, out)
             sampled = [(s.seq, out.samples[s.seq.seq_id]) for s in sg.seqs if s.seq.seq_id in out.samples]
             if not sampled:
                 continue
             if group.first_token_time is None:
                 group.first_token_time = now
-                self.num_prompt_tokens_total += len(group.prompt_token_ids)
             for seq, tokens in sampled:
                 self._fork_children(group, seq, tokens[1:])
                 self._append(group, seq, tokens[0])

@@ -34,6 +34,7 @@ def test_outputs_in_input_order_and_metrics(llm):
     assert set(metrics) == METRIC_NAMES
     assert metrics["tessera:num_requests_running"] == 0
     assert metrics["tessera:generation_tokens_total"] >= 15
+    assert metrics["tessera:prompt_tokens_total"] >= sum(len(o.prompt_token_ids) for o in outs)
     assert metrics["tessera:kv_cache_usage_perc"] == 0.0  # everything freed
 
 
