@@ -3,6 +3,7 @@ runner. Kept apart from `LLMEngine` so the engine itself can be built from parts
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -38,6 +39,9 @@ class ModelBundle:
 
 
 def load_bundle(args: EngineArgs) -> ModelBundle:
+    # fail on bad flags before spending seconds on the weights; checks that need the model's own
+    # context limit (an unset --max-model-len) wait for it
+    dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config()
     path = resolve_model_path(args.model)
     arch, weights = load_model(path)
     config = args.create_engine_config(arch.max_position_embeddings)
