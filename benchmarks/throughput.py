@@ -49,15 +49,10 @@ def run_hf(prompts, out_lens, dtype: str, batch_size: int) -> tuple[float, int]:
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
     ).eval()
-    pad = model.config.pad_token_id or 0
+    from hf_static import run_static  # benchmarks/ is on sys.path when this runs as a script
+
     start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        batch, outs = prompts[i : i + batch_size], out_lens[i : i + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        n = max(outs)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    run_static(model, prompts, out_lens, batch_size, model.config.pad_token_id or 0)
     return time.perf_counter() - start, sum(out_lens)
 
 

@@ -236,17 +236,22 @@ def _setup_logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
 
 
-def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
-    """Entry of `tessera bench serve` (the CLI calls func(args, parser))."""
-    _setup_logging()
+
+def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None):
+    """(BenchConfig, tokenizer, samples) from the flags; bad flags are a usage error."""
     try:
         cfg = config_from_args(args)
         tokenizer = load_bench_tokenizer(args.tokenizer)
-        samples = datasets.build_samples(args, tokenizer)
+        return cfg, tokenizer, datasets.build_samples(args, tokenizer)
     except (ValueError, FileNotFoundError) as e:
         if parser is not None:
             parser.error(str(e))
         raise
+
+def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """Entry of `tessera bench serve` (the CLI calls func(args, parser))."""
+    _setup_logging()
+    cfg, tokenizer, samples = prepare(args, parser)
     run_bench(cfg, samples, tokenizer, args.result_file, args.plot_file,
               extra_config={"dataset": args.dataset, "label": args.label})
     return 0

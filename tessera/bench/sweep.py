@@ -30,13 +30,12 @@ import time
 
 import httpx
 
-from tessera.bench import datasets
 from tessera.bench.report import json_rate, save_json
 from tessera.bench.serve import (
     _setup_logging,
     add_workload_args,
     config_from_args,
-    load_bench_tokenizer,
+    prepare,
     run_bench,
 )
 
@@ -223,14 +222,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
 def sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Entry of `tessera bench sweep`."""
     _setup_logging()
-    try:
-        config_from_args(args)  # validate the sending flags before starting any server
-        tokenizer = load_bench_tokenizer(args.tokenizer)
-        samples = datasets.build_samples(args, tokenizer)
-    except (ValueError, FileNotFoundError) as e:
-        if parser is not None:
-            parser.error(str(e))
-        raise
+    _, tokenizer, samples = prepare(args, parser)  # validates the flags before starting any server
     data = sweep(args, samples, tokenizer)
     save_json(args.result_file, data)
     plot_sweep(args.plot_file, data)

@@ -83,7 +83,7 @@ class ModelRunner:
             start = s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             offset = len(input_ids)
-            input_ids.extend(s.seq.get_token_ids()[start:end])
+            input_ids.extend(s.seq.get_token_ids_range(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(_slots(s.block_table, bs, start, end))
             if i >= len(decodes):
