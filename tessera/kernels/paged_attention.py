@@ -1,10 +1,8 @@
 """Paged decode attention: a C++ CPU kernel that reads K/V blocks in place, with a torch fallback.
 
-The kernel (paged_attention.cpp) is compiled just in time by `torch.utils.cpp_extension.load` the
-first time it is asked for (~30-60 s, once per machine: the build is cached under
-`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions). It needs a C++ compiler and `ninja`.
-If the build fails, or the tensors are not on the CPU, `paged_decode_attention` falls back to the
-padded gather + SDPA path (the same math, slower).
+The kernel (paged_attention.cpp) is compiled just in time (see tessera/kernels/build.py). If the
+build fails, or the tensors are not on the CPU, `paged_decode_attention` falls back to the padded
+gather + SDPA path (the same math, slower).
 
 Inputs, as the runner builds them for the decodes of a step:
     q             [B, num_heads, head_dim]   last dim contiguous (a slice of the flat batch is fine)
@@ -17,43 +15,21 @@ GQA: query head h reads kv head h // (num_heads // num_kv_heads) (HF repeat_kv o
 
 from __future__ import annotations
 
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from tessera.kernels.build import load_extension
 
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 _module: ModuleType | None = None
-_load_failed = False
 
 
 def _load() -> ModuleType | None:
-    """Build (or load the cached build of) the extension once per process; None if it fails."""
-    global _module, _load_failed
-    if _module is not None or _load_failed:
-        return _module
-    if os.environ.get("TESSERA_DISABLE_CPP_KERNELS"):
-        _load_failed = True
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        _module = load(
-            name="tessera_paged_attention",
-            sources=[str(_SOURCE)],
-            # -march=native: the build is cached per machine; CI runs on the same CPU type.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # compiler, ninja or header problems: run on the torch path instead
-        _load_failed = True
-        logger.warning("paged attention kernel unavailable, using the torch fallback: %s", e)
+    global _module
+    _module = load_extension("tessera_paged_attention", _SOURCE)
     return _module
 
 

@@ -7,6 +7,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tessera.kernels.linear import (
+    SMALL_BATCH_MAX_ROWS,
+    PackedLinearWeight,
+    small_batch_linear_supported,
+)
+
 
 def _mkldnn_linear_ok(weight: torch.Tensor) -> bool:
     return (
@@ -18,19 +24,31 @@ def _mkldnn_linear_ok(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """y = x @ W^T (+ b). On CPU the weight is reordered once into oneDNN's blocked layout: plain
-    `F.linear` reaches only ~12 GB/s at M=1 on our Zen4 build, the packed kernel ~2.2x that
-    (measured in ../shared/DESIGN.md; see benchmarks/runner.py). Elsewhere it is plain F.linear."""
+    """y = x @ W^T (+ b). On CPU the weight is packed twice, once per kernel that wins a range of
+    row counts (measured, see tessera/kernels/linear.py): up to `SMALL_BATCH_MAX_ROWS` rows (decode
+    steps) our streaming kernel, above it (prefill) oneDNN's blocked GEMM. Plain `F.linear` is slower
+    than either here (~12 GB/s at M=1, 10-35% behind packed oneDNN at M>=128), so on CPU the plain
+    weight is not kept; elsewhere (CUDA) it is all there is."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.out_features, self.in_features = weight.shape
-        self.weight = weight.contiguous()
+        self.weight: torch.Tensor | None = weight.contiguous()
         self.bias = bias.contiguous() if bias is not None else None
+        self.small: PackedLinearWeight | None = None
         self.packed: torch.Tensor | None = None
-        if pack and _mkldnn_linear_ok(weight):
+        if not pack:
+            return
+        if small_batch_linear_supported(self.weight):
+            self.small = PackedLinearWeight(self.weight, self.bias)
+        if _mkldnn_linear_ok(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+        if self.small is not None and self.packed is not None:
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.small is not None and (rows <= SMALL_BATCH_MAX_ROWS or self.packed is None):
+            return self.small(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
