@@ -1,4 +1,5 @@
-"""Building blocks of Llama-family models: linear (optionally prepacked for oneDNN), RMSNorm, RoPE."""
+"""Building blocks of Llama-family models: linear, RMSNorm, SiLU*up, RoPE; each uses a CPU kernel
+from tessera/kernels where one serves the tensors, torch ops elsewhere."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tessera.kernels.fused import fused_ops_for
 from tessera.kernels.linear import (
     SMALL_BATCH_MAX_ROWS,
     PackedLinearWeight,
@@ -55,17 +57,42 @@ class Linear:
 
 
 class RMSNorm:
+    """x / sqrt(mean(x^2) + eps) * w, normalised in float32 like the reference. On CPU one fused
+    kernel call (tessera/kernels/fused.py); elsewhere torch ops."""
+
     def __init__(self, weight: torch.Tensor, eps: float):
         self.weight = weight
         self.eps = eps
+        self._fused = fused_ops_for(weight.device, weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one dispatch instead of six: per-op overhead bounds batch 1
+        if self._fused is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self._fused.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # one dispatch instead of six
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # reduced precision: normalise in float32 like the reference
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """residual += delta (in place, the residual stream), then the norm of the sum."""
+        if self._fused is not None and residual.dim() == 2 and delta.stride(-1) == 1:
+            return self._fused.add_rms_norm_(residual, delta, self.weight, self.eps)
+        residual.add_(delta)
+        return self(residual)
+
+
+class SiluAndMul:
+    """[n, 2I] (gate | up) -> silu(gate) * up, the MLP activation, fused on CPU."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self._fused = fused_ops_for(device, dtype)
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return self._fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -114,12 +141,22 @@ class RotaryEmbedding:
         half = head_dim // 2
         sin = emb.sin()
         self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype=dtype, device=device)
+        self.head_dim = head_dim
+        self._fused = fused_ops_for(device, dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each token: [num_tokens, 1, head_dim] (broadcast over heads). Once per step."""
-        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(
-            0, positions
-        ).unsqueeze(1)
+        """cos, sin for each token: [num_tokens, head_dim] each. Once per step, shared by all layers."""
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+    def apply_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+        """Rotate the first `num_heads` heads of each row of qkv [n, width] in place (q and k are
+        adjacent at the start of the fused projection's output)."""
+        if self._fused is not None and qkv.stride(-1) == 1:
+            self._fused.rope_(qkv, cos, sin, num_heads, self.head_dim)
+            return
+        n = qkv.shape[0]
+        heads = qkv[:, : num_heads * self.head_dim].view(n, num_heads, self.head_dim)
+        heads.copy_(apply_rope(heads, cos.unsqueeze(1), sin.unsqueeze(1)))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tessera.model.attention import AttentionMetadata, paged_attention
 from tessera.model.config import ModelArchConfig
-from tessera.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from tessera.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class LlamaLayer:
@@ -31,31 +31,34 @@ class LlamaLayer:
         self.w2 = Linear(get("mlp.down_proj.weight"))
         self.input_norm = RMSNorm(get("input_layernorm.weight"), cfg.rms_norm_eps)
         self.post_attn_norm = RMSNorm(get("post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        self.act = SiluAndMul(qkv.device, qkv.dtype)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.q_size = self.num_heads * self.head_dim
         self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
 
     def __call__(
         self,
         h: torch.Tensor,  # [num_tokens, hidden]
+        rope: RotaryEmbedding,
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """h is the residual stream, updated in place and returned."""
         n = h.shape[0]
         qkv = self.wqkv(self.input_norm(h))  # [n, (H + 2 * KVH) * D]
-        # RoPE once over q and k together (they are adjacent in the fused output)
-        qk = apply_rope(qkv[:, : self.qk_size].view(n, -1, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        rope.apply_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k are adjacent
+        q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.qk_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        h = h + self.wo(attn.view(n, -1))
-        gate, up = self.w13(self.post_attn_norm(h)).chunk(2, dim=-1)
-        return h + self.w2(F.silu(gate) * up)
+        x = self.post_attn_norm.add_and_norm(h, self.wo(attn.view(n, -1)))
+        return h.add_(self.w2(self.act(self.w13(x))))
 
 
 class LlamaForCausalLM:
@@ -96,7 +99,7 @@ class LlamaForCausalLM:
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.lookup(positions)  # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, k_cache, v_cache, meta)
+            h = layer(h, self.rope, cos, sin, k_cache, v_cache, meta)
         return self.norm(h)
 
     @torch.inference_mode()
