@@ -4,6 +4,7 @@ Prints prefill tok/s for 1x512 tokens, decode tok/s at batch 1/16/64 with 256-to
 achieved GFLOP/s against a matmul peak measured here. Ratios are what carry across machines.
 
     python benchmarks/runner.py [--dtype bfloat16] [--batches 1,16,64] [--skip-hf]
+    python benchmarks/runner.py --profile 64 [--dtype bfloat16]   # where a decode step's time goes
 """
 
 from __future__ import annotations
@@ -123,6 +124,53 @@ def run(engine, cfg, batches, ctx, steps, prefill_len):
     return res
 
 
+def profile_decode(engine: Ours, batch: int, ctx: int, steps: int = 8) -> None:
+    """Where a decode step's time goes: torch profiler over `steps` steps at `batch` x `ctx`, with
+    the model's building blocks (our C++ kernels are invisible to it otherwise) wrapped in
+    record_function ranges for the duration of the profile."""
+    import tessera.model.layers as layers
+    import tessera.model.llama as llama
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def labelled(name, fn):
+        def wrapper(*a, **k):
+            with record_function(name):
+                return fn(*a, **k)
+
+        return wrapper
+
+    patches = [
+        (layers.Linear, "__call__", "linear"),
+        (layers.RMSNorm, "__call__", "rms_norm"),
+        (layers.RMSNorm, "add_and_norm", "add+rms_norm"),
+        (layers.SiluAndMul, "__call__", "silu*up"),
+        (layers.RotaryEmbedding, "apply_", "rope"),
+        (llama, "paged_attention", "attention (+kv write)"),
+    ]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    for obj, attr, name in patches:
+        setattr(obj, attr, labelled("tessera::" + name, getattr(obj, attr)))
+    try:
+        with torch.inference_mode():
+            prompts = [torch.randint(100, 49000, (ctx,)).tolist() for _ in range(batch)]
+            tok = engine.decode(engine.prefill(prompts))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    with record_function("tessera::step"):
+                        tok = engine.decode(tok)
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+    events = {e.key: e for e in prof.key_averages()}
+    step_us = events["tessera::step"].cpu_time_total
+    print(f"decode step at batch {batch}, ctx {ctx}: {step_us / steps / 1e3:.1f} ms")
+    parts = sorted((e.cpu_time_total, k) for k, e in events.items() if k.startswith("tessera::") and k != "tessera::step")
+    for total, key in reversed(parts):
+        print(f"  {key[9:]:<24}{total / steps / 1e3:>8.2f} ms  {100 * total / step_us:>5.1f}%")
+    rest = step_us - sum(t for t, _ in parts)
+    print(f"  {'rest (embed, lm-head sampling, metadata, python)':<24}{rest / steps / 1e3:>8.2f} ms  {100 * rest / step_us:>5.1f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -131,11 +179,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", type=int, metavar="BATCH", help="only profile a decode step at this batch")
     args = ap.parse_args()
     torch.set_num_threads(default_num_threads())
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
     cfg, weights = load_model(resolve_model_path(None))
+    if args.profile:
+        profile_decode(Ours(cfg, weights, dtype), args.profile, args.ctx)
+        return
     peak = matmul_peak(dtype)
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} matmul peak {peak:.0f} GFLOP/s")
     results = {"tessera": run(Ours(cfg, weights, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)}
