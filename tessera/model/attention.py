@@ -3,10 +3,15 @@
 The runner orders a step's sequences as: decodes first (one query token each), then prompt chunks.
 `AttentionMetadata` is built once per step and passed to every layer's `forward` (never a global).
 
-Three paths, chosen per sequence by the runner:
-- decodes: on CPU, the C++ kernel in tessera/kernels reads K/V blocks in place through the block
-  tables (3-6x faster than the gather below, benchmarks/attention.py). Elsewhere, or if it cannot be
-  built: one padded `scaled_dot_product_attention` for all of them, K/V gathered through the block
+On CPU, when the C++ kernel in tessera/kernels is built, every token of the step goes through it:
+each query row (a decode or one token of a prompt chunk) attends to the first `position + 1` tokens
+of its sequence, read in place through the block table (`token_block_tables`, `token_seq_lens`).
+Decodes: 3-6x faster than the gather below (benchmarks/attention.py). Prompt tokens: 1.15-1.4x
+faster than causal SDPA, and one code path means a token's attention is computed the same way
+whether its prompt arrived whole, in chunks, or after a prefix-cache hit.
+
+Elsewhere (CUDA, or no kernel), three paths, chosen per sequence by the runner:
+- decodes: one padded `scaled_dot_product_attention` for all of them, K/V gathered through the block
   tables with one `index_select` of whole blocks (rows of block_size * kv_heads * head_dim values:
   1.5x faster in fp32 than gathering token slots, benchmarks/attention.py); GQA folded into the query
   dimension (q as [B, kv_heads, group, D]), so K/V are never repeated per query head.
@@ -43,11 +48,12 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decodes: int  # tokens [0, num_decodes) are decodes, one per sequence
-    decode_block_tables: torch.Tensor | None  # [num_decodes * max_blocks] flattened, padded
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
-    # set when the C++ kernel serves the decodes (it reads blocks in place; no mask needed)
-    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] context length incl. the new token
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes * max_blocks] flattened, padded
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # set when the C++ kernel serves every token (then the fields above are unused):
+    token_block_tables: torch.Tensor | None = None  # [num_tokens, max_blocks] its sequence's table
+    token_seq_lens: torch.Tensor | None = None  # [num_tokens] tokens it attends to (position + 1)
 
 
 def write_kv(
@@ -84,12 +90,14 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
 
+    if meta.token_seq_lens is not None:
+        assert meta.token_block_tables is not None
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.token_block_tables, meta.token_seq_lens, scale, out=out
+        )
+
     nd = meta.num_decodes
-    if nd and meta.decode_seq_lens is not None:
-        assert meta.decode_block_tables is not None
-        tables = meta.decode_block_tables.view(nd, -1)
-        paged_decode_attention(q[:nd], k_cache, v_cache, tables, meta.decode_seq_lens, scale, out=out[:nd])
-    elif nd:
+    if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, kvh, group, D]
         kd = _gather(k_cache, meta.decode_block_tables, nd)  # [B, kvh, L, D]

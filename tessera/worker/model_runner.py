@@ -59,8 +59,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        # built (or loaded from its cache) here, at start-up, rather than inside the first request
-        self.use_decode_kernel = paged_decode_attention_available(device, cache_engine.spec.dtype)
+        # built (or loaded from its cache) here, at start-up, rather than inside the first request;
+        # when it serves this device/dtype, every token of a step attends through it
+        self.use_paged_kernel = paged_decode_attention_available(device, cache_engine.spec.dtype)
 
     # ---- input preparation -------------------------------------------------------------------
     def prepare_input(
@@ -87,7 +88,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             slot_mapping.extend(_slots(s.block_table, bs, start, end))
             if i >= len(decodes):
-                spans.append(self._prefill_span(s, offset, start, end))
+                if not self.use_paged_kernel:
+                    spans.append(self._prefill_span(s, offset, start, end))
                 if want_prompt_logprobs and s.seq.seq_id in want_prompt_logprobs:
                     targets = s.seq.prompt_token_ids[start + 1 : end + 1]
                     if targets:
@@ -96,18 +98,16 @@ class ModelRunner:
                 logits_indices.append(offset + s.num_new_tokens - 1)
                 sampled.append(s)
 
-        decode_tables = decode_mask = decode_lens = None
-        if decodes:
-            decode_tables, decode_mask, decode_lens = self._decode_tables(decodes)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
             num_decodes=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
-            decode_seq_lens=decode_lens,
             prefills=spans,
         )
+        if self.use_paged_kernel:
+            meta.token_block_tables, meta.token_seq_lens = self._token_tables(ordered, positions)
+        elif decodes:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -117,12 +117,25 @@ class ModelRunner:
             prompt_rows=prompt_rows,
         )
 
-    def _decode_tables(
-        self, decodes: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Flattened block tables [B * max_blocks] (padded with block 0) covering each decode's whole
-        context; then either its context lengths [B] (for the kernel) or the padding mask
-        [B, 1, 1, max_blocks * block_size] (for the gather + SDPA path)."""
+    def _token_tables(
+        self, seqs: list[ScheduledSequence], positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the kernel: each token's sequence block table [num_tokens, max_blocks] (padded with
+        block 0, never read) and how many tokens it attends to [num_tokens] (its position + 1)."""
+        bs = self.block_size
+        needed = [-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in seqs]
+        max_blocks = max(needed)
+        per_seq = [s.block_table[:n] + [0] * (max_blocks - n) for s, n in zip(seqs, needed, strict=True)]
+        dev = self.device
+        seq_tables = torch.tensor(per_seq, dtype=torch.long, device=dev)
+        new_tokens = torch.tensor([s.num_new_tokens for s in seqs], device=dev)
+        of_token = torch.repeat_interleave(torch.arange(len(seqs), device=dev), new_tokens)
+        lens = torch.tensor(positions, dtype=torch.long, device=dev) + 1
+        return seq_tables.index_select(0, of_token), lens
+
+    def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the gather + SDPA path: flattened block tables [B * max_blocks] (padded with block 0)
+        covering each decode's whole context, and the padding mask [B, 1, 1, max_blocks * bs]."""
         bs = self.block_size
         lens = [s.seq.num_computed_tokens + 1 for s in decodes]
         max_blocks = -(-max(lens) // bs)
@@ -134,10 +147,8 @@ class ModelRunner:
         dev = self.device
         tables_t = torch.tensor(tables, dtype=torch.long, device=dev)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        if self.use_decode_kernel:
-            return tables_t, None, lens_t
         mask = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)
-        return tables_t, mask.view(len(decodes), 1, 1, -1), None
+        return tables_t, mask.view(len(decodes), 1, 1, -1)
 
     def _prefill_span(self, s: ScheduledSequence, offset: int, start: int, end: int) -> PrefillSpan:
         span = PrefillSpan(start=offset, end=offset + (end - start), num_context=start)

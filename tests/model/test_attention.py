@@ -25,9 +25,9 @@ def _reference(q, k, v, num_context):
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("decode_kernel", [False, True], ids=["gather-sdpa", "cpp-kernel"])
-def test_paged_attention_matches_sdpa(block_size, seed, decode_kernel):
-    if decode_kernel and not paged_decode_attention_available(torch.device("cpu"), torch.float32):
+@pytest.mark.parametrize("kernel", [False, True], ids=["gather-sdpa", "cpp-kernel"])
+def test_paged_attention_matches_sdpa(block_size, seed, kernel):
+    if kernel and not paged_decode_attention_available(torch.device("cpu"), torch.float32):
         pytest.skip("C++ paged-attention kernel could not be built here")
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -81,11 +81,19 @@ def test_paged_attention_matches_sdpa(block_size, seed, decode_kernel):
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([s for (c, _), sl in zip(shapes, slots_all, strict=False) for s in sl[c:]]),
         num_decodes=nd,
-        decode_block_tables=decode_tables,
-        decode_mask=None if decode_kernel else decode_mask.view(nd, 1, 1, max_len),
-        decode_seq_lens=torch.tensor([c + 1 for c, _ in decodes]) if decode_kernel else None,
-        prefills=spans,
     )
+    if kernel:  # every token through the kernel: its sequence's table, position + 1 tokens
+        width = max(len(t) for t in tables)
+        rows, lens = [], []
+        for (num_context, num_new), table in zip(shapes, tables, strict=True):
+            for p in range(num_context, num_context + num_new):
+                rows.append(table + [0] * (width - len(table)))
+                lens.append(p + 1)
+        meta.token_block_tables, meta.token_seq_lens = torch.tensor(rows), torch.tensor(lens)
+    else:
+        meta.decode_block_tables = decode_tables
+        meta.decode_mask = decode_mask.view(nd, 1, 1, max_len)
+        meta.prefills = spans
     out = paged_attention(
         torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale=head_dim**-0.5
     )
