@@ -128,9 +128,10 @@ def profile_decode(engine: Ours, batch: int, ctx: int, steps: int = 8) -> None:
     """Where a decode step's time goes: torch profiler over `steps` steps at `batch` x `ctx`, with
     the model's building blocks (our C++ kernels are invisible to it otherwise) wrapped in
     record_function ranges for the duration of the profile."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
     import tessera.model.layers as layers
     import tessera.model.llama as llama
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     def labelled(name, fn):
         def wrapper(*a, **k):

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <array>
+#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -25,98 +27,104 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;  // output features per panel: two 16-lane vectors
-constexpr int64_t kMaxRows = 12;  // rows of x per micro-tile: 24 accumulators + 2 weights + 1 x
+#ifndef TESSERA_LINEAR_VECS
+#define TESSERA_LINEAR_VECS 3
+#endif
+#ifndef TESSERA_LINEAR_ROWS
+#define TESSERA_LINEAR_ROWS 8
+#endif
+constexpr int kVecs = TESSERA_LINEAR_VECS;     // 16-lane vectors per panel
+constexpr int64_t kPanel = 16 * kVecs;         // output features per panel
+constexpr int64_t kMaxRows = TESSERA_LINEAR_ROWS;  // rows per micro-tile: kVecs * rows accumulators
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 #if defined(__AVX512F__)
 
-inline void store_row_f32(float* y, int64_t n_valid, __m512 a0, __m512 a1, const float* bias) {
-  if (bias != nullptr) {  // bias is padded to the panel width
-    a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias));
-    a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + 16));
-  }
-  if (n_valid >= kPanel) {
-    _mm512_storeu_ps(y, a0);
-    _mm512_storeu_ps(y + 16, a1);
-    return;
-  }
-  const __mmask16 m0 = n_valid >= 16 ? 0xFFFF : (__mmask16)((1u << n_valid) - 1);
-  const int64_t r1 = std::max<int64_t>(0, n_valid - 16);
-  const __mmask16 m1 = (__mmask16)((1u << r1) - 1);
-  _mm512_mask_storeu_ps(y, m0, a0);
-  _mm512_mask_storeu_ps(y + 16, m1, a1);
+inline __mmask16 lanes(int64_t n_valid, int v) {
+  const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, n_valid - 16 * v));
+  return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
 }
 
-// R rows of x, packed [K][R], against one fp32 panel [K][32].
+// One row of a tile's result: bias (padded to the panel width) added in fp32, then stored.
+inline void store_row(float* y, int64_t n_valid, __m512* acc, const float* bias) {
+  for (int v = 0; v < kVecs; ++v) {
+    __m512 a = acc[v];
+    if (bias != nullptr) a = _mm512_add_ps(a, _mm512_loadu_ps(bias + 16 * v));
+    _mm512_mask_storeu_ps(y + 16 * v, lanes(n_valid, v), a);
+  }
+}
+
+// R rows of x, packed [K][R], against one fp32 panel [K][kPanel].
 template <int R>
 void tile_f32(const float* x, const float* panel, int64_t K, float* y, int64_t ldy,
               int64_t n_valid, const float* bias) {
-  __m512 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = _mm512_setzero_ps();
-    acc1[r] = _mm512_setzero_ps();
-  }
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * kPanel;
-    const __m512 w0 = _mm512_loadu_ps(w);
-    const __m512 w1 = _mm512_loadu_ps(w + 16);
+    __m512 wv[kVecs];
+    for (int v = 0; v < kVecs; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[k * R + r]);
-      acc0[r] = _mm512_fmadd_ps(xv, w0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(xv, w1, acc1[r]);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < R; ++r) store_row_f32(y + r * ldy, n_valid, acc0[r], acc1[r], bias);
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
 }
 
 #if defined(__AVX512BF16__)
-inline void store_row_bf16(at::BFloat16* y, int64_t n_valid, __m512 a0, __m512 a1,
-                           const float* bias) {
-  if (bias != nullptr) {
-    a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias));  // bias is padded to the panel width
-    a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + 16));
+inline void store_row(at::BFloat16* y, int64_t n_valid, __m512* acc, const float* bias) {
+  for (int v = 0; v < kVecs; ++v) {
+    __m512 a = acc[v];
+    if (bias != nullptr) a = _mm512_add_ps(a, _mm512_loadu_ps(bias + 16 * v));
+    _mm256_mask_storeu_epi16(y + 16 * v, lanes(n_valid, v), (__m256i)_mm512_cvtneps_pbh(a));
   }
-  const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(a0);
-  const __m256i h1 = (__m256i)_mm512_cvtneps_pbh(a1);
-  if (n_valid >= kPanel) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), h0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), h1);
-    return;
-  }
-  const __mmask16 m0 = n_valid >= 16 ? 0xFFFF : (__mmask16)((1u << n_valid) - 1);
-  const int64_t r1 = std::max<int64_t>(0, n_valid - 16);
-  const __mmask16 m1 = (__mmask16)((1u << r1) - 1);
-  _mm256_mask_storeu_epi16(y, m0, h0);
-  _mm256_mask_storeu_epi16(y + 16, m1, h1);
 }
 
-// R rows of x, packed [K/2][R][2], against one bf16 panel [K/2][32][2].
+// R rows of x, packed [K/2][R][2], against one bf16 panel [K/2][kPanel][2].
 template <int R>
 void tile_bf16(const at::BFloat16* x, const at::BFloat16* panel, int64_t K,
                at::BFloat16* y, int64_t ldy, int64_t n_valid, const float* bias) {
-  __m512 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = _mm512_setzero_ps();
-    acc1[r] = _mm512_setzero_ps();
-  }
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
   const int64_t K2 = K / 2;
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const at::BFloat16* w = panel + k2 * 2 * kPanel;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    __m512bh wv[kVecs];
+    for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + (k2 * R + r) * 2, sizeof(pair));
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      acc0[r] = _mm512_dpbf16_ps(acc0[r], xv, w0);
-      acc1[r] = _mm512_dpbf16_ps(acc1[r], xv, w1);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
     }
   }
-  for (int r = 0; r < R; ++r) store_row_bf16(y + r * ldy, n_valid, acc0[r], acc1[r], bias);
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
 }
 #endif  // __AVX512BF16__
+
+// Table of tile functions indexed by row count 1..kMaxRows (entry 0 unused).
+struct F32Tile {
+  template <int R>
+  static constexpr auto fn = tile_f32<R>;
+};
+#if defined(__AVX512BF16__)
+struct Bf16Tile {
+  template <int R>
+  static constexpr auto fn = tile_bf16<R>;
+};
+#endif
+template <typename Fn, typename Tile, size_t... R>
+std::array<Fn, kMaxRows + 1> make_tiles_impl(std::index_sequence<R...>) {
+  return {nullptr, Tile::template fn<static_cast<int>(R) + 1>...};
+}
+template <typename Fn, typename Tile>
+std::array<Fn, kMaxRows + 1> make_tiles() {
+  return make_tiles_impl<Fn, Tile>(std::make_index_sequence<kMaxRows>{});
+}
 
 // Rows of x regrouped in tiles of kMaxRows (the last one shorter), each tile [K/P][R][P] with
 // P = 1 (fp32) or 2 (bf16 pairs): the R values a k-step broadcasts share one cache line, so the
@@ -224,23 +232,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
 
   if (x.scalar_type() == torch::kFloat32) {
     using Fn = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, const float*);
-    static Fn tiles[kMaxRows + 1] = {nullptr,         tile_f32<1>,  tile_f32<2>,  tile_f32<3>,
-                                     tile_f32<4>,     tile_f32<5>,  tile_f32<6>,  tile_f32<7>,
-                                     tile_f32<8>,     tile_f32<9>,  tile_f32<10>, tile_f32<11>,
-                                     tile_f32<12>};
-    run(x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), tiles, K * kPanel);
+    static const auto tiles = make_tiles<Fn, F32Tile>();
+    run(x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), tiles.data(),
+        K * kPanel);
     return y;
   }
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == torch::kBFloat16) {
     using Fn = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, at::BFloat16*, int64_t,
                         int64_t, const float*);
-    static Fn tiles[kMaxRows + 1] = {nullptr,          tile_bf16<1>,  tile_bf16<2>,  tile_bf16<3>,
-                                     tile_bf16<4>,     tile_bf16<5>,  tile_bf16<6>,  tile_bf16<7>,
-                                     tile_bf16<8>,     tile_bf16<9>,  tile_bf16<10>, tile_bf16<11>,
-                                     tile_bf16<12>};
+    static const auto tiles = make_tiles<Fn, Bf16Tile>();
     run(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(),
-        tiles, K * kPanel);
+        tiles.data(), K * kPanel);
     return y;
   }
 #endif

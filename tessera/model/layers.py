@@ -9,11 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.kernels.fused import fused_ops_for
-from tessera.kernels.linear import (
-    SMALL_BATCH_MAX_ROWS,
-    PackedLinearWeight,
-    small_batch_linear_supported,
-)
+from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
 
 
 def _mkldnn_linear_ok(weight: torch.Tensor) -> bool:
@@ -26,31 +22,26 @@ def _mkldnn_linear_ok(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """y = x @ W^T (+ b). On CPU the weight is packed twice, once per kernel that wins a range of
-    row counts (measured, see tessera/kernels/linear.py): up to `SMALL_BATCH_MAX_ROWS` rows (decode
-    steps) our streaming kernel, above it (prefill) oneDNN's blocked GEMM. Plain `F.linear` is slower
-    than either here (~12 GB/s at M=1, 10-35% behind packed oneDNN at M>=128), so on CPU the plain
-    weight is not kept; elsewhere (CUDA) it is all there is."""
+    """y = x @ W^T (+ b). On CPU the weight is packed once for our C++ kernel
+    (tessera/kernels/linear.py: 1.5x oneDNN at decode sizes, within ~5% at prefill sizes, and
+    batch-invariant); without it, for oneDNN's blocked layout (plain `F.linear` reaches only
+    ~12 GB/s of weights at M=1 here). Elsewhere (CUDA) plain F.linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.out_features, self.in_features = weight.shape
         self.weight: torch.Tensor | None = weight.contiguous()
         self.bias = bias.contiguous() if bias is not None else None
-        self.small: PackedLinearWeight | None = None
+        self.kernel: PackedLinearWeight | None = None
         self.packed: torch.Tensor | None = None
-        if not pack:
-            return
-        if small_batch_linear_supported(self.weight):
-            self.small = PackedLinearWeight(self.weight, self.bias)
-        if _mkldnn_linear_ok(self.weight):
+        if pack and linear_kernel_supported(self.weight):
+            self.kernel = PackedLinearWeight(self.weight, self.bias)
+            self.weight = None  # the panels are the only copy kept
+        elif pack and _mkldnn_linear_ok(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-        if self.small is not None and self.packed is not None:
-            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if self.small is not None and (rows <= SMALL_BATCH_MAX_ROWS or self.packed is None):
-            return self.small(x)
+        if self.kernel is not None:
+            return self.kernel(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
