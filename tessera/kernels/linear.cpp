@@ -1,15 +1,16 @@
-// Small-batch linear layers for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 or bf16.
+// Linear layers for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 or bf16, any M.
 //
 // Why by hand: decode steps multiply a few rows by every weight of the model, so they are bound by
 // how fast the weights stream from memory and by per-call overhead. oneDNN's packed GEMV reaches
 // ~19 GB/s here against ~33 GB/s of memory bandwidth; this kernel streams each weight once per call
-// in one contiguous pass and keeps every row of x in registers against it.
+// in one contiguous pass and keeps up to kMaxRows rows of x in registers against it. At prefill
+// sizes it stays within ~5% of oneDNN (benchmarks/linear.py).
 //
-// Layout: W is packed once into panels of 32 output features. fp32: [N/32][K][32]; bf16:
-// [N/32][K/2][32][2] (pairs along K, the operand layout of vdpbf16ps). N is padded to a multiple
-// of 32 with zero rows. Each output is one dot product accumulated in K order in fp32, whatever M
-// is: a row's result does not depend on the rows batched with it (greedy decoding stays batch
-// invariant).
+// Layout: W is packed once into panels of kPanel (48) output features. fp32: [N/48][K][48]; bf16:
+// [N/48][K/2][48][2] (pairs along K, the operand layout of vdpbf16ps). N is padded to a multiple
+// of 48 with zero rows. Each output is one dot product accumulated in K order in fp32, whatever M
+// is: a row's result does not depend on the rows batched with it, which is what keeps greedy
+// decoding invariant under batching, chunking and prefix caching in bf16 as well as fp32.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -17,8 +18,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <array>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__)
@@ -36,6 +37,10 @@ namespace {
 constexpr int kVecs = TESSERA_LINEAR_VECS;     // 16-lane vectors per panel
 constexpr int64_t kPanel = 16 * kVecs;         // output features per panel
 constexpr int64_t kMaxRows = TESSERA_LINEAR_ROWS;  // rows per micro-tile: kVecs * rows accumulators
+// 3 x 8 measured best of 2x12, 3x8, 4x6 on Zen4 (fewer x broadcasts per FMA than 2x12, and 48-wide
+// panels still split evenly over two threads for the default model's shapes).
+constexpr int64_t kRowsPerBlock = 96;  // rows of x kept in L2 while the panels stream past them
+static_assert(kRowsPerBlock % kMaxRows == 0, "row blocks must hold whole micro-tiles");
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -168,7 +173,7 @@ bool kernel_supports(const torch::Tensor& w) {
 
 bool available(torch::Tensor weight) { return kernel_supports(weight); }
 
-// W [N, K] -> panels (see the header comment). Zero rows pad N to a multiple of 32.
+// W [N, K] -> panels (see the header comment). Zero rows pad N to a multiple of kPanel.
 torch::Tensor pack_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
   TORCH_CHECK(kernel_supports(weight), "unsupported weight dtype/shape for the linear kernel");
@@ -177,10 +182,10 @@ torch::Tensor pack_weight(torch::Tensor weight) {
   auto w = torch::zeros({n_pad, K}, weight.options());
   w.narrow(0, 0, N).copy_(weight);
   if (weight.scalar_type() == torch::kFloat32) {
-    // [P, 32, K] -> [P, K, 32]
+    // [P, kPanel, K] -> [P, K, kPanel]
     return w.view({n_pad / kPanel, kPanel, K}).transpose(1, 2).contiguous();
   }
-  // [P, 32, K/2, 2] -> [P, K/2, 32, 2]
+  // [P, kPanel, K/2, 2] -> [P, K/2, kPanel, 2]
   return w.view({n_pad / kPanel, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
@@ -193,6 +198,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t num_panels = packed.size(0);
   TORCH_CHECK(num_panels * kPanel >= N && num_panels * kPanel < N + kPanel, "N does not match");
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() == num_panels * K * kPanel,
+              "K does not match the packed weight");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* b = nullptr;
@@ -205,8 +212,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t ldx = x.stride(0);
   // M == 1 with a contiguous row is already in the packed layout.
   torch::Tensor xp = (M == 1) ? x : torch::empty({M * K}, x.options());
-  // Large M: blocks of rows so that a block of x stays in L2 while the panels stream past it.
-  const int64_t rows_per_block = M <= 96 ? M : 96;
+  const int64_t rows_per_block = std::min(M, kRowsPerBlock);
   const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
   const int64_t units = num_row_blocks * num_panels;
 
@@ -261,7 +267,7 @@ torch::Tensor pack_bias(torch::Tensor bias) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build serves the weight's dtype/shape");
-  m.def("pack_weight", &pack_weight, "pack W [N, K] into 32-wide panels");
+  m.def("pack_weight", &pack_weight, "pack W [N, K] into kPanel-wide panels");
   m.def("pack_bias", &pack_bias, "bias as float32 padded to the panel width");
   m.def("linear", &linear, "y = x @ W^T (+ bias) on packed W");
 }
