@@ -69,10 +69,11 @@ struct Scratch {
   std::vector<float> acc;  // [nh, head_dim]
   std::vector<float> s;    // [nh, kTile] scores, then probabilities
   std::vector<float> m, l;  // [nh]
+  std::vector<float> corr;  // [nh] this tile's rescaling of acc
   explicit Scratch(const Geometry& geo)
       : q(geo.num_heads * geo.head_dim), qb(geo.num_heads * geo.head_dim),
         acc(geo.num_heads * geo.head_dim), s(geo.num_heads * kTile), m(geo.num_heads),
-        l(geo.num_heads) {}
+        l(geo.num_heads), corr(geo.num_heads) {}
 };
 
 template <typename scalar_t>
@@ -228,6 +229,28 @@ constexpr bool use_dpbf16() {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per kv head on the vector path
 
+// acc[g] = acc[g] * corr[g] + sum_i p[g][i] V_i for the GG query heads of one kv head; p[g] is
+// kTile apart, acc[g] head_dim apart, V_i = vp[i] + off.
+template <int NC, int GG, typename scalar_t>
+inline void pv_group(const float* p, const float* corr, const scalar_t* const* vp, int64_t off,
+                     int64_t n, int64_t D, float* a) {
+  __m512 acc[GG][NC];
+  for (int g = 0; g < GG; ++g) {
+    const __m512 vcorr = _mm512_set1_ps(corr[g]);
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(a + g * D + 16 * c), vcorr);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = load16(vp[i] + off + 16 * c);
+    for (int g = 0; g < GG; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * kTile + i]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GG; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + g * D + 16 * c, acc[g][c]);
+}
+
 template <int NC, typename scalar_t, typename index_t>
 void attend_avx512(const scalar_t* q, const scalar_t* k, const scalar_t* v, const index_t* table,
                    int64_t seq_len, int64_t b, int64_t g0, int64_t nkv, float scale,
@@ -258,7 +281,6 @@ void attend_avx512(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
     const __mmask16 hi = n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
     for (int64_t j = 0; j < nh; ++j) {
       float* s = sc.s.data() + j * kTile;
-      const int64_t off = (j / G) * D;  // this head's kv row, relative to the item's first
       const __m512 s0 = _mm512_mask_mul_ps(ninf, lo, _mm512_loadu_ps(s), vscale);
       const __m512 s1 = _mm512_mask_mul_ps(ninf, hi, _mm512_loadu_ps(s + 16), vscale);
       const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
@@ -270,17 +292,23 @@ void attend_avx512(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
       sc.l[j] = sc.l[j] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
       _mm512_storeu_ps(s, p0);
       _mm512_storeu_ps(s + 16, p1);
-      // acc_j = acc_j * corr + sum_i p_i V_i, the NC accumulators held in registers.
-      float* a = sc.acc.data() + j * D;
-      __m512 acc[NC];
-      const __m512 vcorr = _mm512_set1_ps(corr);
-      for (int c = 0; c < NC; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), vcorr);
-      for (int64_t i = 0; i < n; ++i) {
-        const __m512 p = _mm512_set1_ps(s[i]);
-        for (int c = 0; c < NC; ++c)
-          acc[c] = _mm512_fmadd_ps(p, load16(vp[i] + off + 16 * c), acc[c]);
+      sc.corr[j] = corr;
+    }
+    // acc_j = acc_j * corr_j + sum_i p_ij V_i, a kv head's whole query group at a time: each V row
+    // is loaded (and widened from bf16) once for the group, its accumulators held in registers.
+    for (int64_t kv = 0; kv < nkv; ++kv) {
+      const int64_t j0 = kv * G;
+      float* a = sc.acc.data() + j0 * D;
+      const float* p = sc.s.data() + j0 * kTile;
+      const float* corr = sc.corr.data() + j0;
+      switch (G * NC <= 16 ? G : 0) {
+        case 1: pv_group<NC, 1>(p, corr, vp, kv * D, n, D, a); break;
+        case 2: pv_group<NC, 2>(p, corr, vp, kv * D, n, D, a); break;
+        case 3: pv_group<NC, 3>(p, corr, vp, kv * D, n, D, a); break;
+        case 4: pv_group<NC, 4>(p, corr, vp, kv * D, n, D, a); break;
+        default:  // groups too large for the registers: one head at a time
+          for (int64_t g = 0; g < G; ++g) pv_group<NC, 1>(p + g * kTile, corr + g, vp, kv * D, n, D, a + g * D);
       }
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + 16 * c, acc[c]);
     }
   }
   store_out(out, geo, b, h0, nh, sc);
