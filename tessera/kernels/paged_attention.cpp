@@ -179,18 +179,24 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// dots[j] = q_j * k lane by lane, summed over head_dim chunks (the 16 lanes not yet added up).
-template <int NC>
-inline void dot_rows(const float* q, const at::BFloat16*, const float* k, int64_t G,
-                     __m512* dots) {
+// dots[j] = q_j * k lane by lane, summed over head_dim chunks (the 16 lanes not yet added up), in
+// fp32 FMAs over k widened to fp32: the path for fp32 caches, and for bf16 without vdpbf16ps.
+template <int NC, typename kv_t>
+inline void dot_rows_fma(const float* q, const kv_t* k, int64_t G, __m512* dots) {
   __m512 kc[NC];
-  for (int c = 0; c < NC; ++c) kc[c] = _mm512_loadu_ps(k + 16 * c);
+  for (int c = 0; c < NC; ++c) kc[c] = load16(k + 16 * c);
   for (int64_t j = 0; j < G; ++j) {
     __m512 d = _mm512_setzero_ps();
     for (int c = 0; c < NC; ++c)
       d = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * 16 * NC + 16 * c), kc[c], d);
     dots[j] = d;
   }
+}
+
+template <int NC>
+inline void dot_rows(const float* q, const at::BFloat16*, const float* k, int64_t G,
+                     __m512* dots) {
+  dot_rows_fma<NC>(q, k, G, dots);
 }
 
 template <int NC>
@@ -207,14 +213,8 @@ inline void dot_rows(const float* q, const at::BFloat16* qb, const at::BFloat16*
     dots[j] = d;
   }
 #else
-  __m512 kc[NC];
-  for (int c = 0; c < NC; ++c) kc[c] = load16(k + 16 * c);
-  for (int64_t j = 0; j < G; ++j) {
-    __m512 d = _mm512_setzero_ps();
-    for (int c = 0; c < NC; ++c)
-      d = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * 16 * NC + 16 * c), kc[c], d);
-    dots[j] = d;
-  }
+  (void)qb;
+  dot_rows_fma<NC>(q, k, G, dots);
 #endif
 }
 
