@@ -163,6 +163,24 @@ def _bars(ax, labels, values, title, fmt="{:.0f}") -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
+def _cdf_panel(ax, xlabel: str, title: str, log_x: bool = False) -> None:
+    """Axis labels, legend and grid of a CDF panel."""
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+
+
+def _save(plt, fig, title: str, png: str) -> None:
+    """Title, layout, docs/<png>, and the figure closed."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(os.path.join(DOCS, png), dpi=110)
+    plt.close(fig)
+
+
 def plot_fig1(plt) -> None:
     data = _load("docs/results/fig1_chunked_prefill.json")
     pts = list(data["points"])
@@ -195,17 +213,11 @@ def plot_fig1(plt) -> None:
         if d is not None:
             itl = [1000 * g for r in d["requests"] if r["success"] for g in r["itl"]]
             _cdf(axes[3], itl, _label(p["setting"]).replace("\n", ", "), color=f"C{i}")
-    axes[3].set_xscale("log")
-    axes[3].set_xlabel("ms (log)")
-    axes[3].set_title("ITL CDF", fontsize=10)
-    axes[3].legend(fontsize=8, loc="lower right")
-    axes[3].grid(alpha=0.3)
+    _cdf_panel(axes[3], "ms (log)", "ITL CDF", log_x=True)
     rate = pts[0]["request_rate"]
-    fig.suptitle(f"Fig. 1  chunked prefill off/on, random 768±50% in / 128 out, "
-                 f"{data['num_prompts']} prompts at {rate} req/s (Poisson), bf16, 2-core CPU")
-    fig.tight_layout()
-    fig.savefig(os.path.join(DOCS, "fig1_chunked_prefill.png"), dpi=110)
-    plt.close(fig)
+    _save(plt, fig, f"Fig. 1  chunked prefill off/on, random 768±50% in / 128 out, "
+                    f"{data['num_prompts']} prompts at {rate} req/s (Poisson), bf16, 2-core CPU",
+          "fig1_chunked_prefill.png")
     _slim("fig1_chunked_prefill", keep_itl=True)
     _slim("fig1b_chunked_prefill_512", keep_itl=True)
 
@@ -223,12 +235,9 @@ def plot_fig2(plt) -> None:
     _bars(axes[2], labels, [p["metrics"]["median_e2el_ms"] / 1000 for p in pts],
           "median E2E (s)", "{:.1f}")
     _bars(axes[3], labels, [p["metrics"]["p99_tpot_ms"] for p in pts], "p99 TPOT (ms)")
-    fig.suptitle(f"Fig. 2  swap vs recompute under a small KV cache ({FIG2_BLOCKS} blocks of 16), "
-                 f"random 256 in / 256 out, {data['num_prompts']} prompts at once, "
-                 "max-num-seqs 64, bf16")
-    fig.tight_layout()
-    fig.savefig(os.path.join(DOCS, "fig2_preemption.png"), dpi=110)
-    plt.close(fig)
+    _save(plt, fig, f"Fig. 2  swap vs recompute under a small KV cache ({FIG2_BLOCKS} blocks of 16), "
+                    f"random 256 in / 256 out, {data['num_prompts']} prompts at once, "
+                    "max-num-seqs 64, bf16", "fig2_preemption.png")
     _slim("fig2_preemption")
 
 
@@ -263,16 +272,9 @@ def plot_fig3(plt) -> None:
             continue
         _cdf(axes[2], [1000 * r["ttft"] for r in d["requests"] if r["success"]],
              _label(d["config"].get("setting") or "default"))
-    axes[2].set_xscale("log")
-    axes[2].set_xlabel("ms (log)")
-    axes[2].set_title(f"TTFT CDF at {top:g} req/s", fontsize=10)
-    axes[2].legend(fontsize=8, loc="lower right")
-    axes[2].grid(alpha=0.3)
-    fig.suptitle(f"Fig. 3  prefix caching, `prefix` dataset (512 shared + 32 distinct tokens, "
-                 f"32 out), {data['num_prompts']} prompts per rate, bf16")
-    fig.tight_layout()
-    fig.savefig(os.path.join(DOCS, "fig3_prefix_caching.png"), dpi=110)
-    plt.close(fig)
+    _cdf_panel(axes[2], "ms (log)", f"TTFT CDF at {top:g} req/s", log_x=True)
+    _save(plt, fig, f"Fig. 3  prefix caching, `prefix` dataset (512 shared + 32 distinct tokens, "
+                    f"32 out), {data['num_prompts']} prompts per rate, bf16", "fig3_prefix_caching.png")
     _slim("fig3_prefix_caching")
 
 
@@ -296,15 +298,10 @@ def plot_fig4(plt) -> None:
         axes[0].bar(["llama.cpp\n(llama-server)"], [llamacpp["metrics"]["output_throughput"]])
         _cdf(axes[1], [r["e2el"] for r in llamacpp["requests"] if r.get("success", True)],
              "llama.cpp llama-server")
-    axes[1].set_xlabel("E2E latency (s), all requests sent at t=0")
-    axes[1].set_title("E2E latency CDF", fontsize=10)
-    axes[1].legend(fontsize=8, loc="lower right")
-    axes[1].grid(alpha=0.3)
-    fig.suptitle(f"Fig. 4  Tessera vs HF transformers static batching, ShareGPT prompts, "
-                 f"{hf['config']['num_prompts']} requests x 128 output tokens (ignore-eos), bf16 both")
-    fig.tight_layout()
-    fig.savefig(os.path.join(DOCS, "fig4_vs_hf.png"), dpi=110)
-    plt.close(fig)
+    _cdf_panel(axes[1], "E2E latency (s), all requests sent at t=0", "E2E latency CDF")
+    _save(plt, fig, f"Fig. 4  Tessera vs HF transformers static batching, ShareGPT prompts, "
+                    f"{hf['config']['num_prompts']} requests x 128 output tokens (ignore-eos), bf16 both",
+          "fig4_vs_hf.png")
     _slim("fig4_tessera")
 
 
