@@ -34,7 +34,7 @@ from tessera.entrypoints.openai.serving_engine import (
     top_entries,
     top_logprob,
 )
-from tessera.outputs import CompletionOutput, RequestOutput
+from tessera.outputs import CompletionOutput
 from tessera.tokenizer import apply_chat_template
 
 
@@ -52,21 +52,11 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             return StreamingResponse(self._stream(req, raw_request, base_id, token_ids, params),
                                      media_type="text/event-stream")
-        request_ids = [f"{base_id}-0"]
-        final: RequestOutput | None = None
-        try:
-            async with self.abort_on_disconnect(raw_request, request_ids):
-                streams = await self.start(base_id, [token_ids], params, req.priority or 0)
-                async for _, out in merge_streams(streams):
-                    check_output(out)
-                    final = out
-        except RequestAbortedError:
+        finals = await self.run_to_completion(raw_request, base_id, [token_ids], params,
+                                              req.priority or 0)
+        if finals is None:
             return self.aborted_response()
-        except EngineError as e:
-            raise OpenAIError(500, str(e)) from None
-        finally:
-            self.engine.abort(request_ids)
-        assert final is not None and final.finished
+        final = finals[0]
         choices = [
             ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
                        logprobs=self._logprobs(req, o, 0), finish_reason=o.finish_reason,

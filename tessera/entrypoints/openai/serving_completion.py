@@ -51,25 +51,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             return StreamingResponse(self._stream(req, raw_request, base_id, prompts, params),
                                      media_type="text/event-stream")
-        request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        finals: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            async with self.abort_on_disconnect(raw_request, request_ids):
-                streams = await self.start(base_id, [p.token_ids for p in prompts], params,
-                                           req.priority or 0)
-                async for i, out in merge_streams(streams):
-                    check_output(out)
-                    finals[i] = out
-        except RequestAbortedError:
+        finals = await self.run_to_completion(raw_request, base_id, [p.token_ids for p in prompts],
+                                              params, req.priority or 0)
+        if finals is None:
             return self.aborted_response()
-        except EngineError as e:
-            raise OpenAIError(500, str(e)) from None
-        finally:
-            self.engine.abort(request_ids)  # no-op for finished requests
         choices: list[CompletionChoice] = []
         usage = UsageInfo()
         for i, (prompt, out) in enumerate(zip(prompts, finals, strict=True)):
-            assert out is not None and out.finished
             usage.prompt_tokens += len(prompt.token_ids)
             for o in sorted(out.outputs, key=lambda o: o.index):
                 usage.completion_tokens += len(o.token_ids)

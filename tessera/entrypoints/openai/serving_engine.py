@@ -107,6 +107,30 @@ class OpenAIServing:
             raise
         return streams
 
+    async def run_to_completion(
+        self, raw_request: Request, base_id: str, prompts: list[list[int]], params: SamplingParams,
+        priority: int,
+    ) -> list[RequestOutput] | None:
+        """The non-streaming path: run one engine request per prompt to its final output (in prompt
+        order). None if they were aborted (client disconnect or shutdown: answer with
+        `aborted_response`); an engine failure is a 500; nothing is left running either way."""
+        request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async with self.abort_on_disconnect(raw_request, request_ids):
+                streams = await self.start(base_id, prompts, params, priority)
+                async for i, out in merge_streams(streams):
+                    check_output(out)
+                    finals[i] = out
+        except RequestAbortedError:
+            return None
+        except EngineError as e:
+            raise OpenAIError(500, str(e)) from None
+        finally:
+            self.engine.abort(request_ids)  # no-op for finished requests
+        assert all(out is not None and out.finished for out in finals)
+        return finals  # type: ignore[return-value]
+
     def aborted_response(self) -> Response:
         """A non-streaming request was aborted: by shutdown (tell the client), or because the
         client left (nobody reads this; 499 is nginx's 'client closed request' for the logs)."""
