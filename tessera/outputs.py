@@ -1,11 +1,13 @@
 """What the engine hands back for each request after a step (vLLM's `RequestOutput` shape).
 
-Text and token ids are cumulative: a streaming front end sends the part it has not sent yet.
+What `text`, `token_ids` and `logprobs` hold follows `SamplingParams.output_kind`: everything so
+far (CUMULATIVE, the default), only what is new since the previous output (DELTA: what a stream
+sends), or everything, once, at the end (FINAL_ONLY: what `LLM.generate` returns).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -47,5 +49,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # why the request was rejected (e.g. prompt longer than max_model_len); outputs are then empty
     error: str | None = None
-    num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache

@@ -10,8 +10,9 @@ prefix-cache hits (which start it above zero) and recompute (which resets it to 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tessera.sampling.params import SamplingParams
@@ -46,20 +47,30 @@ _FINISHED = {
 }
 
 
+_seq_ids = itertools.count()
+
+
+def new_seq_id() -> int:
+    """A process-wide unique sequence id (block tables are keyed by it)."""
+    return next(_seq_ids)
+
+
 @dataclass
 class Sequence:
+    """One stream of tokens. Its progress (`num_computed_tokens`, appended tokens, `status`) is
+    written only by the scheduler: `Scheduler.update_from_output` after a step, preemption and
+    admission inside `schedule()`. Text, logprobs and stop strings are the engine's
+    `OutputProcessor`'s."""
+
     seq_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    # per generated token: logprob of the chosen token and {token_id: logprob} of the top ones
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    # detokenizer state (owned by the engine's detokenizer)
-    output_text: str = ""
-    detok_state: Any = None
     stop_reason: int | str | None = None
+    # the key of this stream in messages to the runner (set by its SequenceGroup)
+    req_id: str = ""
+    index: int = 0  # position in its group: 0 is the first, k the k-th forked child
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -90,25 +101,15 @@ class Sequence:
         """Tokens whose KV is not yet in the cache (1 for a decode, the rest of the prompt in prefill)."""
         return self.get_len() - self.num_computed_tokens
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_new_tokens > 1 or not self.output_token_ids
-
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
-        self.output_token_ids.append(token_id)
-        if logprobs is not None:
-            self.output_logprobs.append(logprobs)
-            self.cumulative_logprob += logprobs.get(token_id, 0.0)
 
     def reset_for_recompute(self) -> None:
         """KV was dropped: the whole sequence (prompt + output so far) must be prefilled again."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
 
-    def fork(self, new_seq_id: int) -> Sequence:
+    def fork(self, new_seq_id: int, index: int, req_id: str) -> Sequence:
         """A child sharing everything so far; the block manager shares its blocks by ref count."""
         return Sequence(
             seq_id=new_seq_id,
@@ -116,17 +117,16 @@ class Sequence:
             output_token_ids=list(self.output_token_ids),
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
-            output_logprobs=list(self.output_logprobs),
-            cumulative_logprob=self.cumulative_logprob,
-            output_text=self.output_text,
-            detok_state=self.detok_state,
+            req_id=req_id,
+            index=index,
         )
 
 
 @dataclass
 class SequenceGroup:
-    """One request. It starts with a single sequence; when its prompt is done and `n > 1`, the engine
-    forks the other n-1 from it (sharing the prompt's blocks), so the prompt is computed once."""
+    """One request. It starts with a single sequence; when its prompt is done and `n > 1`, the
+    scheduler forks the other n-1 from it (sharing the prompt's blocks), so the prompt is computed
+    once. Until then the group holds seats for all n (`is_fork_pending`)."""
 
     request_id: str
     seqs: list[Sequence]
@@ -134,15 +134,20 @@ class SequenceGroup:
     arrival_time: float
     priority: int = 0
     prompt: str | None = None
-    # latency bookkeeping (engine clock)
+    # latency bookkeeping (engine clock), written by the scheduler
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
     # why the group was ignored at admission, if it was
     error: str | None = None
-    # prompt logprobs, filled by the engine when sampling_params.prompt_logprobs is set
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+
+    def __post_init__(self) -> None:
+        for i, seq in enumerate(self.seqs):
+            if not seq.req_id:
+                seq.req_id = child_req_id(self.request_id, i)
+                seq.index = i
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -161,15 +166,22 @@ class SequenceGroup:
     def get_unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished()]
 
+    @property
+    def is_fork_pending(self) -> bool:
+        """n > 1 and the first token not yet sampled: the step that completes the prompt samples
+        n tokens and the scheduler forks n-1 children. The one home of this rule."""
+        return len(self.seqs) < self.sampling_params.n and not self.seqs[0].output_token_ids
+
     def max_num_running_seqs(self) -> int:
-        """Sequences this group may run at once: n before the fork (reserve for the children)."""
-        n = getattr(self.sampling_params, "n", 1)
-        if len(self.seqs) < n and not self.seqs[0].output_token_ids:
-            return n
+        """Sequences this group may run at once: n before the fork (seats for the children)."""
+        if self.is_fork_pending:
+            return self.sampling_params.n
         return len(self.get_unfinished_seqs())
 
     def is_finished(self) -> bool:
         return all(s.is_finished() for s in self.seqs)
 
-    def is_prefill(self) -> bool:
-        return any(s.num_new_tokens > 1 for s in self.get_unfinished_seqs())
+
+def child_req_id(request_id: str, index: int) -> str:
+    """The runner-facing id of a group's `index`-th stream (vLLM's naming for parallel samples)."""
+    return request_id if index == 0 else f"{index}_{request_id}"

@@ -298,9 +298,6 @@ class BlockManager:
         """The live device block table (mutated by later `append_slots`; read it this step)."""
         return self._tables[seq.seq_id]
 
-    def get_cpu_block_table(self, seq: Sequence) -> list[int]:
-        return self._cpu_tables[seq.seq_id]
-
     def has_blocks(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables or seq.seq_id in self._cpu_tables
 

@@ -14,6 +14,12 @@ A step, in order:
 Steps 2 and 3 are skipped after a preemption in step 1: memory is tight, and swapping a group back
 in the step it left would only churn.
 
+After the forward pass `update_from_output` is the only writer of request progress: it advances
+`num_computed_tokens` by the tokens actually computed and accepted, appends the sampled tokens,
+applies the token-id stop rules (core/stop_conditions.py), forks the children of n > 1 requests,
+frees what finished and offers full blocks to the prefix cache. The runner is told only plain
+diffs (core/runner_view.py); it never sees these objects.
+
 Cost: the hot path reads counters. It walks `running` (the sequences it schedules) and only the
 head of `waiting` it admits, so a step costs the same with 1,000 or 10,000 requests waiting.
 Pure Python, no tensors; time comes from the injected `clock`.
@@ -26,21 +32,36 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
+from tessera.core.admission import never_fits_reason, reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
-from tessera.core.scheduler_output import (
-    ScheduledSequence,
-    ScheduledSequenceGroup,
-    SchedulerOutput,
-)
-from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
+from tessera.core.core_output import EngineCoreOutput, SeqDelta
+from tessera.core.request_queue import create_request_queue
+from tessera.core.runner_output import ModelRunnerOutput
+from tessera.core.runner_view import RunnerView
+from tessera.core.scheduler_output import SchedulerOutput
+from tessera.core.stop_conditions import check_token_stop
+from tessera.outputs import RequestMetrics
+from tessera.sequence import Sequence, SequenceGroup, SequenceStatus, child_req_id, new_seq_id
 
 logger = logging.getLogger(__name__)
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
 _SWAPPED = SequenceStatus.SWAPPED
+
+# (sequence, tokens to compute this step) for each scheduled sequence of a group
+_Plan = list[tuple[Sequence, int]]
+
+
+@dataclass
+class _Budget:
+    """What is left of this step's limits while the phases hand it out."""
+
+    tokens: int  # of max_num_batched_tokens
+    num_seqs: int = 0  # seats taken, against max_num_seqs
 
 
 class Scheduler:
@@ -51,10 +72,12 @@ class Scheduler:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         clock: Callable[[], float] = time.monotonic,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.clock = clock
+        self.eos_token_ids = tuple(eos_token_ids)
         self.block_manager = BlockManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=num_gpu_blocks,
@@ -63,13 +86,16 @@ class Scheduler:
             enable_prefix_caching=cache_config.enable_prefix_caching,
         )
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
-        # waiting: FCFS keeps a deque in arrival order (preempted groups re-enter at the front);
-        # priority keeps a list sorted by (priority, arrival), insertion by bisection
-        self.waiting: deque[SequenceGroup] | list[SequenceGroup] = [] if self._priority else deque()
+        self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[SequenceGroup] = []  # sorted by policy key: the tail is the next victim
         self.swapped: deque[SequenceGroup] = deque()
-        self._groups: dict[str, SequenceGroup] = {}  # unfinished requests by id
+        self._groups: dict[str, SequenceGroup] = {}  # unfinished requests by request id
+        self._live: dict[str, tuple[SequenceGroup, Sequence]] = {}  # unfinished streams by req_id
+        self._runner = RunnerView()
+        self._ignored: list[SequenceGroup] = []  # rejected this step, reported by the update
         self.num_preemptions_total = 0
+        self.num_prompt_tokens_total = 0  # prompt tokens computed (chunks, recomputes; not hits)
+        self.num_generation_tokens_total = 0
 
     def _key(self, group: SequenceGroup) -> tuple[int, float]:
         return (group.priority, group.arrival_time) if self._priority else (0, group.arrival_time)
@@ -80,20 +106,9 @@ class Scheduler:
         if group.request_id in self._groups:
             raise ValueError(f"request id {group.request_id!r} is already scheduled")
         self._groups[group.request_id] = group
-        if self._priority:
-            bisect.insort(self.waiting, group, key=self._key)
-        else:
-            self.waiting.append(group)  # type: ignore[union-attr]
-
-    def _push_waiting_front(self, group: SequenceGroup) -> None:
-        """A preempted group keeps its place ahead of newer arrivals."""
-        if self._priority:
-            bisect.insort_left(self.waiting, group, key=self._key)
-        else:
-            self.waiting.appendleft(group)  # type: ignore[union-attr]
-
-    def _pop_waiting(self) -> SequenceGroup:
-        return self.waiting.pop(0) if self._priority else self.waiting.popleft()  # type: ignore[union-attr]
+        for seq in group.seqs:
+            self._live[seq.req_id] = (group, seq)
+        self.waiting.add(group)
 
     def abort_seq_group(self, request_id: str | Iterable[str]) -> list[SequenceGroup]:
         """Abort requests wherever they are: blocks are freed at once, sequences become
@@ -101,52 +116,38 @@ class Scheduler:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         aborted = []
         for req_id in ids:
-            group = self._groups.pop(req_id, None)
+            group = self._groups.get(req_id)
             if group is None:
                 continue
-            for name in ("running", "swapped", "waiting"):
-                queue = getattr(self, name)
-                for i, g in enumerate(queue):
-                    if g is group:
-                        del queue[i]
-                        break
-                else:
-                    continue
-                break
+            if group in self.waiting:
+                self.waiting.remove(group)
+            elif group in self.swapped:
+                self.swapped.remove(group)
+            else:
+                self.running.remove(group)
             for seq in group.seqs:
                 if not seq.is_finished():
                     seq.status = SequenceStatus.FINISHED_ABORTED
-                self.block_manager.free(seq)
+            self._drop(group)
             aborted.append(group)
         return aborted
 
-    def fork_seq(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
-        """Add `child` to a running group, sharing all of `parent`'s blocks."""
-        group.seqs.append(child)
-        self.block_manager.fork(parent, child)
-        child.status = _RUNNING
-
-    def free_finished_seq_groups(self) -> list[SequenceGroup]:
-        """Free the blocks of finished sequences; drop and return the groups that are done."""
-        finished, kept = [], []
-        free = self.block_manager.free
-        for group in self.running:
-            done = True
-            for seq in group.seqs:
-                if seq.status is _RUNNING:
-                    done = False
-                elif seq.status.is_finished:
-                    free(seq)
-                else:
-                    done = False
-            if done:
-                finished.append(group)
-                self._groups.pop(group.request_id, None)
-            else:
-                kept.append(group)
-        if finished:
-            self.running = kept
-        return finished
+    def finish_seqs(self, stops: Iterable[tuple[str, int, str]]) -> None:
+        """Finish sequences that matched a stop string: (request id, sequence index, the string).
+        The engine's output processor finds these; the scheduler frees them."""
+        done = False
+        for request_id, index, stop_str in stops:
+            group = self._groups.get(request_id)
+            if group is None:
+                continue
+            seq = group.seqs[index]
+            if not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = stop_str
+            self._free_seq(seq)
+            done = done or group.is_finished()
+        if done:
+            self._sweep_finished()
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -154,31 +155,64 @@ class Scheduler:
     def get_num_unfinished_seq_groups(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    def _free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self._runner.finished(seq)
+        self._live.pop(seq.req_id, None)
+
+    def _drop(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            self._free_seq(seq)
+        self._groups.pop(group.request_id, None)
+
+    def _sweep_finished(self) -> None:
+        """Drop finished groups from `running` (their sequences are already freed)."""
+        kept = []
+        for group in self.running:
+            if group.is_finished():
+                self._drop(group)
+            else:
+                kept.append(group)
+        self.running = kept
+
     # the step
 
     def schedule(self) -> SchedulerOutput:
-        """Decide one step (see the module docstring). Apply the output's cache ops in the order
-        swap-out, swap-in, copy, before the forward pass: a block freed by a swap-out may be the
-        destination of a swap-in or a copy in the same step. Block tables in the output are the
-        live lists: read them this step."""
-        out = SchedulerOutput()
-        budget = [self.config.max_num_batched_tokens]  # tokens left, mutated by the phases
+        """Decide one step (see the module docstring)."""
+        out = SchedulerOutput(finished_req_ids=self._runner.take_finished())
+        budget = _Budget(self.config.max_num_batched_tokens)
+        scheduled: list[tuple[SequenceGroup, _Plan]] = []
         if self._priority and self.waiting and self.running:
             self._preempt_for_priority(out)
-        num_running_seqs, preempted = self._schedule_running(out, budget)
+        preempted = self._schedule_running(out, budget, scheduled)
         if self.swapped and not preempted and out.num_preemptions == 0:
-            num_running_seqs = self._schedule_swapped(out, budget, num_running_seqs)
+            self._schedule_swapped(out, budget, scheduled)
         if self.waiting and not preempted:
-            self._schedule_waiting(out, budget, num_running_seqs)
-        if out.scheduled_groups:
-            now = None
-            for sg in out.scheduled_groups:
-                if sg.group.first_scheduled_time is None:
-                    now = self.clock() if now is None else now
-                    sg.group.first_scheduled_time = now
+            self._schedule_waiting(out, budget, scheduled)
+        if scheduled:
+            self._describe(out, scheduled)
         return out
 
-    def _plan(self, seqs: list[Sequence], budget: int, reserve: int = 0) -> list[tuple[Sequence, int]]:
+    def _describe(self, out: SchedulerOutput, scheduled: list[tuple[SequenceGroup, _Plan]]) -> None:
+        """Turn the plan into the runner's message (plain data keyed by req_id)."""
+        table = self.block_manager.get_block_table
+        describe = self._runner.describe
+        num_scheduled = out.num_scheduled_tokens
+        now = None
+        total = 0
+        for group, plan in scheduled:
+            if group.first_scheduled_time is None:
+                now = self.clock() if now is None else now
+                group.first_scheduled_time = now
+            if group.is_fork_pending:
+                out.num_samples[plan[0][0].req_id] = group.sampling_params.n
+            for seq, n in plan:
+                describe(group, seq, table(seq), out)
+                num_scheduled[seq.req_id] = n
+                total += n
+        out.total_num_scheduled_tokens = total
+
+    def _plan(self, seqs: list[Sequence], budget: int, reserve: int = 0) -> _Plan:
         """Tokens for each sequence this step: a decode takes 1; a prefill takes all it needs, or
         with chunked prefill as much as the budget minus `reserve` (decodes still to come) gives."""
         plan = []
@@ -198,24 +232,13 @@ class Scheduler:
                 budget -= take
         return plan
 
-    def _emit(self, out: SchedulerOutput, group: SequenceGroup, plan) -> int:
-        """Add the group's planned sequences to the output; returns the tokens they take."""
-        table = self.block_manager.get_block_table
-        scheduled = []
-        num_tokens = 0
-        for seq, n in plan:
-            scheduled.append(ScheduledSequence(seq, n, table(seq), seq.num_computed_tokens))
-            num_tokens += n
-        out.scheduled_groups.append(ScheduledSequenceGroup(group, scheduled))
-        return num_tokens
-
-    def _schedule_running(self, out: SchedulerOutput, budget: list[int]) -> tuple[int, bool]:
-        """Step 1. Returns (sequence seats held by running groups, whether anyone was preempted)."""
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
+    ) -> bool:
+        """Step 1. Takes seats for every running group; returns whether anyone was preempted."""
         bm = self.block_manager
-        table = bm.get_block_table
         queue = deque(self.running)
         kept: list[SequenceGroup] = []
-        num_seats = 0
         preempted = False
         pending_decodes = 0
         if self.config.enable_chunked_prefill:  # reserve budget so decodes come before chunks
@@ -225,20 +248,19 @@ class Scheduler:
             seqs = group.seqs
             if len(seqs) != 1 or seqs[0].status is not _RUNNING:
                 seqs = [s for s in seqs if s.status is _RUNNING]
-                if not seqs:  # finished, waiting for free_finished_seq_groups()
-                    kept.append(group)
-                    continue
-            left = budget[0]
+                assert seqs, "a finished group is swept from running by the update"
+            left = budget.tokens
             seq = seqs[0]
+            plan: _Plan
             if len(seqs) == 1 and seq.get_len() - seq.num_computed_tokens == 1 and left > 0:
-                plan = None  # the common case: one sequence decoding
+                plan = [(seq, 1)]  # the common case: one sequence decoding
                 if pending_decodes:
                     pending_decodes -= 1
             else:
                 if pending_decodes:
                     pending_decodes -= _num_decodes(group)
                 plan = self._plan(seqs, left, pending_decodes) if left > 0 else []
-            if plan is None or plan:
+            if plan:
                 while (copies := bm.try_append_slots(group)) is None:
                     preempted = True
                     if queue:
@@ -253,31 +275,23 @@ class Scheduler:
                     continue
                 if copies:
                     out.blocks_to_copy += copies
-                if plan is None:
-                    out.scheduled_groups.append(ScheduledSequenceGroup(
-                        group, [ScheduledSequence(seq, 1, table(seq), seq.num_computed_tokens)]
-                    ))
-                    budget[0] = left - 1
-                else:
-                    budget[0] = left - self._emit(out, group, plan)
+                scheduled.append((group, plan))
+                budget.tokens = left - sum(n for _, n in plan)
             kept.append(group)
-            n = getattr(group.sampling_params, "n", 1)
-            # = group.max_num_running_seqs(), cheaper: here every unfinished seq is running
-            if len(group.seqs) < n and not group.seqs[0].output_token_ids:
-                num_seats += n
-            else:
-                num_seats += len(seqs)
+            budget.num_seqs += group.sampling_params.n if group.is_fork_pending else len(seqs)
         self.running = kept
-        return num_seats, preempted
+        return preempted
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: list[int], num_seqs: int) -> int:
+    def _schedule_swapped(
+        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
+    ) -> None:
         bm = self.block_manager
         if self._priority and len(self.swapped) > 1:
             self.swapped = deque(sorted(self.swapped, key=self._key))
-        while self.swapped and budget[0] > 0:
+        while self.swapped and budget.tokens > 0:
             group = self.swapped[0]
             n = group.max_num_running_seqs()
-            if num_seqs + n > self.config.max_num_seqs:
+            if budget.num_seqs + n > self.config.max_num_seqs:
                 break
             alone = not self.running
             if not bm.can_swap_in(group, use_watermark=not alone):
@@ -287,7 +301,7 @@ class Scheduler:
                     continue
                 break
             seqs = [s for s in group.seqs if s.status is _SWAPPED]
-            plan = self._plan(seqs, budget[0])
+            plan = self._plan(seqs, budget.tokens)
             if not plan:
                 break
             self.swapped.popleft()
@@ -298,10 +312,10 @@ class Scheduler:
             copies = bm.try_append_slots(group)
             assert copies is not None, "can_swap_in reserved a block per sequence"
             out.blocks_to_copy += copies
-            budget[0] -= self._emit(out, group, plan)
+            scheduled.append((group, plan))
+            budget.tokens -= sum(n for _, n in plan)
             bisect.insort(self.running, group, key=self._key)
-            num_seqs += n
-        return num_seqs
+            budget.num_seqs += n
 
     def _admission_blocked(self, head: SequenceGroup) -> bool:
         if not self.swapped:
@@ -310,38 +324,44 @@ class Scheduler:
             return True
         return min(g.priority for g in self.swapped) <= head.priority
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], num_seqs: int) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
+    ) -> None:
         bm = self.block_manager
-        while self.waiting and budget[0] > 0:
-            group = self.waiting[0]
+        while self.waiting and budget.tokens > 0:
+            group = self.waiting.peek()
             if self._admission_blocked(group):
                 break
-            reason = self._reject_reason(group)
+            reason = reject_reason(group, self.config)
             status = None
             if reason is None:
                 status = bm.can_allocate(group)
                 if status is AllocStatus.NEVER:
-                    reason = self._never_reason(group)
+                    reason = never_fits_reason(group, bm)
             if reason is not None:
-                self._pop_waiting()
+                self.waiting.pop()
                 self._ignore(group, reason, out)
                 continue
             n = group.max_num_running_seqs()
-            if num_seqs + n > self.config.max_num_seqs or status is AllocStatus.LATER:
+            if budget.num_seqs + n > self.config.max_num_seqs or status is AllocStatus.LATER:
                 break
             seqs = [s for s in group.seqs if s.status is _WAITING]
             if not self.config.enable_chunked_prefill:
                 first = seqs[0]
-                if first.get_len() - bm.get_num_cached_tokens(group, first) > budget[0]:
+                if first.get_len() - bm.get_num_cached_tokens(group, first) > budget.tokens:
                     break  # scheduled whole or not at all
-            self._pop_waiting()
-            out.num_prefix_cache_hit_tokens += bm.allocate(group)
+            self.waiting.pop()
+            hits = bm.allocate(group)
+            out.num_prefix_cache_hit_tokens += hits
+            if group.first_scheduled_time is None:
+                group.num_cached_tokens = hits
             for seq in seqs:
                 seq.status = _RUNNING
-            plan = self._plan(seqs, budget[0])
-            budget[0] -= self._emit(out, group, plan)
+            plan = self._plan(seqs, budget.tokens)
+            scheduled.append((group, plan))
+            budget.tokens -= sum(n for _, n in plan)
             bisect.insort(self.running, group, key=self._key)
-            num_seqs += n
+            budget.num_seqs += n
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt the worst running groups while the best waiting one is strictly better and
@@ -350,8 +370,8 @@ class Scheduler:
         num_seqs = sum(g.max_num_running_seqs() for g in self.running)
         reserved = sum(bm.num_append_blocks(g) for g in self.running)  # for this step's decodes
         while self.waiting and self.running:
-            head, tail = self.waiting[0], self.running[-1]
-            if head.priority >= tail.priority or self._reject_reason(head) is not None:
+            head, tail = self.waiting.peek(), self.running[-1]
+            if head.priority >= tail.priority or reject_reason(head, self.config) is not None:
                 return
             status = bm.can_allocate(head, reserved)
             if status is AllocStatus.NEVER:
@@ -370,9 +390,6 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, alone: bool) -> None:
         """Take a running group off the device. `alone`: no other group holds device blocks, so
         swapping would only bring it back to the same full pool; recompute it instead."""
-        for seq in group.seqs:  # finished members keep nothing (normally freed already)
-            if seq.is_finished():
-                self.block_manager.free(seq)
         mode = self.config.preemption_mode
         if mode is None:
             mode = (
@@ -387,75 +404,147 @@ class Scheduler:
             for seq in group.seqs:
                 if seq.status is _RUNNING:
                     seq.status = _SWAPPED
+                    self._runner.preempted(seq)
             self.swapped.append(group)
             out.num_swapped_out += 1
         else:
             self._recompute(group)
-        out.preempted_groups.append(group)
-        out.num_preemptions += 1
+        out.preempted_request_ids.append(group.request_id)
         self.num_preemptions_total += 1
 
     def _recompute(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             if not seq.is_finished():
                 self.block_manager.free(seq)
+                self._runner.preempted(seq)
                 seq.reset_for_recompute()
-        self._push_waiting_front(group)
-
-    def _reject_reason(self, group: SequenceGroup) -> str | None:
-        cfg = self.config
-        for seq in group.seqs:
-            if not seq.is_finished() and seq.get_len() > cfg.max_model_len:
-                if seq.get_output_len():
-                    return (
-                        f"sequence has {seq.get_len()} tokens (prompt + output), more than "
-                        f"max_model_len {cfg.max_model_len}"
-                    )
-                return f"prompt has {seq.get_len()} tokens, more than max_model_len {cfg.max_model_len}"
-        n = group.max_num_running_seqs()
-        if n > cfg.max_num_seqs:
-            return f"request needs {n} sequences at once, more than max_num_seqs {cfg.max_num_seqs}"
-        if n > cfg.max_num_batched_tokens:
-            return (
-                f"request needs {n} sequences at once, more than max_num_batched_tokens "
-                f"{cfg.max_num_batched_tokens}"
-            )
-        return None
-
-    def _never_reason(self, group: SequenceGroup) -> str:
-        bm = self.block_manager
-        num_tokens = sum(s.get_len() for s in group.seqs if s.status is _WAITING)
-        return (
-            f"request needs {bm.num_required_blocks(group)} KV blocks ({num_tokens} tokens, block "
-            f"size {bm.block_size}), more than the {bm.num_gpu_blocks} device blocks less the "
-            f"watermark of {bm.watermark_blocks}"
-        )
+        self.waiting.prepend(group)  # keeps its place ahead of newer arrivals
 
     def _ignore(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
         logger.warning("request %s ignored: %s", group.request_id, reason)
         for seq in group.seqs:
             if not seq.is_finished():
                 seq.status = SequenceStatus.FINISHED_IGNORED
-            self.block_manager.free(seq)
         group.error = reason
-        out.ignored_groups.append(group)
-        self._groups.pop(group.request_id, None)
+        self._drop(group)
+        out.ignored_request_ids.append(group.request_id)
+        self._ignored.append(group)
 
     # after the forward pass
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        """Advance every scheduled sequence by the tokens it just computed, and (prefix caching)
-        offer the blocks that became full and computed. Call before appending sampled tokens."""
-        cache = self.block_manager.cache_computed_blocks
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results; the only writer of request progress (see the module
+        docstring). Returns, per request that changed, what its sequences gained."""
+        now = self.clock()
         caching = self.block_manager.enable_prefix_caching
-        for sg in output.scheduled_groups:
-            for ss in sg.seqs:
-                seq = ss.seq
-                if seq.status is not _RUNNING:
-                    continue  # aborted meanwhile
-                seq.num_computed_tokens += ss.num_new_tokens
-                if caching:
-                    cache(seq)
+        index = runner_output.index_of()
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        touched: dict[str, tuple[SequenceGroup, EngineCoreOutput]] = {}
+        any_finished = False
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            entry = self._live.get(req_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            group, seq = entry
+            if seq.status is not _RUNNING:
+                continue
+            i = index.get(req_id)
+            tokens = runner_output.sampled_token_ids[i] if i is not None else []
+            start = seq.num_computed_tokens
+            if tokens and req_id in spec:  # rejected draft tokens' KV is stale: not computed
+                num_new -= len(spec[req_id]) + 1 - len(tokens)
+            seq.num_computed_tokens = start + num_new
+            self.num_prompt_tokens_total += max(0, min(start + num_new, seq.get_prompt_len()) - start)
+            if caching:
+                self.block_manager.cache_computed_blocks(seq)
+            prompt_lps = runner_output.prompt_logprobs.get(req_id)
+            if prompt_lps is not None:
+                self._output_of(group, touched).prompt_logprobs = prompt_lps
+            if not tokens:
+                continue
+            if group.first_token_time is None:
+                group.first_token_time = now
+            group.last_token_time = now
+            logprobs = runner_output.logprobs[i] if runner_output.logprobs else [{}] * len(tokens)
+            out = self._output_of(group, touched)
+            if group.is_fork_pending and len(tokens) > 1:
+                any_finished |= self._fork(group, seq, tokens[1:], logprobs[1:], out)
+                tokens, logprobs = tokens[:1], logprobs[:1]
+            any_finished |= self._append(group, seq, tokens, logprobs, out)
+        for group in self._ignored:
+            touched[group.request_id] = (group, EngineCoreOutput(group.request_id, error=group.error))
+        self._ignored = []
+        if any_finished:
+            self._sweep_finished()
+        for group, out in touched.values():
+            out.finished = group.is_finished()
+            if out.finished and group.finished_time is None:
+                group.finished_time = now
+            out.metrics = _metrics(group)
+        return [out for _, out in touched.values()]
+
+    @staticmethod
+    def _output_of(
+        group: SequenceGroup, touched: dict[str, tuple[SequenceGroup, EngineCoreOutput]]
+    ) -> EngineCoreOutput:
+        entry = touched.get(group.request_id)
+        if entry is None:
+            entry = touched[group.request_id] = (
+                group, EngineCoreOutput(group.request_id, num_cached_tokens=group.num_cached_tokens)
+            )
+        return entry[1]
+
+    def _append(
+        self, group: SequenceGroup, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]],
+        out: EngineCoreOutput,
+    ) -> bool:
+        """Append accepted tokens up to the first that stops the sequence; True if it finished."""
+        params = group.sampling_params
+        max_len = self.config.max_model_len
+        kept = 0
+        finished = False
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            kept += 1
+            if check_token_stop(seq, params, max_len, self.eos_token_ids):
+                finished = True
+                break
+        self.num_generation_tokens_total += kept
+        delta = SeqDelta(seq.index, tokens[:kept], logprobs[:kept])
+        if finished:
+            delta.finish_reason = seq.status.finish_reason
+            delta.stop_reason = seq.stop_reason
+            self._free_seq(seq)
+        out.seqs.append(delta)
+        return finished
+
+    def _fork(
+        self, group: SequenceGroup, parent: Sequence, tokens: list[int],
+        logprobs: list[dict[int, float]], out: EngineCoreOutput,
+    ) -> bool:
+        """The prompt of an n > 1 request is done: one child per extra sampled token, sharing all
+        of the parent's blocks (copy-on-write later). Returns whether any child finished at once."""
+        finished = False
+        for token, lp in zip(tokens, logprobs, strict=True):
+            k = len(group.seqs)
+            child = parent.fork(new_seq_id(), k, child_req_id(group.request_id, k))
+            group.seqs.append(child)
+            self.block_manager.fork(parent, child)
+            self._live[child.req_id] = (group, child)
+            finished |= self._append(group, child, [token], [lp], out)
+        return finished
+
+
+def _metrics(group: SequenceGroup) -> RequestMetrics:
+    return RequestMetrics(
+        arrival_time=group.arrival_time,
+        first_scheduled_time=group.first_scheduled_time,
+        first_token_time=group.first_token_time,
+        last_token_time=group.last_token_time,
+        finished_time=group.finished_time,
+    )
 
 
 def _num_decodes(group: SequenceGroup) -> int:

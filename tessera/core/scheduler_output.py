@@ -1,70 +1,80 @@
 """What the scheduler decides for one step: the message from `core/` to the model runner.
 
-Plain Python (no tensors): the runner turns it into flat tensors, the cache engine applies the
-block mappings before the forward pass.
+Plain, picklable data keyed by `req_id` (no tensors, no live scheduler objects), so that a runner in
+another process (a tensor-parallel rank, a remote worker) can receive it. The runner keeps its own
+copy of every request it has seen (its persistent batch) and updates it from these messages:
+
+    scheduled_new_reqs     everything about a request the runner does not have yet (first
+                           admission, a forked child, or a request resumed after preemption:
+                           its state is then replaced, its seeded generator kept)
+    scheduled_cached_reqs  diffs for requests the runner has: tokens appended since it last saw
+                           them, new block ids (or a replaced table), the new num_computed_tokens
+    finished_req_ids       requests whose state the runner can drop (finished, aborted)
+
+A "request" here is one stream of tokens: a request with n > 1 becomes n streams after its prompt
+is computed (the children's `req_id`s are "{k}_{request_id}"). Apply the cache operations in the
+order swap-out, swap-in, copy, before the forward pass: a block freed by a swap-out may be the
+destination of a swap-in or a copy in the same step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.sequence import Sequence, SequenceGroup
+from tessera.sampling.params import SamplingParams
 
 
 @dataclass
-class ScheduledSequence:
-    """One sequence's share of the step: compute KV for `token_ids[num_computed_tokens :
-    num_computed_tokens + num_new_tokens]`, writing into `block_table`."""
-
-    seq: Sequence
-    num_new_tokens: int
-    block_table: list[int]
-    # the sequence's num_computed_tokens when scheduled (the first position of this step's tokens);
-    # kept so that `do_sample` stays right after `Scheduler.update_after_step` advances the sequence
-    num_computed_tokens: int | None = None
-
-    @property
-    def do_sample(self) -> bool:
-        """Sample after this step iff it brings the sequence's KV up to its full length."""
-        start = self.num_computed_tokens
-        if start is None:
-            start = self.seq.num_computed_tokens
-        return start + self.num_new_tokens == self.seq.get_len()
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty for a forked child or a resumed request
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole device block table
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits, swap-in)
+    seed: int | None = None  # of this stream's generator (child k of a seeded request: seed + k)
 
 
 @dataclass
-class ScheduledSequenceGroup:
-    group: SequenceGroup
-    # one entry per running sequence of the group scheduled this step
-    seqs: list[ScheduledSequence]
-
-    @property
-    def num_new_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since the runner last saw this request
+    new_block_ids: list[int]  # appended to its block table ...
+    replace_block_ids: bool  # ... or, when True, the whole new table (copy-on-write moved a block)
+    num_computed_tokens: int
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
-    # {src_block: dst_block}: CPU -> device, device -> CPU; (src, dst) device copies for copy-on-write
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to compute this step, for every scheduled request (new and cached)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # req_id -> draft tokens to verify this step (speculative decoding; empty without it)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # cache operations: {src: dst} device -> CPU and CPU -> device; (src, dst) device copies (CoW)
     blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    preempted_groups: list[SequenceGroup] = field(default_factory=list)
-    # rejected at admission (can never fit); their sequences are FINISHED_IGNORED with group.error
-    ignored_groups: list[SequenceGroup] = field(default_factory=list)
-    # counters for this step
-    num_preemptions: int = 0
+    finished_req_ids: list[str] = field(default_factory=list)
+    # req_id -> tokens to sample if this step completes its prompt, where that is not 1: a
+    # request with n > 1 before its fork (see SequenceGroup.is_fork_pending)
+    num_samples: dict[str, int] = field(default_factory=dict)
+    # what happened to whole requests this step (engine-facing bookkeeping, by request id)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    ignored_request_ids: list[str] = field(default_factory=list)  # rejected: can never fit
     num_swapped_out: int = 0
     num_swapped_in: int = 0
     num_prefix_cache_hit_tokens: int = 0
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(g.num_new_tokens for g in self.scheduled_groups)
+    def num_preemptions(self) -> int:
+        return len(self.preempted_request_ids)
 
     @property
-    def is_empty(self) -> bool:
-        return not self.scheduled_groups and not (
-            self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy
-        )
+    def scheduled_req_ids(self) -> list[str]:
+        """Every scheduled request: new ones first, then cached ones (the order they are listed)."""
+        return [r.req_id for r in self.scheduled_new_reqs] + [
+            r.req_id for r in self.scheduled_cached_reqs
+        ]

@@ -2,8 +2,9 @@
 
 Names, defaults and validation follow vLLM so that users feel at home. Every bad value raises
 `ValueError` whose message starts with the field's name ("temperature must be >= 0, got -1").
-The sampler (`tessera/sampling/sampler.py`) reads the sampling fields; the stop checker
-(`tessera/engine/stop_checker.py`) reads `stop*`, `ignore_eos`, `max_tokens`, `min_tokens`.
+The sampler (`tessera/sampling/sampler.py`) reads the sampling fields; the scheduler's stop rules
+(`tessera/core/stop_conditions.py`) read `stop_token_ids`, `ignore_eos`, `max_tokens`,
+`min_tokens`, and the engine's output processor reads `stop` and `output_kind`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per generated token (the chosen one always)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # what each RequestOutput carries: everything so far, only what is new, or only the final one
+    output_kind: RequestOutputKind = field(default_factory=lambda: RequestOutputKind.CUMULATIVE)
 
     def __post_init__(self) -> None:
         # normalise the forms vLLM accepts before validating
@@ -100,6 +103,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
+        need(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+             "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             need(value is None or _is_int(value), name, "an int or None")
@@ -128,3 +133,13 @@ class SamplingParams:
         """An independent copy (its lists are not shared)."""
         return SamplingParams(**{**self.__dict__, "stop": list(self.stop),
                                  "stop_token_ids": list(self.stop_token_ids)})
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's names. CUMULATIVE: each output holds all text and tokens so far (copying grows with
+    the length); DELTA: only what is new since the previous output (what a stream sends);
+    FINAL_ONLY: one output, when the request finishes (what `LLM.generate` needs)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2

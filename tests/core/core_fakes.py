@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import itertools
+import re
+import zlib
 from dataclasses import dataclass
 
 from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
+from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
+from tessera.sampling.params import SamplingParams
+from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 
 
-@dataclass
-class FakeParams:
-    """Stands in for SamplingParams: the scheduler only reads `n`."""
-
-    n: int = 1
-    max_tokens: int = 8
-
-
-_seq_ids = itertools.count(1)
+def stable_id(text: str) -> int:
+    """The same number in every process (unlike hash(str))."""
+    return zlib.crc32(text.encode())
 
 
 def make_group(
@@ -32,12 +30,13 @@ def make_group(
     priority: int = 0,
     prompt: list[int] | None = None,
 ) -> SequenceGroup:
-    tokens = list(prompt) if prompt is not None else [hash(req_id) % 1000 + i for i in range(prompt_len)]
-    seq = Sequence(seq_id=next(_seq_ids), prompt_token_ids=tokens)
+    base = stable_id(req_id) % 1000
+    tokens = list(prompt) if prompt is not None else [base + i for i in range(prompt_len)]
+    seq = Sequence(seq_id=new_seq_id(), prompt_token_ids=tokens)
     return SequenceGroup(
         request_id=req_id,
         seqs=[seq],
-        sampling_params=FakeParams(n=n, max_tokens=max_tokens),  # type: ignore[arg-type]
+        sampling_params=SamplingParams(n=n, max_tokens=max_tokens),
         arrival_time=arrival,
         priority=priority,
     )
@@ -56,6 +55,7 @@ def make_scheduler(
     priority: bool = False,
     prefix: bool = False,
     watermark: float = 0.0,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> Scheduler:
     sched_cfg = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -69,34 +69,70 @@ def make_scheduler(
         block_size=block_size, enable_prefix_caching=prefix, watermark=watermark
     )
     clock = itertools.count()
-    return Scheduler(sched_cfg, cache_cfg, num_gpu_blocks, num_cpu_blocks, clock=lambda: float(next(clock)))
+    return Scheduler(sched_cfg, cache_cfg, num_gpu_blocks, num_cpu_blocks,
+                     clock=lambda: float(next(clock)), eos_token_ids=eos_token_ids)
+
+
+@dataclass
+class FakeRequest:
+    """The fake runner's own copy of a request, built only from the messages."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
 
 class FakeRunner:
-    """Plays the engine around `schedule()`: update, sample a fake token where the step completes
-    a sequence, fork the n-1 children after the first sample, finish at max_tokens, free."""
+    """Plays the model runner: keeps a persistent batch from the scheduler's messages and
+    "samples" a deterministic token wherever a step completes a sequence (n of them when a
+    prompt of an n > 1 request completes); `update_from_output` does the rest."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.finished: list[SequenceGroup] = []
+        self.requests: dict[str, FakeRequest] = {}
+        self.finished: list[str] = []  # request ids, in the order they finished
+
+    def apply(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = FakeRequest(
+                list(new.prompt_token_ids), list(new.output_token_ids), list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        for diff in out.scheduled_cached_reqs:
+            req = self.requests[diff.req_id]
+            req.output_token_ids += diff.new_token_ids
+            req.block_ids = diff.new_block_ids if diff.replace_block_ids else req.block_ids + diff.new_block_ids
+            req.num_computed_tokens = diff.num_computed_tokens
+
+    def sample(self, req_id: str, req: FakeRequest, k: int) -> int:
+        return 1000 + (stable_id(req_id) * 31 + len(req.token_ids) + k) % 997
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.apply(out)
+        return self.execute_sampling(out)
+
+    def execute_sampling(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            if req.num_computed_tokens + n == len(req.token_ids):
+                num = out.num_samples.get(req_id, 1)
+                result.req_ids.append(req_id)
+                result.sampled_token_ids.append([self.sample(req_id, req, k) for k in range(num)])
+        return result
 
     def step(self) -> SchedulerOutput:
-        sched = self.scheduler
-        out = sched.schedule()
-        sampled = [(sg.group, ss.seq) for sg in out.scheduled_groups for ss in sg.seqs if ss.do_sample]
-        sched.update_after_step(out)
-        for group, seq in sampled:
-            seq.append_token(7 + seq.get_len() % 13)
-            n = getattr(group.sampling_params, "n", 1)
-            if len(group.seqs) == 1 and n > 1 and seq.get_output_len() == 1:
-                for _ in range(n - 1):
-                    child = seq.fork(next(_seq_ids))
-                    sched.fork_seq(group, seq, child)
-        for group, _ in sampled:
-            for s in group.seqs:
-                if s.status is SequenceStatus.RUNNING and s.get_output_len() >= group.sampling_params.max_tokens:
-                    s.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        self.finished += sched.free_finished_seq_groups()
+        out = self.scheduler.schedule()
+        for core in self.scheduler.update_from_output(out, self.execute(out)):
+            if core.finished:
+                self.finished.append(core.request_id)
         return out
 
     def run(self, max_steps: int = 1000) -> int:
@@ -108,5 +144,23 @@ class FakeRunner:
         return steps
 
 
+def group_id(req_id: str) -> str:
+    """The request a runner-facing id belongs to ("2_pair" is the second child of "pair")."""
+    m = re.fullmatch(r"\d+_(.+)", req_id)
+    return m.group(1) if m else req_id
+
+
 def scheduled_tokens(out: SchedulerOutput) -> dict[str, int]:
-    return {sg.group.request_id: sg.num_new_tokens for sg in out.scheduled_groups}
+    """Tokens per request (its sequences summed), in scheduling order."""
+    result: dict[str, int] = {}
+    for req_id, n in out.num_scheduled_tokens.items():
+        result[group_id(req_id)] = result.get(group_id(req_id), 0) + n
+    return result
+
+
+def samples_this_step(out: SchedulerOutput, runner: FakeRunner) -> set[str]:
+    """req_ids whose step completes their KV (they sample), from the runner's own copies."""
+    return {
+        req_id for req_id, n in out.num_scheduled_tokens.items()
+        if runner.requests[req_id].num_computed_tokens + n == len(runner.requests[req_id].token_ids)
+    }

@@ -2,7 +2,7 @@ from core_fakes import make_group
 
 from tessera.core.block_manager import AllocStatus, BlockManager
 from tessera.core.block_pool import BlockPool
-from tessera.sequence import SequenceStatus
+from tessera.sequence import SequenceStatus, new_seq_id
 
 RUNNING = SequenceStatus.RUNNING
 SWAPPED = SequenceStatus.SWAPPED
@@ -48,8 +48,8 @@ def test_fork_then_copy_on_write():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0.0)
     parent = admit(bm, make_group("a", 6))
     compute(bm, parent)
-    parent.append_token(1)  # 7 tokens: the next write lands in the partial block 1
-    child = parent.fork(99)
+    parent.output_token_ids.append(1)  # 7 tokens: the next write lands in the partial block 1
+    child = parent.fork(new_seq_id(), 1, "1_a")
     bm.fork(parent, child)
     assert bm.get_block_table(child) == bm.get_block_table(parent) == [0, 1]
     bm.check_integrity()
@@ -64,11 +64,19 @@ def test_fork_then_copy_on_write():
 
 
 def test_append_grows_table_at_block_boundary():
-    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0.0)
-    seq = admit(bm, make_group("a", 8))
+    full = BlockManager(block_size=4, num_gpu_blocks=2, num_cpu_blocks=0, watermark=0.0)
+    group = make_group("a", 8)
+    seq = admit(full, group)
+    compute(full, seq)
+    seq.output_token_ids.append(1)  # the 9th token needs a 3rd block
+    assert full.num_append_blocks(group) == 1
+    assert full.can_append_slots(group) is False  # none free
+    bm = BlockManager(block_size=4, num_gpu_blocks=3, num_cpu_blocks=0, watermark=0.0)
+    group = make_group("b", 8)
+    seq = admit(bm, group)
     compute(bm, seq)
-    seq.append_token(1)
-    assert bm.can_append_slots(make_group("x", 1)) is True  # no running seqs: nothing needed
+    seq.output_token_ids.append(1)
+    assert bm.can_append_slots(group) is True
     assert bm.append_slots(seq) == [] and len(bm.get_block_table(seq)) == 3
 
 
@@ -76,7 +84,7 @@ def test_swap_maps_shared_blocks_once():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.0)
     group = make_group("a", 6, n=2)
     parent = admit(bm, group)
-    child = parent.fork(100)
+    child = parent.fork(new_seq_id(), 1, "1_a")
     group.seqs.append(child)
     bm.fork(parent, child)
     assert bm.can_swap_out(group)

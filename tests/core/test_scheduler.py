@@ -1,6 +1,6 @@
 """Hand-written traces, one per scheduling rule of issue 3."""
 
-from core_fakes import FakeRunner, make_group, make_scheduler, scheduled_tokens
+from core_fakes import FakeRunner, make_group, make_scheduler, samples_this_step, scheduled_tokens
 
 from tessera.config import PreemptionMode
 from tessera.sequence import SequenceStatus
@@ -21,7 +21,9 @@ def test_fcfs_admits_in_arrival_order_whole_prompts():
     out = sched.schedule()
     assert scheduled_tokens(out) == {"r0": 30, "r1": 30}  # r2 does not fit the 4 tokens left
     assert ids(sched.running) == ["r0", "r1"] and ids(sched.waiting) == ["r2"]
-    assert out.scheduled_groups[0].seqs[0].do_sample
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["r0", "r1"]
+    assert out.scheduled_new_reqs[0].prompt_token_ids == sched.running[0].prompt_token_ids
+    assert out.total_num_scheduled_tokens == 60
     assert sched.running[0].first_scheduled_time is not None
 
 
@@ -34,7 +36,7 @@ def test_decode_after_prefill_and_finish_frees_blocks():
     out = runner.step()
     assert scheduled_tokens(out) == {"a": 1}
     runner.run()
-    assert [g.request_id for g in runner.finished] == ["a"]
+    assert runner.finished == ["a"]
     assert sched.block_manager.get_num_free_gpu_blocks() == 64
     sched.block_manager.check_integrity()
 
@@ -55,31 +57,28 @@ def test_preempts_newest_first_and_recompute_goes_to_front_of_waiting():
     sched.add_seq_group(make_group("late", 4, arrival=10))
     out = runner.step()
     # r0 needs a block: the newest (r2) is preempted, which frees enough for r0 and r1
-    assert ids(out.preempted_groups) == ["r2"]
+    assert out.preempted_request_ids == ["r2"]
     assert out.num_preemptions == 1 and sched.num_preemptions_total == 1
     assert scheduled_tokens(out) == {"r0": 1, "r1": 1}
     assert ids(sched.waiting) == ["r2", "late"]  # ahead of newer arrivals
-    seq = sched.waiting[0].seqs[0]
+    seq = sched.waiting.peek().seqs[0]
     assert seq.status is WAITING and seq.num_computed_tokens == 0 and seq.get_len() == 9
     sched.block_manager.check_integrity()
     runner.run()
-    assert sorted(ids(runner.finished)) == ["late", "r0", "r1", "r2"]
+    assert sorted(runner.finished) == ["late", "r0", "r1", "r2"]
 
 
 def test_group_being_scheduled_preempts_itself_last():
     sched = make_scheduler(num_gpu_blocks=2, num_cpu_blocks=0)
     runner = FakeRunner(sched)
-    sched.add_seq_group(make_group("a", 8, max_tokens=5))
+    a = make_group("a", 8, max_tokens=5)
+    sched.add_seq_group(a)
     runner.step()
     out = runner.step()  # needs a 3rd block, no one else to preempt: itself, then it can never fit
-    assert ids(out.preempted_groups) == ["a"]
+    assert out.preempted_request_ids == ["a"]
     out = runner.step()
-    assert ids(out.ignored_groups) == ["a"]
-    assert "3 KV blocks" in sched_error(out) and not sched.has_unfinished_seqs()
-
-
-def sched_error(out):
-    return out.ignored_groups[0].error
+    assert out.ignored_request_ids == ["a"] and runner.finished == ["a"]
+    assert "3 KV blocks" in a.error and not sched.has_unfinished_seqs()
 
 
 def _forked_group_running(num_cpu_blocks, mode=None):
@@ -112,15 +111,22 @@ def test_swap_out_swapped_then_swap_in():
         out = runner.step()
         if out.num_swapped_out:
             break
-    assert ids(out.preempted_groups) == ["pair"] and out.num_swapped_out == 1
+    assert out.preempted_request_ids == ["pair"] and out.num_swapped_out == 1
     assert ids(sched.swapped) == ["pair"]
     assert all(s.status is SWAPPED for s in sched.swapped[0].seqs)
     assert len(out.blocks_to_swap_out) == 3  # shared block mapped once
+    cpu_blocks = set(out.blocks_to_swap_out.values())
+    assert sched.block_manager.get_num_free_cpu_blocks() == 8 - 3
     sched.block_manager.check_integrity()
     sched.abort_seq_group("old")  # frees room
     out = runner.step()
-    assert out.num_swapped_in == 1 and set(out.blocks_to_swap_in) == set(out.blocks_to_swap_in)
+    assert out.num_swapped_in == 1 and set(out.blocks_to_swap_in) == cpu_blocks
+    assert sched.block_manager.get_num_free_cpu_blocks() == 8
     assert ids(sched.running) == ["pair"] and scheduled_tokens(out) == {"pair": 2}
+    # swapped-in streams come back to the runner whole, on their new device blocks
+    assert sorted(r.req_id for r in out.scheduled_new_reqs) == ["1_pair", "pair"]
+    assert all(set(r.block_ids) <= set(out.blocks_to_swap_in.values()) | {b for _, b in out.blocks_to_copy}
+               for r in out.scheduled_new_reqs)
     sched.block_manager.check_integrity()
 
 
@@ -130,23 +136,25 @@ def test_swap_falls_back_to_recompute_when_cpu_pool_is_full():
         out = runner.step()
         if out.num_preemptions:
             break
-    assert ids(out.preempted_groups) == ["pair"] and out.num_swapped_out == 0
+    assert out.preempted_request_ids == ["pair"] and out.num_swapped_out == 0
     assert ids(sched.waiting) == ["pair"] and not sched.swapped
-    assert all(s.status is WAITING and s.num_computed_tokens == 0 for s in sched.waiting[0].seqs)
+    assert all(s.status is WAITING and s.num_computed_tokens == 0 for s in sched.waiting.peek().seqs)
     sched.block_manager.check_integrity()
 
 
 def test_rejects_too_long_and_never_fitting_prompts_at_once():
     sched = make_scheduler(num_gpu_blocks=4, max_model_len=32, max_num_batched_tokens=32)
-    sched.add_seq_group(make_group("long", 40))
-    sched.add_seq_group(make_group("huge", 20))  # 5 blocks > 4
-    sched.add_seq_group(make_group("ok", 4))
+    long, huge = make_group("long", 40), make_group("huge", 20)  # huge: 5 blocks > 4
+    for g in (long, huge, make_group("ok", 4)):
+        sched.add_seq_group(g)
     out = sched.schedule()
-    assert ids(out.ignored_groups) == ["long", "huge"]
-    assert out.ignored_groups[0].error == "prompt has 40 tokens, more than max_model_len 32"
-    assert "5 KV blocks" in out.ignored_groups[1].error and "4 device blocks" in out.ignored_groups[1].error
-    assert all(s.status is SequenceStatus.FINISHED_IGNORED for g in out.ignored_groups for s in g.seqs)
+    assert out.ignored_request_ids == ["long", "huge"]
+    assert long.error == "prompt has 40 tokens, more than max_model_len 32"
+    assert "5 KV blocks" in huge.error and "4 device blocks" in huge.error
+    assert all(s.status is SequenceStatus.FINISHED_IGNORED for g in (long, huge) for s in g.seqs)
     assert scheduled_tokens(out) == {"ok": 4} and not sched.waiting
+    core = {c.request_id: c for c in sched.update_from_output(out, FakeRunner(sched).execute(out))}
+    assert core["long"].finished and core["long"].error == long.error and not core["long"].seqs
 
 
 def test_watermark_holds_back_admission():
@@ -167,10 +175,11 @@ def test_chunked_prefill_fills_budget_after_decodes():
     assert scheduled_tokens(out) == {"d": 1, "long": 7}
     out = runner.step()
     assert scheduled_tokens(out) == {"d": 1, "long": 7}
-    assert not out.scheduled_groups[1].seqs[0].do_sample
+    assert samples_this_step(out, runner) == {"d"}
     out = runner.step()
     assert scheduled_tokens(out) == {"d": 1, "long": 6}
-    assert out.scheduled_groups[1].seqs[0].seq.get_output_len() == 1  # sampled
+    assert samples_this_step(out, runner) == {"d", "long"}
+    assert sched.running[1].seqs[0].get_output_len() == 1  # sampled
 
 
 def test_chunked_running_prefill_leaves_room_for_later_decodes():
@@ -205,7 +214,7 @@ def test_priority_preempts_running_tail():
     sched.add_seq_group(make_group("low", 4, priority=9, arrival=21))
     out = runner.step()
     # vip needs 2 blocks and the three decodes 3 more: r1, then r2 make room; r0 (better) stays
-    assert ids(out.preempted_groups) == ["r1", "r2"]
+    assert out.preempted_request_ids == ["r1", "r2"]
     assert scheduled_tokens(out) == {"r0": 1, "vip": 8}
     assert ids(sched.waiting) == ["r2", "r1", "low"]
     sched.block_manager.check_integrity()
@@ -231,13 +240,22 @@ def test_abort_frees_blocks_everywhere():
     sched.block_manager.check_integrity()
 
 
-def test_do_sample_survives_update_after_step():
-    sched = make_scheduler()
-    sched.add_seq_group(make_group("a", 5))
+def test_update_advances_only_what_was_computed():
+    sched = make_scheduler(max_num_batched_tokens=8, chunked=True)
+    group = make_group("a", 12)
+    sched.add_seq_group(group)
+    seq = group.seqs[0]
+    runner = FakeRunner(sched)
     out = sched.schedule()
-    sched.update_after_step(out)
-    ss = out.scheduled_groups[0].seqs[0]
-    assert ss.seq.num_computed_tokens == 5 and ss.do_sample
+    assert seq.num_computed_tokens == 0  # schedule() does not advance progress
+    core = sched.update_from_output(out, runner.execute(out))
+    assert seq.num_computed_tokens == 8 and seq.get_output_len() == 0
+    assert [c.seqs for c in core] == []  # a chunk without a sample changes no sequence
+    out = sched.schedule()
+    assert out.scheduled_cached_reqs[0].num_computed_tokens == 8
+    [core] = sched.update_from_output(out, runner.execute(out))
+    assert seq.num_computed_tokens == 12 and seq.get_output_len() == 1
+    assert core.seqs[0].new_token_ids == seq.output_token_ids and not core.finished
 
 
 def test_max_num_seqs_counts_the_children_to_come():
@@ -251,9 +269,10 @@ def test_max_num_seqs_counts_the_children_to_come():
 
 def test_rejects_n_larger_than_max_num_seqs():
     sched = make_scheduler(max_num_seqs=2)
-    sched.add_seq_group(make_group("wide", 4, n=3))
+    wide = make_group("wide", 4, n=3)
+    sched.add_seq_group(wide)
     out = sched.schedule()
-    assert ids(out.ignored_groups) == ["wide"] and "max_num_seqs 2" in out.ignored_groups[0].error
+    assert out.ignored_request_ids == ["wide"] and "max_num_seqs 2" in wide.error
 
 
 def test_abort_swapped_group_frees_cpu_blocks():

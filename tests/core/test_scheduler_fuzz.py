@@ -5,7 +5,7 @@ its own tokens back through its block table, and that no shared block is ever wr
 
 from __future__ import annotations
 
-from core_fakes import FakeRunner, make_group, make_scheduler
+from core_fakes import FakeRunner, make_group, make_scheduler, samples_this_step
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -18,16 +18,17 @@ COMMON_PREFIX = list(range(500, 500 + MAX_MODEL_LEN))
 
 
 class CheckingRunner(FakeRunner):
-    def __init__(self, scheduler, max_model_len: int) -> None:
+    """Reads and writes a fake KV cache through the block tables it rebuilt from the messages
+    alone, and checks them (and its token copies) against the scheduler's own state."""
+
+    def __init__(self, scheduler) -> None:
         super().__init__(scheduler)
-        self.max_model_len = max_model_len
         self.gpu: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
 
-    def step(self):
+    def execute(self, out):
         sched = self.scheduler
         bm = sched.block_manager
-        out = sched.schedule()
         bs = bm.block_size
         # cache ops first, in the order the cache engine applies them
         for src, dst in out.blocks_to_swap_out.items():
@@ -36,38 +37,23 @@ class CheckingRunner(FakeRunner):
             self.gpu[dst] = list(self.cpu[src])
         for src, dst in out.blocks_to_copy:
             self.gpu[dst] = list(self.gpu[src])
-        for sg in out.scheduled_groups:
-            for ss in sg.seqs:
-                seq, start, n = ss.seq, ss.num_computed_tokens, ss.num_new_tokens
-                tokens = seq.get_token_ids()
-                table = ss.block_table
-                assert n >= 1 and start + n <= len(tokens)
-                assert len(table) * bs >= start + n, "block table too short"
-                for p in range(start):  # the context reads back as this sequence's tokens
-                    assert self.gpu[table[p // bs]][p % bs] == tokens[p], (seq.seq_id, p)
-                for p in range(start, start + n):
-                    block = table[p // bs]
-                    assert bm.gpu.ref_counts[block] == 1, f"writing shared block {block}"
-                    self.gpu.setdefault(block, [None] * bs)[p % bs] = tokens[p]
-        sampled = [(sg.group, ss.seq) for sg in out.scheduled_groups for ss in sg.seqs if ss.do_sample]
-        sched.update_after_step(out)
-        for group, seq in sampled:
-            seq.append_token(1000 + (seq.seq_id * 31 + seq.get_len()) % 997)
-            n = group.sampling_params.n
-            if len(group.seqs) == 1 and n > 1 and seq.get_output_len() == 1:
-                for i in range(n - 1):
-                    child = seq.fork(seq.seq_id * 100 + i + 1)
-                    child.output_token_ids[-1] += i + 1  # children sample their own tokens
-                    sched.fork_seq(group, seq, child)
-        for group, _ in sampled:
-            for s in group.seqs:
-                if s.status is SequenceStatus.RUNNING and (
-                    s.get_output_len() >= group.sampling_params.max_tokens
-                    or s.get_len() >= self.max_model_len
-                ):
-                    s.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        self.finished += sched.free_finished_seq_groups()
-        return out
+        self.apply(out)
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            _, seq = sched._live[req_id]
+            tokens, table, start = req.token_ids, req.block_ids, req.num_computed_tokens
+            assert tokens == seq.get_token_ids(), f"{req_id}: runner's tokens drifted"
+            assert table == bm.get_block_table(seq), f"{req_id}: runner's block table drifted"
+            assert start == seq.num_computed_tokens
+            assert n >= 1 and start + n <= len(tokens)
+            assert len(table) * bs >= start + n, "block table too short"
+            for p in range(start):  # the context reads back as this sequence's tokens
+                assert self.gpu[table[p // bs]][p % bs] == tokens[p], (req_id, p)
+            for p in range(start, start + n):
+                block = table[p // bs]
+                assert bm.gpu.ref_counts[block] == 1, f"writing shared block {block}"
+                self.gpu.setdefault(block, [None] * bs)[p % bs] = tokens[p]
+        return super().execute_sampling(out)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -93,8 +79,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
             chunked=chunked, mode=mode, priority=priority, prefix=prefix, watermark=watermark,
         )
-        self.runner = CheckingRunner(self.sched, MAX_MODEL_LEN)
+        self.runner = CheckingRunner(self.sched)
         self.groups = []
+        self.by_id = {}
         self.feasible: dict[str, bool] = {}
         self.aborted: set[str] = set()
         self.ignored: set[str] = set()
@@ -123,6 +110,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         group = make_group(req_id, 0, prompt=prompt, n=n, max_tokens=max_tokens,
                            arrival=float(len(self.groups)), priority=prio)
         self.groups.append(group)
+        self.by_id[req_id] = group
         self.feasible[req_id] = self._is_feasible(prompt_len, max_tokens, n)
         self.sched.add_seq_group(group)
 
@@ -142,15 +130,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def do_step(self):
         out = self.runner.step()
-        assert out.num_batched_tokens <= self.budget
-        assert sum(len(sg.seqs) for sg in out.scheduled_groups) <= self.max_num_seqs
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= self.budget
+        assert len(out.num_scheduled_tokens) <= self.max_num_seqs
         if not self.sched.config.enable_chunked_prefill:
-            for sg in out.scheduled_groups:
-                for ss in sg.seqs:
-                    assert ss.do_sample or ss.seq.get_output_len() > 0, "prompt split without chunking"
-        for g in out.ignored_groups:
-            assert g.error and not self.feasible[g.request_id], g.error
-            self.ignored.add(g.request_id)
+            sampled = samples_this_step(out, self.runner)
+            for req_id in out.num_scheduled_tokens:
+                req = self.runner.requests[req_id]
+                assert req_id in sampled or req.output_token_ids, "prompt split without chunking"
+        for req_id in out.ignored_request_ids:
+            group = self.by_id[req_id]
+            assert group.error and not self.feasible[req_id], group.error
+            self.ignored.add(req_id)
         self.check()
 
     def check(self):
