@@ -23,23 +23,29 @@ differs from its plain `decode` by that clean-up only.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
-from tessera.sequence import Sequence
+from typing import Any, NamedTuple, Protocol
 
 
 class DetokState(NamedTuple):
-    """Immutable, so a forked `Sequence` may share it: each update stores a new one."""
+    """Immutable: each update stores a new one."""
 
     prefix_offset: int = 0
     read_offset: int = 0
+
+
+class DetokenizedSeq(Protocol):
+    """What the detokenizer reads and updates (the output processor's per-sequence state)."""
+
+    output_token_ids: list[int]
+    output_text: str
+    detok_state: DetokState | None
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer  # a transformers tokenizer (fast or slow)
 
-    def decode_new(self, seq: Sequence, skip_special_tokens: bool) -> str:
+    def decode_new(self, seq: DetokenizedSeq, skip_special_tokens: bool) -> str:
         """Text added by seq's output tokens not yet detokenised (usually the newest one).
 
         Appends it to `seq.output_text`, stores the new window in `seq.detok_state`, and returns

@@ -19,6 +19,7 @@ from tessera.model.loader import load_model
 from tessera.model.registry import get_model_class
 from tessera.tokenizer import load_tokenizer
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
+from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     gc.freeze()
     return engine_cls(
         config,
-        runner,
+        UniProcExecutor(runner),
         tokenizer,
         eos_token_ids=eos,
         vocab_size=arch.vocab_size,

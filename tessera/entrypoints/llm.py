@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as SequenceABC
@@ -11,7 +12,7 @@ from tqdm import tqdm
 from tessera.config import EngineArgs
 from tessera.engine.llm_engine import LLMEngine
 from tessera.outputs import RequestOutput
-from tessera.sampling.params import SamplingParams
+from tessera.sampling.params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
 
@@ -55,6 +56,8 @@ class LLM:
         priorities = self._broadcast(priority, len(prompt_list), "priority", default=0)
         request_ids = []
         for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
+            # only the final output is read: no per-step copies of the text so far
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             request_id = str(next(self._request_ids))
             self.llm_engine.add_request(request_id, prompt, params, priority=prio)
             request_ids.append(request_id)

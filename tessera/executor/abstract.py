@@ -1,0 +1,26 @@
+"""The `Executor` interface: the engine's only handle on the model.
+
+Everything that crosses it is plain, picklable data (`SchedulerOutput` in, `ModelRunnerOutput` out),
+so an implementation may run its workers in other processes or on other machines: the engine, the
+scheduler and the API server stay where they are. Executors decide nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from tessera.core.runner_output import ModelRunnerOutput
+from tessera.core.scheduler_output import SchedulerOutput
+
+
+class Executor(ABC):
+    # KV pool sizes the workers allocated (every worker the same), read once by the scheduler
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the sampled tokens come back from one of them."""
+
+    def shutdown(self) -> None:
+        """Stop the workers (nothing to do in process)."""

@@ -1,0 +1,18 @@
+"""`UniProcExecutor`: today's path, the model runner in the engine's own process and thread."""
+
+from __future__ import annotations
+
+from tessera.core.runner_output import ModelRunnerOutput
+from tessera.core.scheduler_output import SchedulerOutput
+from tessera.executor.abstract import Executor
+from tessera.worker.model_runner import ModelRunner
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.num_gpu_blocks = runner.cache_engine.num_gpu_blocks
+        self.num_cpu_blocks = runner.cache_engine.num_cpu_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

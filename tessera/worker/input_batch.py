@@ -1,0 +1,83 @@
+"""The runner's persistent batch: its own copy of every request it has been sent.
+
+The scheduler sends a request whole once (`NewRequestData`) and then only diffs
+(`CachedRequestData`); this is where they are applied. The runner reads token ids, block tables
+and seeded generators from here and never from a scheduler object, so it could live in another
+process. A request resent whole (resumed after preemption) keeps its generator: a seeded request
+draws the same numbers however often it was preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.core.scheduler_output import SchedulerOutput
+from tessera.sampling.params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without concatenating prompt and output (per-step path)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+class InputBatch:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, req_id: str) -> CachedRequestState:
+        return self.requests[req_id]
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Drop finished requests, add (or replace) new ones, apply the diffs of cached ones."""
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            old = self.requests.get(new.req_id)
+            generator = old.generator if old is not None else self._generator(new.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
+        for diff in out.scheduled_cached_reqs:
+            state = self.requests[diff.req_id]
+            state.output_token_ids.extend(diff.new_token_ids)
+            if diff.replace_block_ids:
+                state.block_ids = list(diff.new_block_ids)
+            else:
+                state.block_ids.extend(diff.new_block_ids)
+            state.num_computed_tokens = diff.num_computed_tokens
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed)
