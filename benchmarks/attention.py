@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tessera.kernels import paged_decode_attention, paged_decode_attention_available
+from tessera.kernels.paged_attention import paged_attention, paged_attention_available
 
 
 def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, gen):
@@ -76,7 +76,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     num_heads, num_kv_heads = (int(x) for x in args.heads.split(","))
     t = time.perf_counter()
-    have_kernel = paged_decode_attention_available(torch.device("cpu"), torch.float32)
+    have_kernel = paged_attention_available(torch.device("cpu"), torch.float32)
     print(
         f"kernel available: {have_kernel} (load/build {time.perf_counter() - t:.1f} s), "
         f"threads: {torch.get_num_threads()}"
@@ -103,7 +103,7 @@ def bench_case(batch, ctx, geometry, dtype, reps, gen) -> None:
     out_t, out_k = torch.empty_like(q), torch.empty_like(q)
     ms_t = time_ms(lambda: torch_path(q, k_cache, v_cache, flat, mask, scale, out_t), reps)
     ms_k = time_ms(
-        lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, out_k), reps
+        lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, scale, out_k), reps
     )
     diff = (out_t.float() - out_k.float()).abs().max().item()
     kv_bytes = 2 * int(seq_lens.sum()) * num_kv_heads * head_dim * q.element_size()

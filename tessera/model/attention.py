@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tessera.kernels.paged_attention import paged_decode_attention
+from tessera.kernels.paged_attention import paged_attention as paged_kernel
 
 
 @dataclass
@@ -92,7 +92,7 @@ def paged_attention(
 
     if meta.token_seq_lens is not None:
         assert meta.token_block_tables is not None
-        return paged_decode_attention(
+        return paged_kernel(
             q, k_cache, v_cache, meta.token_block_tables, meta.token_seq_lens, scale, out=out
         )
 

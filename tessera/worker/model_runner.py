@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.core.scheduler_output import ScheduledSequence, SchedulerOutput
-from tessera.kernels.paged_attention import paged_decode_attention_available
+from tessera.kernels.paged_attention import paged_attention_available
 from tessera.model.attention import AttentionMetadata, PrefillSpan
 from tessera.sampling.sampler import SampledToken, Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
@@ -61,7 +61,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # built (or loaded from its cache) here, at start-up, rather than inside the first request;
         # when it serves this device/dtype, every token of a step attends through it
-        self.use_paged_kernel = paged_decode_attention_available(device, cache_engine.spec.dtype)
+        self.use_paged_kernel = paged_attention_available(device, cache_engine.spec.dtype)
 
     # ---- input preparation -------------------------------------------------------------------
     def prepare_input(

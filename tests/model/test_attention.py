@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.kernels.paged_attention import paged_decode_attention_available
+from tessera.kernels.paged_attention import paged_attention_available
 from tessera.model.attention import AttentionMetadata, PrefillSpan, paged_attention
 
 
@@ -27,7 +27,7 @@ def _reference(q, k, v, num_context):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("kernel", [False, True], ids=["gather-sdpa", "cpp-kernel"])
 def test_paged_attention_matches_sdpa(block_size, seed, kernel):
-    if kernel and not paged_decode_attention_available(torch.device("cpu"), torch.float32):
+    if kernel and not paged_attention_available(torch.device("cpu"), torch.float32):
         pytest.skip("C++ paged-attention kernel could not be built here")
     rng = random.Random(seed)
     torch.manual_seed(seed)
