@@ -1,8 +1,8 @@
 """Turns one `SchedulerOutput` into flat tensors, runs ONE forward pass over every scheduled token
 (prefill chunks and decodes mixed, no padding to the longest prompt), and samples.
 
-Order inside the flat batch: decodes first (so decode attention is one padded SDPA over a contiguous
-slice), then prompt chunks. Logits are computed only at sampled positions: the last token of a
+Order inside the flat batch: decodes first, then prompt chunks (the attention backend's contract,
+tessera/attention/backend.py). Logits are computed only at sampled positions: the last token of a
 sequence whose KV reaches its full length this step. The runner keeps no request state between
 steps; per-sequence RNGs for seeded sampling are owned by the engine and passed in.
 """
@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessera.attention import AttentionMetadata, SeqSpan, is_decode, select_attention_backend
 from tessera.core.scheduler_output import ScheduledSequence, SchedulerOutput
-from tessera.kernels.paged_attention import paged_attention_available
-from tessera.model.attention import AttentionMetadata, PrefillSpan
 from tessera.sampling.sampler import SampledToken, Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
 
@@ -59,9 +58,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        # built (or loaded from its cache) here, at start-up, rather than inside the first request;
-        # when it serves this device/dtype, every token of a step attends through it
-        self.use_paged_kernel = paged_attention_available(device, cache_engine.spec.dtype)
+        # chosen once, at start-up (the C++ kernel is built or loaded here, not in the first request)
+        self.attn_backend = select_attention_backend(device, cache_engine.spec.dtype, block_size)
 
     # ---- input preparation -------------------------------------------------------------------
     def prepare_input(
@@ -69,8 +67,8 @@ class ModelRunner:
     ) -> ModelInput:
         """Flatten the step; build all attention metadata once (not per layer)."""
         bs = self.block_size
-        decodes = [s for s in seqs if s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0]
-        prefills = [s for s in seqs if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0)]
+        decodes = [s for s in seqs if is_decode(s.num_new_tokens, s.seq.num_computed_tokens)]
+        prefills = [s for s in seqs if not is_decode(s.num_new_tokens, s.seq.num_computed_tokens)]
         ordered = decodes + prefills
 
         input_ids: list[int] = []
@@ -78,7 +76,7 @@ class ModelRunner:
         slot_mapping: list[int] = []
         logits_indices: list[int] = []
         sampled: list[ScheduledSequence] = []
-        spans: list[PrefillSpan] = []
+        spans: list[SeqSpan] = []
         prompt_rows: dict[int, tuple[int, list[int]]] = {}
         for i, s in enumerate(ordered):
             start = s.seq.num_computed_tokens
@@ -87,27 +85,25 @@ class ModelRunner:
             input_ids.extend(s.seq.get_token_ids_range(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(_slots(s.block_table, bs, start, end))
-            if i >= len(decodes):
-                if not self.use_paged_kernel:
-                    spans.append(self._prefill_span(s, offset, start, end))
-                if want_prompt_logprobs and s.seq.seq_id in want_prompt_logprobs:
-                    targets = s.seq.prompt_token_ids[start + 1 : end + 1]
-                    if targets:
-                        prompt_rows[s.seq.seq_id] = (offset, targets)
+            spans.append(
+                SeqSpan(
+                    query_start=offset,
+                    num_new_tokens=s.num_new_tokens,
+                    num_computed_tokens=start,
+                    block_table=s.block_table,
+                )
+            )
+            if i >= len(decodes) and want_prompt_logprobs and s.seq.seq_id in want_prompt_logprobs:
+                targets = s.seq.prompt_token_ids[start + 1 : end + 1]
+                if targets:
+                    prompt_rows[s.seq.seq_id] = (offset, targets)
             if s.do_sample:
                 logits_indices.append(offset + s.num_new_tokens - 1)
                 sampled.append(s)
 
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            num_decodes=len(decodes),
-            prefills=spans,
-        )
-        if self.use_paged_kernel:
-            meta.token_block_tables, meta.token_seq_lens = self._token_tables(ordered, positions)
-        elif decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
+        slots = torch.tensor(slot_mapping, dtype=torch.long, device=dev)
+        meta = self.attn_backend.build_metadata(spans, slots, positions)
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -116,50 +112,6 @@ class ModelRunner:
             sampled=sampled,
             prompt_rows=prompt_rows,
         )
-
-    def _token_tables(
-        self, seqs: list[ScheduledSequence], positions: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the kernel: each token's sequence block table [num_tokens, max_blocks] (padded with
-        block 0, never read) and how many tokens it attends to [num_tokens] (its position + 1)."""
-        bs = self.block_size
-        needed = [-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in seqs]
-        max_blocks = max(needed)
-        per_seq = [s.block_table[:n] + [0] * (max_blocks - n) for s, n in zip(seqs, needed, strict=True)]
-        dev = self.device
-        seq_tables = torch.tensor(per_seq, dtype=torch.long, device=dev)
-        new_tokens = torch.tensor([s.num_new_tokens for s in seqs], device=dev)
-        of_token = torch.repeat_interleave(torch.arange(len(seqs), device=dev), new_tokens)
-        lens = torch.tensor(positions, dtype=torch.long, device=dev) + 1
-        return seq_tables.index_select(0, of_token), lens
-
-    def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the gather + SDPA path: flattened block tables [B * max_blocks] (padded with block 0)
-        covering each decode's whole context, and the padding mask [B, 1, 1, max_blocks * bs]."""
-        bs = self.block_size
-        lens = [s.seq.num_computed_tokens + 1 for s in decodes]
-        max_blocks = -(-max(lens) // bs)
-        tables = []
-        for s, n in zip(decodes, lens, strict=True):
-            used = s.block_table[: -(-n // bs)]
-            tables.extend(used)
-            tables.extend([0] * (max_blocks - len(used)))
-        dev = self.device
-        tables_t = torch.tensor(tables, dtype=torch.long, device=dev)
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        mask = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)
-        return tables_t, mask.view(len(decodes), 1, 1, -1)
-
-    def _prefill_span(self, s: ScheduledSequence, offset: int, start: int, end: int) -> PrefillSpan:
-        span = PrefillSpan(start=offset, end=offset + (end - start), num_context=start)
-        if start > 0:  # continues a cached context: gather it (new tokens included) and mask
-            dev = self.device
-            blocks = s.block_table[: -(-end // self.block_size)]
-            span.block_table = torch.tensor(blocks, dtype=torch.long, device=dev)
-            q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
-            key_pos = torch.arange(len(blocks) * self.block_size, device=dev).unsqueeze(0)
-            span.mask = key_pos <= q_pos  # [n, num_blocks * block_size]: causal, and < end
-        return span
 
     # ---- execution ---------------------------------------------------------------------------
     @torch.inference_mode()
