@@ -1,5 +1,6 @@
-"""Decode attention for one layer: the torch gather + SDPA path of model/attention.py against the C++
-paged kernel (tessera/kernels/paged_attention.cpp), which reads K/V blocks in place.
+"""Decode attention for one layer: the two attention backends (tessera/attention/) on the same step
+of decodes, their metadata built once as the runner does: `sdpa` (gather + padded SDPA) against
+`paged_kernel` (the C++ kernel, tessera/kernels/paged_attention.cpp, reading K/V blocks in place).
 
 SmolLM2 geometry by default (9 heads, 3 kv heads, head_dim 64, block size 16); each sequence owns
 random blocks of a cache twice the size of the live context, as in a long-running server. Prints
@@ -18,9 +19,9 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
-from tessera.kernels import paged_decode_attention, paged_decode_attention_available
+from tessera.attention import SeqSpan, select_attention_backend
+from tessera.kernels.paged_attention import paged_attention_available
 
 
 def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, gen):
@@ -36,17 +37,19 @@ def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype
     return q, k_cache, v_cache, tables.contiguous(), seq_lens
 
 
-def torch_path(q, k_cache, v_cache, flat_blocks, mask, scale, out):
-    """model/attention.py's decode branch: index_select whole blocks, GQA folded, one masked SDPA."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    qd = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    kd = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim)
-    vd = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim)
-    od = F.scaled_dot_product_attention(
-        qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale
-    )
-    out[:] = od.reshape(num_seqs, num_heads, head_dim)
+def decode_metadata(backend_name, tables, seq_lens, block_size, dtype):
+    """One decode per sequence (its new token at position seq_len - 1, already in the cache)."""
+    spans = [
+        SeqSpan(query_start=b, num_new_tokens=1, num_computed_tokens=n - 1, block_table=table)
+        for b, (table, n) in enumerate(zip(tables.tolist(), seq_lens.tolist(), strict=True))
+    ]
+    positions = [s.num_computed_tokens for s in spans]
+    slots = torch.tensor([
+        s.block_table[p // block_size] * block_size + p % block_size
+        for s, p in zip(spans, positions, strict=True)
+    ])
+    backend = select_attention_backend(torch.device("cpu"), dtype, block_size, name=backend_name)
+    return backend.build_metadata(spans, slots, positions)
 
 
 def time_ms(fn, reps: int) -> float:
@@ -76,11 +79,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     num_heads, num_kv_heads = (int(x) for x in args.heads.split(","))
     t = time.perf_counter()
-    have_kernel = paged_decode_attention_available(torch.device("cpu"), torch.float32)
+    have_kernel = paged_attention_available(torch.device("cpu"), torch.float32)
     print(
         f"kernel available: {have_kernel} (load/build {time.perf_counter() - t:.1f} s), "
         f"threads: {torch.get_num_threads()}"
     )
+    if not have_kernel:
+        raise SystemExit("the paged_kernel backend needs the C++ kernel (see the warning above)")
     print(
         f"B={args.batch} heads={num_heads}/{num_kv_heads} head_dim={args.head_dim} "
         f"block_size={args.block_size}"
@@ -97,14 +102,13 @@ def bench_case(batch, ctx, geometry, dtype, reps, gen) -> None:
     num_heads, num_kv_heads, head_dim, block_size = geometry
     q, k_cache, v_cache, tables, seq_lens = make_inputs(batch, ctx, *geometry, dtype, gen)
     scale = head_dim**-0.5
-    mask = torch.arange(tables.shape[1] * block_size) < seq_lens.unsqueeze(1)
-    mask = mask.view(batch, 1, 1, -1)  # as the runner builds it, once per step
-    flat = tables.view(-1)
+    # attend() only: the new K/V count as already written (k, v give the backends their shapes)
+    k = v = torch.zeros(batch, num_kv_heads, head_dim, dtype=dtype)
+    meta_t = decode_metadata("sdpa", tables, seq_lens, block_size, dtype)
+    meta_k = decode_metadata("paged_kernel", tables, seq_lens, block_size, dtype)
     out_t, out_k = torch.empty_like(q), torch.empty_like(q)
-    ms_t = time_ms(lambda: torch_path(q, k_cache, v_cache, flat, mask, scale, out_t), reps)
-    ms_k = time_ms(
-        lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, out_k), reps
-    )
+    ms_t = time_ms(lambda: meta_t.attend(q, k, v, k_cache, v_cache, scale, out_t), reps)
+    ms_k = time_ms(lambda: meta_k.attend(q, k, v, k_cache, v_cache, scale, out_k), reps)
     diff = (out_t.float() - out_k.float()).abs().max().item()
     kv_bytes = 2 * int(seq_lens.sum()) * num_kv_heads * head_dim * q.element_size()
     name = str(dtype).removeprefix("torch.")

@@ -1,5 +1,7 @@
-// Paged decode attention for CPU: one query token per sequence, K/V read in place through the block
-// tables (no gather into a padded tensor).
+// Paged attention for CPU: one query token per row b, attending to the first seq_lens[b] tokens of its
+// sequence, K/V read in place through the block tables (no gather into a padded tensor). A row is a
+// decode or one token of a prompt chunk (then seq_lens[b] = its position + 1, so the causal mask is
+// the length); below, "sequence b" means row b and its block table.
 //
 // Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
 // contiguous. Token `pos` of sequence b lives in block block_tables[b][pos / block_size], row
@@ -373,10 +375,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   });
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     double scale, torch::Tensor out) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              double scale, torch::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q/out [B, H, D] and caches [num_blocks, block_size, kv_heads, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
@@ -419,7 +421,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     if (i64) run<at::BFloat16, int64_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
     else run<at::BFloat16, int32_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
   } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
   }
   return out;
 }
@@ -427,8 +429,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention reading K/V in place through the block tables (CPU)");
+  m.def("paged_attention", &paged_attention,
+        "Paged attention, one query token per row, reading K/V in place through the block tables (CPU)");
   m.def("has_avx512", []() {
 #if defined(__AVX512F__)
     return true;

@@ -1,10 +1,13 @@
-"""Paged decode attention: a C++ CPU kernel that reads K/V blocks in place, with a torch fallback.
+"""Paged attention: a C++ CPU kernel that reads K/V blocks in place, with a torch fallback.
 
-The kernel (paged_attention.cpp) is compiled just in time (see tessera/kernels/build.py). If the
-build fails, or the tensors are not on the CPU, `paged_decode_attention` falls back to the padded
+One query token per row: a decode, or one token of a prompt chunk, each attending to the first
+`seq_lens[b]` tokens of its sequence (for a prompt token, its position + 1: the length is the causal
+mask). The kernel (paged_attention.cpp) is compiled just in time (see tessera/kernels/build.py). If
+the build fails, or the tensors are not on the CPU, `paged_attention` falls back to the padded
 gather + SDPA path (the same math, slower).
 
-Inputs, as the runner builds them for the decodes of a step:
+Inputs, as the paged-kernel attention backend (tessera/attention/paged_kernel.py) builds them for
+every token of a step:
     q             [B, num_heads, head_dim]   last dim contiguous (a slice of the flat batch is fine)
     k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]  contiguous, same dtype as q
     block_tables  [B, max_blocks] int64 or int32, contiguous; entries past a sequence's last used
@@ -33,14 +36,14 @@ def _load() -> ModuleType | None:
     return _module
 
 
-def paged_decode_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
+def paged_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
     """True when the C++ kernel serves this device/dtype (builds it on the first call)."""
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     return _load() is not None
 
 
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
@@ -49,12 +52,13 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim]
 ) -> torch.Tensor:
-    """softmax(q K^T * scale) V for one query token per sequence over its paged context."""
+    """softmax(q K^T * scale) V for each query row over the first seq_lens[b] tokens of its paged
+    context."""
     if out is None:
         out = torch.empty_like(q)
-    if paged_decode_attention_available(q.device, q.dtype):
+    if paged_attention_available(q.device, q.dtype):
         assert _module is not None
-        return _module.paged_decode_attention(
+        return _module.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, float(scale), out
         )
     return _torch_fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
@@ -69,7 +73,8 @@ def _torch_fallback(
     scale: float,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """The padded path of model/attention.py: gather whole blocks, mask the padding, one SDPA."""
+    """The SDPA backend's decode path (tessera/attention/sdpa.py): gather whole blocks, mask the
+    padding, one SDPA."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.model.attention import AttentionMetadata, paged_attention
+from tessera.attention import AttentionMetadata
 from tessera.model.config import ModelArchConfig
 from tessera.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
@@ -56,7 +56,7 @@ class LlamaLayer:
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.qk_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        attn = meta.forward(q, k, v, k_cache, v_cache, self.scale)  # [n, H, D]
         x = self.post_attn_norm.add_and_norm(h, self.wo(attn.view(n, -1)))
         return h.add_(self.w2(self.act(self.w13(x))))
 

@@ -2,8 +2,8 @@
 forward pass over every scheduled token (prefill chunks and decodes mixed, no padding to the
 longest prompt), samples, and answers with a torch-free `ModelRunnerOutput`.
 
-Order inside the flat batch: decodes first (the SDPA backend attends to them with one padded call
-over a contiguous slice), then prompt chunks. Logits are computed only at sampled positions: the
+Order inside the flat batch: decodes first, then prompt chunks (the attention backend's contract,
+tessera/attention/backend.py). Logits are computed only at sampled positions: the
 last token of a request whose KV reaches its full length this step. All request state the runner
 reads (tokens, block tables, seeded generators) is its own copy, in `self.requests`.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera.attention.backend import SeqSpan, select_attention_backend
+from tessera.attention import SeqSpan, is_decode, select_attention_backend
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
@@ -72,7 +72,7 @@ class ModelRunner:
         prefills: list[tuple[CachedRequestState, int]] = []
         for req_id, n in out.num_scheduled_tokens.items():
             state = requests[req_id]
-            (decodes if n == 1 and state.num_computed_tokens > 0 else prefills).append((state, n))
+            (decodes if is_decode(n, state.num_computed_tokens) else prefills).append((state, n))
 
         input_ids: list[int] = []
         positions: list[int] = []

@@ -12,7 +12,7 @@ import pytest
 from tessera import SamplingParams
 from tessera.kernels.fused import fused_ops_for
 from tessera.kernels.linear import linear_kernel_supported
-from tessera.kernels.paged_attention import paged_decode_attention_available
+from tessera.kernels.paged_attention import paged_attention_available
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def make_bf16_llm(default_model_path):
     if not (
         linear_kernel_supported(probe)
         and fused_ops_for(cpu, torch.bfloat16) is not None
-        and paged_decode_attention_available(cpu, torch.bfloat16)
+        and paged_attention_available(cpu, torch.bfloat16)
     ):
         pytest.skip("bf16 invariance rests on the C++ kernels, not built here")
     bundle = load_bundle(EngineArgs(dtype="bfloat16", max_model_len=1024))

@@ -1,4 +1,4 @@
-"""The C++ paged decode attention kernel against a plain unpaged reference."""
+"""The C++ paged attention kernel against a plain unpaged reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tessera.kernels import paged_attention as pa
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not pa.paged_decode_attention_available(torch.device("cpu"), torch.float32):
+    if not pa.paged_attention_available(torch.device("cpu"), torch.float32):
         pytest.skip("paged attention C++ kernel could not be built (see the warning log)")
     return pa._module
 
@@ -75,7 +75,7 @@ def test_matches_reference(kernel, dtype, block_size, heads, head_dim):
         *heads, head_dim, block_size, seq_lens, dtype, gen, index_dtype
     )
     scale = head_dim**-0.5
-    out = pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    out = pa.paged_attention(q, k_cache, v_cache, tables, lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
     ref = _reference(q, k_cache, v_cache, tables, lens, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -90,7 +90,7 @@ def test_strided_q_and_out(kernel):
     )
     q_flat = torch.cat([q, torch.randn(4, 9, 64, generator=gen)])
     out_flat = torch.zeros_like(q_flat)
-    pa.paged_decode_attention(q_flat[:3], k_cache, v_cache, tables, lens, 0.125, out=out_flat[:3])
+    pa.paged_attention(q_flat[:3], k_cache, v_cache, tables, lens, 0.125, out=out_flat[:3])
     ref = _reference(q, k_cache, v_cache, tables, lens, 0.125)
     torch.testing.assert_close(out_flat[:3], ref, atol=1e-5, rtol=0)
     assert out_flat[3:].abs().sum() == 0
@@ -103,7 +103,7 @@ def test_generic_head_dim(kernel):
         q, k_cache, v_cache, tables, lens = _make_case(
             6, 2, head_dim, 16, [1, 33, 120], torch.float32, gen, torch.int64
         )
-        out = pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
+        out = pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.1)
         ref = _reference(q, k_cache, v_cache, tables, lens, 0.1)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
@@ -115,7 +115,7 @@ def test_rejects_block_outside_cache(kernel):
     )
     tables[1, 1] = k_cache.shape[0]
     with pytest.raises(RuntimeError, match="outside the cache"):
-        pa.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
