@@ -10,13 +10,26 @@ A block is in exactly one of three states:
                                         still valid, so a later prompt with the same prefix can take
                                         it back; it is evicted (hash dropped) only when `_free` is empty
 
+A hashed block also keeps what its hash was computed from (its parent's hash and its token ids), and
+`lookup` returns a block only when both match the caller's: a key collision is a miss, never
+another request's KV. The hash itself comes from `prefix_cache.hash_block_tokens`; the pool treats
+it as an opaque bytes key.
+
 Free counts include evictable blocks: they can be handed out at any moment. Every operation is
-O(1) per block. Pure Python: the pool only hands out ids, the cache engine owns the tensors.
+O(1) per block (O(block_size) for a lookup's compare). Pure Python: the pool only hands out ids,
+the cache engine owns the tensors.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+# what a cached block's hash was computed from: (parent block's hash or None, its token ids)
+BlockContent = tuple[bytes | None, tuple[int, ...]]
 
 
 class BlockPool:
@@ -29,8 +42,9 @@ class BlockPool:
         # popped from the end, so block 0 is handed out first
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._block_hash: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_content: list[BlockContent | None] = [None] * num_blocks  # set iff hashed
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
 
     @property
     def num_free(self) -> int:
@@ -44,6 +58,7 @@ class BlockPool:
             block, _ = self._evictable.popitem(last=False)
             h = self._block_hash[block]
             self._block_hash[block] = None
+            self._block_content[block] = None
             if self._cached.get(h) == block:  # type: ignore[arg-type]
                 del self._cached[h]  # type: ignore[arg-type]
         else:
@@ -71,16 +86,29 @@ class BlockPool:
 
     # prefix cache
 
-    def lookup(self, block_hash: int) -> int | None:
-        """The block holding the computed KV of this chained hash, if it is cached."""
-        return self._cached.get(block_hash)
+    def lookup(
+        self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]
+    ) -> int | None:
+        """The block holding the computed KV of `token_ids` after the prefix whose last block
+        hashed to `parent_hash` (None for the first block), if it is cached under `block_hash`."""
+        block = self._cached.get(block_hash)
+        if block is None:
+            return None
+        if self._block_content[block] != (parent_hash, tuple(token_ids)):
+            logger.warning("prefix cache key collision on block %d: treated as a miss", block)
+            return None
+        return block
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Mark a full, computed, used block as reusable under `block_hash`. A block that already
-        has a hash, or content already cached in another block, is left as it is."""
+    def register(
+        self, block: int, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]
+    ) -> None:
+        """Mark a full, computed, used block as reusable under `block_hash`, computed from
+        `parent_hash` and `token_ids`. A block that already has a hash, or a hash already cached
+        in another block (the same content, or a collision), is left as it is."""
         if self._block_hash[block] is not None or block_hash in self._cached:
             return
         self._block_hash[block] = block_hash
+        self._block_content[block] = (parent_hash, tuple(token_ids))
         self._cached[block_hash] = block
 
     def is_hashed(self, block: int) -> bool:
@@ -111,6 +139,8 @@ class BlockPool:
                 raise AssertionError(f"{name}: evictable block {block} has no hash")
             if h is not None and self._cached.get(h) != block:
                 raise AssertionError(f"{name}: block {block} hash not in the cache table")
+            if (h is None) != (self._block_content[block] is None):
+                raise AssertionError(f"{name}: block {block} hash and stored tokens disagree")
         used = sum(1 for rc in self.ref_counts if rc > 0)
         if used + self.num_free != self.num_blocks:
             raise AssertionError(f"{name}: used {used} + free {self.num_free} != {self.num_blocks}")

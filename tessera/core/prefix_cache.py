@@ -1,37 +1,58 @@
 """Prefix caching bookkeeping per sequence: the chained hashes of its full blocks, and how many of
 its leading blocks it has offered to the device pool's cache table.
 
-A full block is identified by hash(parent block's hash, its token ids), so equal hashes mean equal
-whole prefixes, not just equal blocks. Only full blocks whose KV is computed are registered; the
-pool keeps them reusable after they are freed until it evicts them (LRU). Like Python's own dict
-keys, the 64-bit hash is trusted not to collide.
+A full block is keyed by `hash_block_tokens(parent block's hash, its token ids)`, so equal keys
+mean equal whole prefixes, not just equal blocks. The key is SHA-256 over a fixed byte encoding,
+the same in every process and run (Python's `hash()` is salted per process by PYTHONHASHSEED, and
+its 64 bits can be made to collide), so a prefill process and a decode process can compare keys.
+On a hit the pool also compares the block's stored parent hash and token ids with the caller's, so a
+key collision, even a forced one, is a miss rather than another request's KV. (A wrong hit would
+need two different prefixes whose chained SHA-256 digests are equal.)
+
+Only full blocks whose KV is computed are registered; the pool keeps them reusable after they are
+freed until it evicts them (LRU).
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from collections.abc import Sequence as SequenceABC
+
 from tessera.core.block_pool import BlockPool
 from tessera.sequence import Sequence
+
+# The parent of a sequence's first block. A fixed 32-byte value, so every hash input is a 32-byte
+# parent followed by 8 bytes per token, and no two (parent, tokens) pairs share an encoding.
+ROOT_HASH = hashlib.sha256(b"tessera prefix cache v1").digest()
+
+
+def hash_block_tokens(parent: bytes | None, token_ids: SequenceABC[int]) -> bytes:
+    """The prefix-cache key of a block: the 32-byte SHA-256 digest of `parent` (the previous
+    block's key, or ROOT_HASH for the first block when None) followed by the token ids as
+    little-endian int64. Deterministic across processes, machines and Python versions."""
+    head = ROOT_HASH if parent is None else parent
+    return hashlib.sha256(head + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
 class PrefixCache:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self._hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its full blocks
+        self._hashes: dict[int, list[bytes]] = {}  # seq_id -> chained hashes of its full blocks
         self._num_cached: dict[int, int] = {}  # seq_id -> leading blocks already registered
 
-    def _seq_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+    def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
+        return seq.get_token_ids_range(i * self.block_size, (i + 1) * self.block_size)
+
+    def _seq_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         """Hashes of the first `num_full_blocks` blocks, memoised per sequence (tokens are only
         ever appended, so the chain only grows)."""
         hashes = self._hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_full_blocks:
-            bs = self.block_size
-            tokens = seq.prompt_token_ids
-            if num_full_blocks * bs > len(tokens):
-                tokens = seq.get_token_ids()
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_full_blocks):
-                parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+                parent = hash_block_tokens(parent, self._block_tokens(seq, i))
                 hashes.append(parent)
         return hashes
 
@@ -44,11 +65,13 @@ class PrefixCache:
         if full == 0:
             return []
         hits = []
-        for h in self._seq_hashes(seq, full)[:full]:
-            block = self.pool.lookup(h)
+        parent = None
+        for i, h in enumerate(self._seq_hashes(seq, full)[:full]):
+            block = self.pool.lookup(h, parent, self._block_tokens(seq, i))
             if block is None:
                 break
             hits.append(block)
+            parent = h
         if len(hits) * self.block_size >= num_tokens:
             hits.pop()
         return hits
@@ -65,7 +88,8 @@ class PrefixCache:
             return
         hashes = self._seq_hashes(seq, full)
         for i in range(start, full):
-            self.pool.register(table[i], hashes[i])
+            parent = hashes[i - 1] if i else None
+            self.pool.register(table[i], hashes[i], parent, self._block_tokens(seq, i))
         self._num_cached[seq.seq_id] = full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
