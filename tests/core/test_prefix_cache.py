@@ -92,7 +92,7 @@ def test_hits_share_blocks_including_blocks_filled_by_decode():
     a = admit(bm, "a", [10, 11, 12, 13, 14, 15])
     compute(bm, a)
     for t in (16, 17, 18):  # block 1 is now prompt[4:6] + two generated tokens
-        a.append_token(t)
+        a.output_token_ids.append(t)
         bm.append_slots(a)
         compute(bm, a)
     b = admit(bm, "b", a.get_token_ids() + [99])
