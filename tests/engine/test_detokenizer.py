@@ -1,5 +1,6 @@
 """Incremental detokenizer: pieces concatenate to a full decode, never a broken character."""
 
+import dataclasses
 import importlib.util
 import os
 
@@ -10,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tessera.engine.detokenizer import DetokState, IncrementalDetokenizer
-from tessera.sequence import Sequence
+from tessera.engine.output_processor import SeqOutputState
 
 TEXTS = [
     "Hello, world! This is a test.",
@@ -49,7 +50,7 @@ def sp_tokenizer():
 def stream(tokenizer, ids, skip_special_tokens=True, chunk=1, seq=None):
     """Feed ids `chunk` at a time; return the pieces and the sequence."""
     detok = IncrementalDetokenizer(tokenizer)
-    seq = seq or Sequence(seq_id=0, prompt_token_ids=[1, 2])
+    seq = seq or SeqOutputState()
     pieces = []
     for i in range(0, len(ids), chunk):
         seq.output_token_ids.extend(ids[i : i + chunk])
@@ -80,7 +81,7 @@ def test_window_stays_small(smollm_tokenizer):
     tok = smollm_tokenizer
     ids = tok.encode(" ".join(TEXTS) * 3, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok)
-    seq = Sequence(seq_id=0, prompt_token_ids=[1])
+    seq = SeqOutputState()
     widest = 0
     for t in ids:
         seq.output_token_ids.append(t)
@@ -106,7 +107,7 @@ def test_fork_continues_independently(smollm_tokenizer):
     b = tok.encode(" or emoji 🧑‍🚀!", add_special_tokens=False)
     # stop mid-emoji so the fork inherits held-back bytes
     _, parent = stream(tok, head[:-1])
-    child = parent.fork(1)
+    child = dataclasses.replace(parent, output_token_ids=list(parent.output_token_ids))
     assert child.detok_state is parent.detok_state  # shared, hence immutable
     stream(tok, head[-1:] + a, seq=parent)
     stream(tok, head[-1:] + b, seq=child)

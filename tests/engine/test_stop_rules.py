@@ -1,10 +1,16 @@
-"""Stop checker traces: tokens arrive one at a time with the text the detokenizer added."""
+"""Stop rule traces: tokens arrive one at a time, each with the text it decodes to. The token-id
+rules run in the scheduler (core/stop_conditions.py), stop strings in the engine's output
+processor; this drives both the way one engine step does."""
+
+from dataclasses import dataclass
 
 import pytest
 
-from tessera.engine.stop_checker import StopChecker
+from tessera.core.core_output import EngineCoreOutput, SeqDelta
+from tessera.core.stop_conditions import check_token_stop
+from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.sampling.params import SamplingParams
-from tessera.sequence import Sequence, SequenceStatus
+from tessera.sequence import Sequence, SequenceStatus, new_seq_id
 
 EOS = 2
 RUNNING = SequenceStatus.RUNNING
@@ -12,19 +18,49 @@ STOPPED = SequenceStatus.FINISHED_STOPPED
 CAPPED = SequenceStatus.FINISHED_LENGTH_CAPPED
 
 
+class PieceTokenizer:
+    """Each id decodes to the text the trace gave it."""
+
+    def __init__(self) -> None:
+        self.texts: dict[int, str] = {}
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(self.texts[i] for i in ids)
+
+
+@dataclass
+class Traced:
+    status: SequenceStatus
+    stop_reason: int | str | None
+    output_text: str
+    output_token_ids: list[int]
+
+    def get_len(self) -> int:
+        return len(self.output_token_ids) + 3
+
+
 def run(pieces, params, max_model_len=1000, prompt_len=3, eos_text=""):
-    """Feed (token_id, text) pairs until the checker stops the sequence; return it and the step."""
-    checker = StopChecker(max_model_len, eos_token_ids=(EOS, 99))
-    seq = Sequence(seq_id=0, prompt_token_ids=list(range(10, 10 + prompt_len)), status=RUNNING)
-    for step, (token_id, text) in enumerate(pieces, start=1):
-        if token_id == EOS:
-            text = eos_text
-        seq.append_token(token_id)
-        seq.output_text += text
-        checker.check(seq, params, len(text))
-        if seq.is_finished():
-            return seq, step
-    return seq, None
+    """Feed (token_id, text) pairs until a rule stops the sequence; return it and the step."""
+    tokenizer = PieceTokenizer()
+    processor = OutputProcessor(tokenizer, clock=lambda: 0.0)
+    prompt = list(range(10, 10 + prompt_len))
+    processor.add_request(RequestState("r", None, prompt, params, arrival_time=0.0))
+    seq = Sequence(seq_id=new_seq_id(), prompt_token_ids=prompt, status=RUNNING)
+    text = ""
+    for step, (token_id, piece) in enumerate(pieces, start=1):
+        tokenizer.texts[token_id] = eos_text if token_id == EOS else piece
+        seq.output_token_ids.append(token_id)
+        done = check_token_stop(seq, params, max_model_len, (EOS, 99))
+        delta = SeqDelta(0, [token_id], [{}], seq.status.finish_reason if done else None,
+                         seq.stop_reason)
+        outputs, stops = processor.process([EngineCoreOutput("r", [delta], finished=done)])
+        if outputs:
+            text = outputs[0].outputs[0].text
+        if stops:
+            return Traced(STOPPED, stops[0][2], text, seq.output_token_ids), step
+        if done:
+            return Traced(seq.status, seq.stop_reason, text, seq.output_token_ids), step
+    return Traced(seq.status, seq.stop_reason, text, seq.output_token_ids), None
 
 
 def toks(*texts):
