@@ -429,11 +429,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention reading K/V in place through the block tables (CPU)");
-  m.def("has_avx512", []() {
-#if defined(__AVX512F__)
-    return true;
-#else
-    return false;
-#endif
-  });
 }
