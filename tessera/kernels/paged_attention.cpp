@@ -431,11 +431,4 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention, one query token per row, reading K/V in place through the block tables (CPU)");
-  m.def("has_avx512", []() {
-#if defined(__AVX512F__)
-    return true;
-#else
-    return false;
-#endif
-  });
 }
