@@ -71,6 +71,7 @@ class FakeEngine:
         self.requests: dict[str, _Req] = {}
         self.num_steps = 0
         self.num_aborted = 0
+        self.priorities: list[int] = []  # of every accepted request, in order
         self.generation_tokens = 0
         self._boom = False
         self._changed = threading.Condition()  # notified after every change of `requests`
@@ -101,6 +102,7 @@ class FakeEngine:
                        for i in range(sampling_params.n)]
         with self._changed:
             self.requests[request_id] = req
+            self.priorities.append(priority)
             self._changed.notify_all()
 
     def abort_request(self, request_id) -> None:

@@ -149,6 +149,7 @@ def test_chat_default_max_tokens_fills_context(client):
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ({"prompt": "hi", "priority": 1}, 400, "--scheduling-policy priority"),
 ])
 def test_completion_errors(http, body, status, fragment):
     if isinstance(body, str):
@@ -169,11 +170,31 @@ def test_completion_errors(http, body, status, fragment):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs=true"),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, "maximum context length is 128"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, "500"),
+    ({"messages": [{"role": "user", "content": "x"}], "priority": -1}, "priority (-1)"),
 ])
 def test_chat_errors(http, body, fragment):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_priority_needs_the_priority_policy(http, path, body):
+    body = {**body, "max_tokens": 2}
+    for priority in (1, -3):  # fcfs would ignore it: refused, as vLLM does
+        r = http.post(path, json={**body, "priority": priority})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+    assert http.post(path, json={**body, "priority": 0}).status_code == 200
+    srv, engine = serve_fake(scheduling_policy="priority")
+    with srv:
+        r = httpx.post(srv.url + path, json={**body, "priority": 5}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert engine.priorities == [5]
 
 
 def test_auth(server):

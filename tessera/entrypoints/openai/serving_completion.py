@@ -40,6 +40,7 @@ class _Prompt:
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
+        self.check_priority(req.priority)
         if self.tokenizer is None:
             self._check_without_tokenizer(req)
         prompts = self._prompts(req.prompt)
