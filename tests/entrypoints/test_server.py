@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -221,13 +220,6 @@ def _metric(http, name: str) -> float:
     raise AssertionError(f"{name} not exposed")
 
 
-def _wait_idle(http, engine, timeout=5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.requests or _metric(http, "tessera:num_requests_running") != 0:
-        assert time.monotonic() < deadline, f"still running: {list(engine.requests)}"
-        time.sleep(0.02)
-
-
 def open_request(url: str, path: str, body: dict, api_key: str | None = None) -> socket.socket:
     """Send a POST on a raw socket and return it unread: closing it is a client disconnect."""
     host, port = url.removeprefix("http://").split(":")
@@ -242,7 +234,7 @@ def open_request(url: str, path: str, body: dict, api_key: str | None = None) ->
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts(server, http, stream):
     engine = server.engine
-    _wait_idle(http, engine)
+    engine.wait_until(lambda: not engine.requests)  # the previous case has cleaned up
     aborted = engine.num_aborted
     body = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": stream}
     sock = open_request(server.url, "/v1/completions", body, API_KEY)
@@ -253,13 +245,10 @@ def test_disconnect_aborts(server, http, stream):
             assert chunk, "connection closed early"
             received += chunk
     else:
-        deadline = time.monotonic() + 5
-        while not engine.requests:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        engine.wait_until(lambda: engine.requests)  # it reached the engine
     sock.close()
-    _wait_idle(http, engine)
-    assert engine.num_aborted == aborted + 1
+    engine.wait_until(lambda: engine.num_aborted > aborted)
+    assert engine.num_aborted == aborted + 1 and not engine.requests
 
 
 def test_metrics_exposition(client, http):
