@@ -3,12 +3,15 @@
 
     python benchmarks/throughput.py [--dtype bfloat16] [--num-requests 64] [--skip-hf] [--hf-batch 16]
 
-Prints useful output tok/s for both, the ratio, and where Tessera's step time goes.
+`--num-requests` above 64 draws W1 again with seeds 1, 2, ... (the first 64 stay W1 itself).
+Prints how many requests ran, useful output tok/s for both, the ratio, and where Tessera's step
+time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import numpy as np
@@ -16,13 +19,22 @@ import torch
 
 from tessera import LLM, SamplingParams
 
+W1_SIZE = 64  # requests in one draw of W1
+
 
 def workload(num_requests: int) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(0)
-    in_lens = rng.integers(64, 513, 64)
-    out_lens = rng.integers(16, 257, 64)
-    prompts = [rng.integers(100, 49000, n).tolist() for n in in_lens]
-    return prompts[:num_requests], [int(n) for n in out_lens[:num_requests]]
+    """(prompts, output lengths) of `num_requests` requests: draw k of W1 uses seed k, so the first
+    64 are always W1 itself and a larger run only adds requests."""
+    if num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
+    prompts: list[list[int]] = []
+    out_lens: list[int] = []
+    for seed in range(math.ceil(num_requests / W1_SIZE)):
+        rng = np.random.default_rng(seed)
+        in_lens = rng.integers(64, 513, W1_SIZE)
+        out_lens += [int(n) for n in rng.integers(16, 257, W1_SIZE)]
+        prompts += [rng.integers(100, 49000, n).tolist() for n in in_lens]
+    return prompts[:num_requests], out_lens[:num_requests]
 
 
 def run_tessera(prompts, out_lens, dtype: str, **engine_args) -> tuple[float, int, LLM]:
@@ -66,13 +78,15 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     args = ap.parse_args()
     prompts, out_lens = workload(args.num_requests)
+    num = len(prompts)
     elapsed, tokens, llm = run_tessera(
         prompts, out_lens, args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     ours = tokens / elapsed
     st = llm.llm_engine.step_times
-    print(f"tessera  {args.dtype}: {tokens} output tokens in {elapsed:.1f}s = {ours:.1f} tok/s "
+    print(f"tessera  {args.dtype}: {num} requests, {tokens} output tokens in {elapsed:.1f}s = "
+          f"{ours:.1f} tok/s "
           f"({st.num_steps} steps, {1000 * elapsed / max(st.num_steps, 1):.1f} ms/step)")
     total = st.schedule + st.execute + st.update
     print(f"  step time: schedule {100 * st.schedule / total:.1f}%  execute {100 * st.execute / total:.1f}%  "
@@ -80,7 +94,8 @@ def main() -> None:
     if not args.skip_hf:
         hf_elapsed, hf_tokens = run_hf(prompts, out_lens, args.dtype, args.hf_batch)
         theirs = hf_tokens / hf_elapsed
-        print(f"hf static batching (batch {args.hf_batch}) {args.dtype}: {hf_tokens} useful tokens in "
+        print(f"hf static batching (batch {args.hf_batch}) {args.dtype}: {num} requests, "
+              f"{hf_tokens} useful tokens in "
               f"{hf_elapsed:.1f}s = {theirs:.1f} tok/s")
         print(f"ratio tessera/hf: {ours / theirs:.2f}x")
 

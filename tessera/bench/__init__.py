@@ -36,9 +36,10 @@ def add_bench_parser(subparsers) -> None:
                                   description="Serving benchmarks (as `vllm bench serve`).")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     serve = commands.add_parser(
-        "serve", help="load a running /v1/completions endpoint and report latencies",
-        description="Load any OpenAI-compatible /v1/completions endpoint (ours, llama.cpp, "
-                    "vLLM) and report throughput, TTFT/TPOT/ITL/E2E percentiles and goodput.")
+        "serve", help="load a running completions endpoint and report latencies",
+        description="Load any OpenAI-compatible /v1/completions or /v1/chat/completions "
+                    "endpoint (ours, llama.cpp, vLLM) and report throughput, TTFT/TPOT/ITL/E2E "
+                    "percentiles and goodput.")
     add_serve_args(serve)
     serve.set_defaults(func=_run_serve)
     sweep = commands.add_parser(

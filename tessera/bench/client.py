@@ -1,12 +1,14 @@
 """The load generator's two halves: when each request is sent (`arrival_times`) and what one
-streamed `/v1/completions` request measured (`send_completion`).
+streamed request to `/v1/completions` or `/v1/chat/completions` measured (`send_completion`).
 
 Timing follows `vllm bench serve`: the clock starts just before the request is sent; TTFT is the
-first chunk that carries text; each later text chunk adds one inter-token gap (ITL); E2E ends at
-the last chunk with choices. The output token count is the server's `usage.completion_tokens`
-(asked for with `stream_options.include_usage`); a server that sends no usage is counted with the
-tokenizer, or, lacking one, one token per text chunk. A stream that ends normally without text
-(EOS first) succeeds with zero tokens, TTFT = E2E; only errors count as failures.
+first chunk that carries text (`choices[0].text`, or `choices[0].delta.content` in a chat stream,
+whose opening role-only chunk carries none); each later text chunk adds one inter-token gap (ITL);
+E2E ends at the last chunk with choices. The output token count is the server's
+`usage.completion_tokens` (asked for with `stream_options.include_usage`); a server that sends no
+usage is counted with the tokenizer, or, lacking one, one token per text chunk. A stream that ends
+normally without text (EOS first) succeeds with zero tokens, TTFT = E2E; only errors count as
+failures.
 """
 
 from __future__ import annotations
@@ -54,10 +56,18 @@ def parse_sse_line(line: str) -> dict | None | str:
     return json.loads(data)
 
 
+def chunk_text(choice: dict) -> str:
+    """The new text in one streamed choice: `text` (completions) or `delta.content` (chat)."""
+    if "delta" in choice:
+        return (choice["delta"] or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
 async def send_completion(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
                           headers: dict[str, str], prompt_len: int,
                           tokenizer: Tokenizer | None = None) -> RequestResult:
-    """POST one streaming completion and time its chunks; never raises for a failed request."""
+    """POST one streaming (chat) completion and time its chunks; never raises for a failed
+    request."""
     result = RequestResult(prompt_len=prompt_len)
     texts: list[str] = []
     usage: dict | None = None
@@ -85,7 +95,7 @@ async def send_completion(client: httpx.AsyncClient, url: str, payload: dict[str
                 if not choices:
                     continue  # the usage-only chunk
                 now = time.perf_counter()
-                text = choices[0].get("text") or ""
+                text = chunk_text(choices[0])
                 if text:
                     if not texts:
                         result.ttft = now - start

@@ -1,6 +1,7 @@
-"""`tessera bench serve`: load any OpenAI-compatible `/v1/completions` endpoint (ours,
-llama.cpp's `llama-server`, vLLM) with a dataset at a request rate and report what `vllm bench
-serve` reports.
+"""`tessera bench serve`: load any OpenAI-compatible `/v1/completions` (or, with `--endpoint
+/v1/chat/completions`, chat) endpoint (ours, llama.cpp's `llama-server`, vLLM) with a dataset at a
+request rate and report what `vllm bench serve` reports. A chat request sends the sample's prompt
+as one user message, with `max_completion_tokens` (as vLLM's openai-chat backend).
 
     python -m tessera.bench.serve --base-url http://127.0.0.1:8000 --dataset sharegpt \\
         --num-prompts 200 --request-rate 4 --goodput ttft:500 tpot:100 \\
@@ -65,6 +66,14 @@ class BenchConfig:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://: {self.base_url}")
+        if not self.endpoint.rstrip("/").endswith("/completions"):
+            raise ValueError("--endpoint must be a completions route (/v1/completions or "
+                             f"/v1/chat/completions), got {self.endpoint!r}")
+
+    @property
+    def chat(self) -> bool:
+        """True for a chat completions endpoint: send `messages`, read `delta.content`."""
+        return self.endpoint.rstrip("/").endswith("/chat/completions")
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -84,9 +93,15 @@ async def _served_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
 
 
 def _payload(cfg: BenchConfig, model: str, sample: SampleRequest) -> dict:
-    payload = {"model": model, "prompt": sample.prompt, "max_tokens": sample.max_tokens,
-               "temperature": cfg.temperature, "stream": True,
-               "stream_options": {"include_usage": True}}
+    payload: dict = {"model": model}
+    if cfg.chat:
+        payload["messages"] = [{"role": "user", "content": sample.prompt}]
+        payload["max_completion_tokens"] = sample.max_tokens
+    else:
+        payload["prompt"] = sample.prompt
+        payload["max_tokens"] = sample.max_tokens
+    payload.update(temperature=cfg.temperature, stream=True,
+                   stream_options={"include_usage": True})
     if cfg.ignore_eos:
         payload["ignore_eos"] = True
     payload.update(cfg.extra_body)
@@ -191,7 +206,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("sending")
     s.add_argument("--model", default=None, help="model id to request (default: /v1/models' first)")
-    s.add_argument("--endpoint", default="/v1/completions")
+    s.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions (prompt) or /v1/chat/completions (the prompt as one "
+                        "user message) (default: %(default)s)")
     s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="Bearer token (default: $OPENAI_API_KEY)")
     s.add_argument("--burstiness", type=float, default=1.0,

@@ -1,8 +1,12 @@
 """A tiny OpenAI-compatible streaming server on asyncio streams, for the bench tests.
 
 POST /v1/completions streams `max_tokens` chunks ("t0 ", "t1 ", ...) `--delay-ms` apart, then a
-usage chunk when asked, then `data: [DONE]`. A prompt containing "FAIL" gets an HTTP 500, one
-containing "EMPTY" a finished stream without text (as when EOS comes first).
+usage chunk when asked, then `data: [DONE]`. POST /v1/chat/completions wants `messages` (a 400
+without them) and streams as OpenAI's chat does: a role-only chunk, `max_completion_tokens` (or
+`max_tokens`) content deltas, an empty delta with finish_reason; its usage counts
+`CHAT_TEMPLATE_TOKENS` more prompt tokens than the messages' words, as a chat template adds some.
+A prompt containing "FAIL" gets an HTTP 500, one containing "EMPTY" a finished stream without text
+(as when EOS comes first).
 GET /health, /v1/models and /metrics (a `fake:requests_total` counter) answer too. One request
 per connection (`Connection: close`), chunked transfer encoding.
 
@@ -17,6 +21,8 @@ import asyncio
 import contextlib
 import json
 import threading
+
+CHAT_TEMPLATE_TOKENS = 3
 
 
 class FakeServer:
@@ -72,6 +78,8 @@ class FakeServer:
             body = await reader.readexactly(int(headers.get("content-length", 0)))
             if method == "POST" and path == "/v1/completions":
                 await self.completions(json.loads(body), writer)
+            elif method == "POST" and path == "/v1/chat/completions":
+                await self.chat_completions(json.loads(body), writer)
             elif path == "/health":
                 await self.respond(writer, 200, b"")
             elif path == "/v1/models":
@@ -95,26 +103,54 @@ class FakeServer:
 
     async def completions(self, payload: dict, writer: asyncio.StreamWriter) -> None:
         self.payloads.append(payload)
-        if "FAIL" in payload["prompt"]:
+        await self.stream(payload, writer, payload["prompt"], int(payload.get("max_tokens", 16)),
+                          chat=False)
+
+    async def chat_completions(self, payload: dict, writer: asyncio.StreamWriter) -> None:
+        self.payloads.append(payload)
+        if "messages" not in payload:
+            await self.respond(writer, 400, b'{"error": {"message": "missing messages"}}')
+            return
+        prompt = " ".join(m["content"] for m in payload["messages"])
+        n = payload.get("max_completion_tokens", payload.get("max_tokens", 16))
+        await self.stream(payload, writer, prompt, int(n), chat=True)
+
+    async def stream(self, payload: dict, writer: asyncio.StreamWriter, prompt: str, n: int,
+                     chat: bool) -> None:
+        if "FAIL" in prompt:
             await self.respond(writer, 500, b'{"error": {"message": "asked to fail"}}')
             return
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def choice(text: str | None, finish_reason: str | None) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "finish_reason": finish_reason}
+            return {"index": 0, "delta": {} if text is None else {"content": text},
+                    "finish_reason": finish_reason}
+
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
-            n = 0 if "EMPTY" in payload["prompt"] else int(payload.get("max_tokens", 16))
+            n = 0 if "EMPTY" in prompt else n
+            if chat:  # the role comes first, before any token
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None}
+                await self.event(writer, {"object": obj, "choices": [role]})
             if n == 0:  # EOS first: one chunk with no text
-                choice = {"index": 0, "text": "", "finish_reason": "stop"}
-                await self.event(writer, {"object": "text_completion", "choices": [choice]})
+                await self.event(writer, {"object": obj, "choices": [choice(None, "stop")]})
             for i in range(n):
                 await asyncio.sleep(self.delay_s)
-                choice = {"index": 0, "text": f"t{i} ",
-                          "finish_reason": "length" if i == n - 1 else None}
-                await self.event(writer, {"object": "text_completion", "choices": [choice]})
+                last = i == n - 1
+                finish = "length" if last and not chat else None
+                await self.event(writer, {"object": obj, "choices": [choice(f"t{i} ", finish)]})
+                if last and chat:  # chat ends a choice with an empty delta
+                    await self.event(writer, {"object": obj, "choices": [choice(None, "length")]})
             if (payload.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(payload["prompt"].split()), "completion_tokens": n,
-                         "total_tokens": len(payload["prompt"].split()) + n}
+                num_prompt = len(prompt.split()) + (CHAT_TEMPLATE_TOKENS if chat else 0)
+                usage = {"prompt_tokens": num_prompt, "completion_tokens": n,
+                         "total_tokens": num_prompt + n}
                 await self.event(writer, {"choices": [], "usage": usage})
             await self.event(writer, "[DONE]")
             writer.write(b"0\r\n\r\n")

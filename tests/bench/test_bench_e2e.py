@@ -15,7 +15,7 @@ from tessera.bench.datasets import SampleRequest, sample_random
 from tessera.bench.serve import BenchConfig, run_bench
 from tessera.bench.sweep import plot_sweep, sweep
 
-from .fake_server import FakeServer
+from .fake_server import CHAT_TEMPLATE_TOKENS, FakeServer
 from .fakes import WordTokenizer
 
 FAKE_SERVER = os.path.join(os.path.dirname(__file__), "fake_server.py")
@@ -64,6 +64,40 @@ def test_bench_against_fake_server(server, tmp_path):
     assert all(p["stream"] and p["stream_options"] == {"include_usage": True} for p in sent)
     assert all(p["ignore_eos"] is True and p["model"] == "fake-model" for p in sent)
     assert server.max_in_flight <= 4
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_bench_chat_endpoint(server, usage):
+    """--endpoint /v1/chat/completions: messages out, `delta.content` in, tokens counted as for
+    completions (the server's usage, else the tokenizer over the text)."""
+    samples = sample_random(WordTokenizer(), 5, input_len=8, output_len=6, seed=0)
+    samples.append(SampleRequest("please FAIL now", 3, 5))
+    samples.append(SampleRequest("EMPTY reply", 2, 5))
+    extra = {} if usage else {"stream_options": {"include_usage": False}}
+    cfg = BenchConfig(base_url=server.base_url, endpoint="/v1/chat/completions",
+                      extra_body=extra, disable_tqdm=True)
+    data = run_bench(cfg, samples, WordTokenizer(), quiet=True)
+    m = data["metrics"]
+    assert (m["completed"], m["failed"]) == (6, 1)
+    assert m["total_output_tokens"] == 5 * 6  # "t0 t1 ..." is one word-token per delta
+    overhead = CHAT_TEMPLATE_TOKENS if usage else 0  # usage counts the chat template's tokens
+    assert m["total_input_tokens"] == 5 * (8 + overhead) + 2 + overhead
+    ok = [r for r in data["requests"] if r["success"] and r["output_tokens"]]
+    assert len(ok) == 5
+    assert all(r["generated_text"] == "t0 t1 t2 t3 t4 t5 " and len(r["itl"]) == 5 for r in ok)
+    assert all(0 < r["ttft"] < r["e2el"] for r in ok)
+    empty = data["requests"][-1]
+    assert empty["success"] and empty["output_tokens"] == 0 and empty["ttft"] == empty["e2el"]
+    sent = server.payloads
+    assert len(sent) == 8 and sent[0]["max_completion_tokens"] == 4  # the probe
+    assert all("prompt" not in p and "max_tokens" not in p for p in sent)
+    assert sent[1]["messages"] == [{"role": "user", "content": samples[0].prompt}]
+    assert all(p["stream"] for p in sent)
+
+
+def test_endpoint_must_be_a_completions_route():
+    with pytest.raises(ValueError, match="--endpoint"):
+        BenchConfig(endpoint="/v1/embeddings")
 
 
 def test_unreachable_server_fails_fast():

@@ -22,21 +22,38 @@ from tessera.entrypoints.openai.server import build_app
 from .fake_engine import FakeEngine
 
 
+class _Server(uvicorn.Server):
+    """uvicorn that sets `ready` once it listens (or has given up starting)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        try:
+            await super().startup(sockets)
+        finally:
+            self.ready.set()
+
+    def run(self, sockets=None) -> None:
+        try:
+            super().run(sockets)
+        finally:
+            self.ready.set()  # failed before startup() (e.g. loading the app)
+
+
 class UvicornThread:
     """A real uvicorn on 127.0.0.1 (port 0) serving `app` from a background thread."""
 
     def __init__(self, app) -> None:
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                 lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> UvicornThread:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
+        assert self.server.ready.wait(30) and self.server.started, "uvicorn did not start"
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         return self

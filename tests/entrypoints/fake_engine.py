@@ -4,15 +4,21 @@ engine can be tested in milliseconds.
 Tokens are bytes (vocab 256). Greedy output of a request is the cycle `a b c ... z a ...` starting at
 letter (prompt length % 26); a seeded sampled sequence k starts at (seed + k) % 26 instead. Each
 step advances every running request by one token and sleeps `step_delay` (as a model would, with the
-GIL released). A prompt containing "__boom__" makes the next step raise.
+GIL released). A prompt containing "__boom__" makes the next step raise. `tokenizer=False` is a bare
+checkpoint: token ids in, token ids out, no text (as `LLMEngine` with `tokenizer is None`).
+
+Tests wait on `wait_until(predicate)`: every change of the fake's requests notifies a condition, so a
+waiter wakes when the engine thread has added, stepped or aborted, instead of polling.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from tessera.config import SchedulingPolicy
 from tessera.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tessera.sampling.params import SamplingParams
 
@@ -52,24 +58,38 @@ class _Req:
 
 
 class FakeEngine:
-    def __init__(self, max_model_len: int = 128, max_num_seqs: int = 8, step_delay: float = 0.005):
-        self.config = SimpleNamespace(model=SimpleNamespace(max_model_len=max_model_len),
-                                      scheduler=SimpleNamespace(max_num_seqs=max_num_seqs))
-        self.tokenizer = FakeTokenizer()
+    def __init__(self, max_model_len: int = 128, max_num_seqs: int = 8, step_delay: float = 0.005,
+                 tokenizer: bool = True, scheduling_policy: str = "fcfs"):
+        self.config = SimpleNamespace(
+            model=SimpleNamespace(max_model_len=max_model_len),
+            scheduler=SimpleNamespace(max_num_seqs=max_num_seqs,
+                                      scheduling_policy=SchedulingPolicy(scheduling_policy)))
+        self.tokenizer = FakeTokenizer() if tokenizer else None
         self.model_name = "fake-model"
         self.vocab_size = 256
         self.step_delay = step_delay
         self.requests: dict[str, _Req] = {}
         self.num_steps = 0
         self.num_aborted = 0
+        self.priorities: list[int] = []  # of every accepted request, in order
         self.generation_tokens = 0
         self._boom = False
+        self._changed = threading.Condition()  # notified after every change of `requests`
+
+    def wait_until(self, predicate, timeout: float = 5.0):
+        """Block until `predicate()` (evaluated under the fake's lock) is true; its value."""
+        with self._changed:
+            value = self._changed.wait_for(predicate, timeout)
+        assert value, f"condition not reached in {timeout} s; requests: {list(self.requests)}"
+        return value
 
     # -- the LLMEngine interface ---------------------------------------------------------------
 
     def add_request(self, request_id, prompt, sampling_params, priority=0, arrival_time=None):
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
@@ -80,13 +100,18 @@ class FakeEngine:
         req.outputs = [CompletionOutput(index=i, text="", token_ids=[],
                                         logprobs=[] if sampling_params.logprobs is not None else None)
                        for i in range(sampling_params.n)]
-        self.requests[request_id] = req
+        with self._changed:
+            self.requests[request_id] = req
+            self.priorities.append(priority)
+            self._changed.notify_all()
 
     def abort_request(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            if self.requests.pop(rid, None) is not None:
-                self.num_aborted += 1
+        with self._changed:
+            for rid in ids:
+                if self.requests.pop(rid, None) is not None:
+                    self.num_aborted += 1
+            self._changed.notify_all()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -100,6 +125,12 @@ class FakeEngine:
             self._boom = False
             raise RuntimeError("boom")
         time.sleep(self.step_delay)
+        with self._changed:
+            results = self._step()
+            self._changed.notify_all()
+        return results
+
+    def _step(self) -> list[RequestOutput]:
         now = time.monotonic()
         results = []
         for req in self._running():
@@ -135,7 +166,8 @@ class FakeEngine:
         if seq.logprobs is not None:
             alternatives = {ord("A") + k: -2.0 - k for k in range(p.logprobs or 0)}
             seq.logprobs.append({**alternatives, token: -0.5})
-        seq.text += chr(token)
+        if self.tokenizer is not None:
+            seq.text += chr(token)
         for stop in p.stop:
             if stop in seq.text:
                 seq.text = seq.text[: seq.text.index(stop)]

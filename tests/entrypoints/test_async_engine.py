@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import pytest
 
@@ -28,11 +28,9 @@ async def _started(fake: FakeEngine) -> AsyncLLMEngine:
     return engine
 
 
-async def _until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
+async def _until(fake: FakeEngine, predicate) -> None:
+    """Wait, off the event loop, until the engine thread has made `predicate` true of the fake."""
+    await asyncio.to_thread(fake.wait_until, predicate)
 
 
 def test_generate_streams_cumulative_outputs():
@@ -77,18 +75,19 @@ def test_closing_a_stream_aborts_the_request():
         async for _ in stream:
             break
         await stream.aclose()
-        await _until(lambda: not fake.requests)
+        await _until(fake, lambda: not fake.requests)
         # a consumer task cancelled mid-wait aborts too
         stream = await engine.add_request("r2", "abc", greedy(1000))
+        consuming = asyncio.Event()
 
         async def consume():
             async for _ in stream:
-                pass
+                consuming.set()
 
         task = asyncio.create_task(consume())
-        await _until(lambda: fake.num_steps > 3)
+        await consuming.wait()
         task.cancel()
-        await _until(lambda: not fake.requests)
+        await _until(fake, lambda: not fake.requests)
         await engine.shutdown()
         return fake
 
@@ -105,7 +104,7 @@ def test_abort_by_id_ends_the_stream():
         with pytest.raises(RequestAbortedError):
             async for _ in stream:
                 pass
-        await _until(lambda: not fake.requests)
+        await _until(fake, lambda: not fake.requests)
         await engine.shutdown()
 
     asyncio.run(main())
@@ -131,21 +130,26 @@ def test_idle_loop_sleeps():
     async def main():
         fake = FakeEngine()
         calls = 0
+        polled, spinning = threading.Event(), threading.Event()
         has_unfinished = fake.has_unfinished_requests
 
         def counting() -> bool:
             nonlocal calls
             calls += 1
+            polled.set()
+            if calls > 2:
+                spinning.set()
             return has_unfinished()
 
         fake.has_unfinished_requests = counting
         engine = await _started(fake)
-        await asyncio.sleep(0.3)
-        idle_calls = calls
+        assert await asyncio.to_thread(polled.wait, 5)  # the loop is up and found no work
+        # nothing wakes it now: a third look within 0.3 s would be a busy loop
+        spun = await asyncio.to_thread(spinning.wait, 0.3)
         await engine.shutdown()
-        return idle_calls
+        return spun
 
-    assert asyncio.run(main()) <= 2
+    assert not asyncio.run(main())
 
 
 def test_shutdown_aborts_in_flight():
@@ -153,7 +157,7 @@ def test_shutdown_aborts_in_flight():
         fake = FakeEngine()
         engine = await _started(fake)
         stream = await engine.add_request("r1", "abc", greedy(10_000))
-        await _until(lambda: fake.num_steps > 2)
+        await anext(stream)  # in flight
         await engine.shutdown()
         with pytest.raises(RequestAbortedError):
             async for _ in stream:
@@ -167,10 +171,15 @@ def test_metrics_snapshot_follows_engine():
     async def main():
         fake = FakeEngine()
         engine = await _started(fake)
+        # the engine thread takes the snapshot after a step and before posting its outputs, so an
+        # output received is the event after which the snapshot shows that step
         stream = await engine.add_request("r1", "abc", greedy(10_000))
-        await _until(lambda: engine.get_metrics()["tessera:num_requests_running"] == 1)
-        await stream.aclose()
-        await _until(lambda: engine.get_metrics()["tessera:num_requests_running"] == 0)
+        await anext(stream)
+        assert engine.get_metrics()["tessera:num_requests_running"] == 1
+        await stream.aclose()  # its abort is queued before r2's add: r2's step runs without r1
+        outs = [o async for o in engine.generate("x", greedy(1), "r2")]
+        assert outs[-1].finished
+        assert engine.get_metrics()["tessera:num_requests_running"] == 0
         await engine.shutdown()
 
     asyncio.run(main())

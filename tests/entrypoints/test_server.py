@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -149,6 +148,7 @@ def test_chat_default_max_tokens_fills_context(client):
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ({"prompt": "hi", "priority": 1}, 400, "--scheduling-policy priority"),
 ])
 def test_completion_errors(http, body, status, fragment):
     if isinstance(body, str):
@@ -169,11 +169,31 @@ def test_completion_errors(http, body, status, fragment):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs=true"),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, "maximum context length is 128"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, "500"),
+    ({"messages": [{"role": "user", "content": "x"}], "priority": -1}, "priority (-1)"),
 ])
 def test_chat_errors(http, body, fragment):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_priority_needs_the_priority_policy(http, path, body):
+    body = {**body, "max_tokens": 2}
+    for priority in (1, -3):  # fcfs would ignore it: refused, as vLLM does
+        r = http.post(path, json={**body, "priority": priority})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+    assert http.post(path, json={**body, "priority": 0}).status_code == 200
+    srv, engine = serve_fake(scheduling_policy="priority")
+    with srv:
+        r = httpx.post(srv.url + path, json={**body, "priority": 5}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert engine.priorities == [5]
 
 
 def test_auth(server):
@@ -200,13 +220,6 @@ def _metric(http, name: str) -> float:
     raise AssertionError(f"{name} not exposed")
 
 
-def _wait_idle(http, engine, timeout=5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.requests or _metric(http, "tessera:num_requests_running") != 0:
-        assert time.monotonic() < deadline, f"still running: {list(engine.requests)}"
-        time.sleep(0.02)
-
-
 def open_request(url: str, path: str, body: dict, api_key: str | None = None) -> socket.socket:
     """Send a POST on a raw socket and return it unread: closing it is a client disconnect."""
     host, port = url.removeprefix("http://").split(":")
@@ -221,7 +234,7 @@ def open_request(url: str, path: str, body: dict, api_key: str | None = None) ->
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts(server, http, stream):
     engine = server.engine
-    _wait_idle(http, engine)
+    engine.wait_until(lambda: not engine.requests)  # the previous case has cleaned up
     aborted = engine.num_aborted
     body = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": stream}
     sock = open_request(server.url, "/v1/completions", body, API_KEY)
@@ -232,13 +245,10 @@ def test_disconnect_aborts(server, http, stream):
             assert chunk, "connection closed early"
             received += chunk
     else:
-        deadline = time.monotonic() + 5
-        while not engine.requests:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        engine.wait_until(lambda: engine.requests)  # it reached the engine
     sock.close()
-    _wait_idle(http, engine)
-    assert engine.num_aborted == aborted + 1
+    engine.wait_until(lambda: engine.num_aborted > aborted)
+    assert engine.num_aborted == aborted + 1 and not engine.requests
 
 
 def test_metrics_exposition(client, http):

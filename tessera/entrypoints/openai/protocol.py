@@ -52,7 +52,8 @@ class _SamplingRequest(_Request):
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0)
     priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1,
-                                 description="lower runs first under --scheduling-policy priority")
+                                 description="lower runs first under --scheduling-policy priority; "
+                                             "must be 0 under fcfs")
 
 
 _Text = Annotated[str, Field(min_length=1)]

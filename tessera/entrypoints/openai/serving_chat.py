@@ -41,6 +41,11 @@ from tessera.tokenizer import apply_chat_template
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
+        self.check_priority(req.priority)
+        if self.tokenizer is None:
+            raise bad_request("messages need the model's chat template, but this model has no "
+                              "tokenizer, so no chat template: use /v1/completions with token-id "
+                              "prompts", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         token_ids = self.render(req)

@@ -40,6 +40,9 @@ class _Prompt:
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
+        self.check_priority(req.priority)
+        if self.tokenizer is None:
+            self._check_without_tokenizer(req)
         prompts = self._prompts(req.prompt)
         for p in prompts:
             self.resolve_max_tokens(len(p.token_ids), req.max_tokens)
@@ -66,6 +69,23 @@ class OpenAIServingCompletion(OpenAIServing):
         body = CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
                                   usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
+
+    def _check_without_tokenizer(self, req: CompletionRequest) -> None:
+        """A model without a tokenizer takes token ids and returns token ids (and no text): every
+        field that needs text is the client's mistake, refused here rather than deep in a handler
+        or in the engine."""
+        if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str)):
+            raise bad_request("prompt is text, but this model has no tokenizer: send token ids "
+                              "(a list of ints, or a list of such lists)", "prompt")
+        if req.echo:
+            raise bad_request("echo requires a tokenizer (to return the prompt as text), and "
+                              "this model has none", "echo")
+        if req.logprobs is not None:
+            raise bad_request("logprobs requires a tokenizer (to name each token), and this "
+                              "model has none", "logprobs")
+        if req.stop:
+            raise bad_request("stop requires a tokenizer (stop strings match text), and this "
+                              "model has none", "stop")
 
     def _prompts(self, prompt: str | list) -> list[_Prompt]:
         if isinstance(prompt, str):

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from tessera.config import SchedulingPolicy
 from tessera.engine.async_engine import (
     AsyncLLMEngine,
     EngineError,
@@ -34,6 +35,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        # AsyncLLMEngine does not surface the policy; the wrapped engine's config is its one home
+        self.scheduling_policy: SchedulingPolicy = engine.engine.config.scheduler.scheduling_policy
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -42,6 +45,14 @@ class OpenAIServing:
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
                                    f"{self.served_model_name!r}", param="model",
                               code="model_not_found")
+
+    def check_priority(self, priority: int | None) -> None:
+        """As vLLM: a priority other than 0 means something only under --scheduling-policy
+        priority; under fcfs it would be silently ignored, so it is refused."""
+        if priority and self.scheduling_policy is not SchedulingPolicy.PRIORITY:
+            raise bad_request(f"priority ({priority}) needs --scheduling-policy priority; this "
+                              f"server schedules {self.scheduling_policy.value} (send priority 0 "
+                              "or leave it out)", "priority")
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
