@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 from tessera.config import SchedulingPolicy
 from tessera.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tessera.sampling.params import SamplingParams
+from tessera.sampling.params import RequestOutputKind, SamplingParams
 
 
 class FakeTokenizer:
@@ -54,6 +54,7 @@ class _Req:
     params: SamplingParams
     arrival_time: float
     outputs: list[CompletionOutput] = field(default_factory=list)
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # DELTA: (chars, tokens) out
     first_token_time: float | None = None
 
 
@@ -144,10 +145,15 @@ class FakeEngine:
             finished = all(o.finished for o in req.outputs)
             if finished:
                 del self.requests[req.request_id]
+            kind = req.params.output_kind
+            if kind is RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            outputs = [] if too_long else [_copy(req, o, kind is RequestOutputKind.DELTA)
+                                           for o in req.outputs]
             results.append(RequestOutput(
                 request_id=req.request_id, prompt=req.prompt,
                 prompt_token_ids=req.prompt_token_ids,
-                outputs=[] if too_long else [_copy(o) for o in req.outputs], finished=finished,
+                outputs=outputs, finished=finished,
                 metrics=RequestMetrics(arrival_time=req.arrival_time,
                                        first_token_time=req.first_token_time,
                                        last_token_time=now,
@@ -196,7 +202,11 @@ class FakeEngine:
         return self.tokenizer.apply_chat_template(messages)
 
 
-def _copy(o: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(index=o.index, text=o.text, token_ids=list(o.token_ids),
-                            logprobs=None if o.logprobs is None else list(o.logprobs),
+def _copy(req: _Req, o: CompletionOutput, delta: bool) -> CompletionOutput:
+    """All of `o` so far, or (DELTA, as the real engine's output processor) what is new."""
+    chars, tokens = req.sent.get(o.index, (0, 0)) if delta else (0, 0)
+    if delta:
+        req.sent[o.index] = (len(o.text), len(o.token_ids))
+    return CompletionOutput(index=o.index, text=o.text[chars:], token_ids=o.token_ids[tokens:],
+                            logprobs=None if o.logprobs is None else o.logprobs[tokens:],
                             finish_reason=o.finish_reason, stop_reason=o.stop_reason)

@@ -64,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         final = finals[0]
         choices = [
             ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
-                       logprobs=self._logprobs(req, o, 0), finish_reason=o.finish_reason,
+                       logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
                        stop_reason=o.stop_reason)
             for o in sorted(final.outputs, key=lambda o: o.index)
         ]
@@ -92,13 +92,12 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("messages render to an empty prompt", "messages")
         return token_ids
 
-    def _logprobs(self, req: ChatCompletionRequest, o: CompletionOutput,
-                  start: int) -> ChatLogprobs | None:
+    def _logprobs(self, req: ChatCompletionRequest, o: CompletionOutput) -> ChatLogprobs | None:
         if not req.logprobs:
             return None
         k = req.top_logprobs or 0
         content = []
-        for tid, lps in zip(o.token_ids[start:], (o.logprobs or [])[start:], strict=False):
+        for tid, lps in zip(o.token_ids, o.logprobs or [], strict=False):
             chosen = top_logprob(self.tokenizer, tid, lps.get(tid, float("-inf")))
             content.append(ChatLogprobToken(
                 **chosen.model_dump(),
@@ -116,7 +115,6 @@ class OpenAIServingChat(OpenAIServing):
                                                   model=self.served_model_name, choices=choices,
                                                   usage=usage))
 
-        sent = [(0, 0)] * req.n  # per choice: (chars, tokens) sent
         done = [False] * req.n
         num_generated = 0
         try:
@@ -125,20 +123,18 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([ChatStreamChoice(index=j, delta=ChatDelta(role="assistant",
                                                                        content=""))
                              for j in range(req.n)])
-                async for _, out in merge_streams(streams):
+                async for _, out in merge_streams(streams):  # DELTA outputs: only what is new
                     check_output(out)
                     for o in out.outputs:
                         if done[o.index]:
                             continue
-                        chars, tokens = sent[o.index]
-                        if len(o.text) > chars or len(o.token_ids) > tokens:
+                        num_generated += len(o.token_ids)
+                        if o.text or o.token_ids:
                             yield chunk([ChatStreamChoice(
-                                index=o.index, delta=ChatDelta(content=o.text[chars:]),
-                                logprobs=self._logprobs(req, o, tokens))])
-                            sent[o.index] = (max(chars, len(o.text)), len(o.token_ids))
+                                index=o.index, delta=ChatDelta(content=o.text),
+                                logprobs=self._logprobs(req, o))])
                         if o.finished:
                             done[o.index] = True
-                            num_generated += len(o.token_ids)
                             yield chunk([ChatStreamChoice(index=o.index, delta=ChatDelta(),
                                                           finish_reason=o.finish_reason)])
             if req.stream_options and req.stream_options.include_usage:

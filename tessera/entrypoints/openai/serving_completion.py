@@ -64,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             usage.prompt_tokens += len(prompt.token_ids)
             for o in sorted(out.outputs, key=lambda o: o.index):
                 usage.completion_tokens += len(o.token_ids)
-                choices.append(self._choice(req, i * req.n + o.index, prompt, out, o, 0, 0, True))
+                choices.append(self._choice(req, i * req.n + o.index, prompt, out, o, True))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         body = CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
                                   usage=usage)
@@ -108,18 +108,16 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompts
 
     def _choice(self, req: CompletionRequest, index: int, prompt: _Prompt, out: RequestOutput,
-                o: CompletionOutput, sent_chars: int, sent_tokens: int, first: bool,
-                ) -> CompletionChoice:
-        """The choice for `o`'s text and tokens after `sent_chars` / `sent_tokens` (all of it when
-        not streaming); `first` marks the choice's first chunk, which carries the echoed prompt."""
-        text = o.text[sent_chars:]
+                o: CompletionOutput, first: bool) -> CompletionChoice:
+        """The choice for `o`'s text and tokens (a delta when streaming, all of it otherwise);
+        `first` marks the choice's first chunk, which carries the echoed prompt."""
+        text = o.text
         logprobs = None
         if req.logprobs is not None:
             logprobs = CompletionLogprobs()
             if first and req.echo:
                 self._add_prompt_logprobs(logprobs, prompt, out, req.logprobs)
-            for tid, lps in zip(o.token_ids[sent_tokens:], (o.logprobs or [])[sent_tokens:],
-                                strict=False):
+            for tid, lps in zip(o.token_ids, o.logprobs or [], strict=False):
                 self._add_logprob(logprobs, tid, lps.get(tid), lps, req.logprobs)
         if first and req.echo:
             text = self._prompt_text(prompt) + text
@@ -154,31 +152,29 @@ class OpenAIServingCompletion(OpenAIServing):
                       prompts: list[_Prompt], params) -> AsyncIterator[str]:
         created = int(time.time())
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        started: set[int] = set()  # choice indexes that sent their first chunk
         finished: set[int] = set()
         usage = UsageInfo(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         try:
             async with self.abort_on_disconnect(raw_request, request_ids):
                 streams = await self.start(base_id, [p.token_ids for p in prompts], params,
                                            req.priority or 0)
-                async for i, out in merge_streams(streams):
+                async for i, out in merge_streams(streams):  # DELTA outputs: only what is new
                     check_output(out)
                     choices = []
                     for o in out.outputs:
                         index = i * req.n + o.index
                         if index in finished:
                             continue
-                        chars, tokens = sent.get(index, (0, 0))
-                        first = index not in sent
-                        if len(o.text) == chars and len(o.token_ids) == tokens and not (
+                        first = index not in started
+                        if not o.text and not o.token_ids and not (
                                 o.finished or (first and req.echo)):
                             continue
-                        choices.append(self._choice(req, index, prompts[i], out, o, chars,
-                                                    tokens, first))
-                        sent[index] = (max(chars, len(o.text)), len(o.token_ids))
+                        choices.append(self._choice(req, index, prompts[i], out, o, first))
+                        started.add(index)
+                        usage.completion_tokens += len(o.token_ids)
                         if o.finished:
                             finished.add(index)
-                            usage.completion_tokens += len(o.token_ids)
                     if choices:
                         yield dump_chunk(CompletionResponse(
                             id=base_id, created=created, model=self.served_model_name,

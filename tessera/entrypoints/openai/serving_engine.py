@@ -22,7 +22,7 @@ from tessera.engine.async_engine import (
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from tessera.entrypoints.openai.protocol import TopLogprob, _SamplingRequest
 from tessera.outputs import RequestOutput
-from tessera.sampling.params import SamplingParams
+from tessera.sampling.params import RequestOutputKind, SamplingParams
 
 _DONE = object()
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
@@ -90,6 +90,8 @@ class OpenAIServing:
         args = {name: getattr(req, name) for name in fields if getattr(req, name) is not None}
         args.update({k: v for k, v in kw.items() if v is not None})
         args["max_tokens"] = max_tokens
+        # a stream forwards what is new; a whole answer needs only the final output
+        args["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(**args)
         except ValueError as e:
