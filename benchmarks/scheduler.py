@@ -1,11 +1,15 @@
 """Scheduler cost per step, with a fake runner (no model): µs for `schedule()` +
-`update_after_step()`, and for the whole fake engine step (also appending a token to each sampled
-sequence and `free_finished_seq_groups()`).
+`update_from_output()` (which appends the sampled tokens, applies the stop rules and frees what
+finished), and for the whole fake step (also the fake runner turning the message into its output);
+and the cost of aborting every request of a long waiting queue.
 
 Targets (issue 3): <= 500 µs per step at 256 running and 2,000 waiting; flat in the waiting queue
 (1,000 vs 10,000 waiting within 20%).
 
     .venv/bin/python benchmarks/scheduler.py [--steps 200] [--repeats 5]
+
+Before the core-boundary redesign (schedule + update_after_step; the engine appended and freed)
+aborting all of 2k/4k/8k waiting requests took 0.08/0.28/1.22 s (each abort scanned the queue).
 
 Times are CPU time of this process (`time.process_time`), best of the repeats: on a shared machine
 wall time mostly measures the neighbours. `--wall` reports `perf_counter` instead.
@@ -25,14 +29,11 @@ import statistics
 import time
 
 from tessera.config import CacheConfig, SchedulerConfig
+from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
-from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-class _Params:
-    def __init__(self, n: int, max_tokens: int) -> None:
-        self.n = n
-        self.max_tokens = max_tokens
+from tessera.core.scheduler_output import SchedulerOutput
+from tessera.sampling.params import SamplingParams
+from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 
 
 def _group(ids, rng: random.Random, max_tokens: int, arrival: float) -> SequenceGroup:
@@ -40,10 +41,32 @@ def _group(ids, rng: random.Random, max_tokens: int, arrival: float) -> Sequence
     prompt = [rng.randrange(32000) for _ in range(rng.randint(64, 192))]
     return SequenceGroup(
         request_id=f"r{sid}",
-        seqs=[Sequence(seq_id=sid, prompt_token_ids=prompt)],
-        sampling_params=_Params(1, max_tokens),  # type: ignore[arg-type]
+        seqs=[Sequence(seq_id=new_seq_id(), prompt_token_ids=prompt)],
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         arrival_time=arrival,
     )
+
+
+class _FakeRunner:
+    """Tracks each request's length from the messages alone and samples token 1 wherever a step
+    completes a request (what a model runner answers, minus the model)."""
+
+    def __init__(self) -> None:
+        self.num_tokens: dict[str, int] = {}
+
+    def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        num_tokens = self.num_tokens
+        for req_id in out.finished_req_ids:
+            del num_tokens[req_id]
+        computed = {}
+        for new in out.scheduled_new_reqs:
+            num_tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        for diff in out.scheduled_cached_reqs:
+            num_tokens[diff.req_id] += len(diff.new_token_ids)
+            computed[diff.req_id] = diff.num_computed_tokens
+        req_ids = [r for r, n in out.num_scheduled_tokens.items() if computed[r] + n == num_tokens[r]]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[1] for _ in req_ids])
 
 
 def run(
@@ -70,8 +93,10 @@ def run(
 
     for i in range(num_running + num_waiting):
         sched.add_seq_group(_group(ids, rng, new_max_tokens(), float(i)))
+    runner = _FakeRunner()
     while len(sched.running) < num_running:  # fill the batch first
-        _step(sched)
+        out = sched.schedule()
+        sched.update_from_output(out, runner(out))
     # Settle the garbage collector. A full collection walks every live object, so its cost grows
     # with the queue (~5 tracked objects per request): without this, 10,000 waiting costs ~+30%
     # per step, all of it in gc, none in the scheduler. A server does the same after start-up
@@ -83,13 +108,14 @@ def run(
     for _ in range(steps):
         t0 = timer()
         out = sched.schedule()
-        sampled = [(sg.group, ss.seq) for sg in out.scheduled_groups for ss in sg.seqs if ss.do_sample]
-        sched.update_after_step(out)
         t1 = timer()
-        finished = _finish(sched, sampled)
+        runner_out = runner(out)
         t2 = timer()
-        t_sched += t1 - t0
-        t_total += t2 - t0
+        core_outputs = sched.update_from_output(out, runner_out)
+        t3 = timer()
+        t_sched += (t1 - t0) + (t3 - t2)
+        t_total += t3 - t0
+        finished = sum(1 for c in core_outputs if c.finished)
         for _ in range(finished):  # keep the waiting queue at its length
             sched.add_seq_group(_group(ids, rng, new_max_tokens(), float(next(ids))))
     assert len(sched.waiting) >= num_waiting - num_running
@@ -97,20 +123,23 @@ def run(
     return t_sched / steps * 1e6, t_total / steps * 1e6
 
 
-def _finish(sched: Scheduler, sampled: list[tuple[SequenceGroup, Sequence]]) -> int:
-    """The engine's part: append a token where one was sampled, finish at max_tokens, free."""
-    for group, seq in sampled:
-        seq.append_token(1)
-        if seq.get_output_len() >= group.sampling_params.max_tokens:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-    return len(sched.free_finished_seq_groups())
-
-
-def _step(sched: Scheduler) -> None:
-    out = sched.schedule()
-    sampled = [(sg.group, ss.seq) for sg in out.scheduled_groups for ss in sg.seqs if ss.do_sample]
-    sched.update_after_step(out)
-    _finish(sched, sampled)
+def abort_all(num_waiting: int, timer=time.perf_counter) -> float:
+    """Seconds to abort every request of a waiting queue of `num_waiting` (one call each)."""
+    rng = random.Random(0)
+    ids = itertools.count()
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=2048),
+        CacheConfig(block_size=16), num_gpu_blocks=1024, num_cpu_blocks=0,
+    )
+    groups = [_group(ids, rng, 16, float(i)) for i in range(num_waiting)]
+    for g in groups:
+        sched.add_seq_group(g)
+    t0 = timer()
+    for g in groups:
+        sched.abort_seq_group(g.request_id)
+    elapsed = timer() - t0
+    assert not sched.waiting
+    return elapsed
 
 
 def main() -> None:
@@ -135,6 +164,9 @@ def main() -> None:
         a, b = results[(churn, 1_000)][0], results[(churn, 10_000)][0]
         name = "churn" if churn else "decode"
         print(f"{name}: 10,000 vs 1,000 waiting: {100 * (b / a - 1):+.1f}%")
+    times = {n: min(abort_all(n, timer) for _ in range(args.repeats)) for n in (2_000, 4_000, 8_000)}
+    print("abort every waiting request: " + ", ".join(f"{n}: {t:.4f} s" for n, t in times.items())
+          + f"  (8k / 2k = {times[8_000] / times[2_000]:.1f}x; linear is 4x)")
 
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ class SequenceGroup:
     def is_fork_pending(self) -> bool:
         """n > 1 and the first token not yet sampled: the step that completes the prompt samples
         n tokens and the scheduler forks n-1 children. The one home of this rule."""
-        return len(self.seqs) < self.sampling_params.n and not self.seqs[0].output_token_ids
+        n = self.sampling_params.n
+        return n > 1 and len(self.seqs) < n and not self.seqs[0].output_token_ids
 
     def max_num_running_seqs(self) -> int:
         """Sequences this group may run at once: n before the fork (seats for the children)."""

@@ -10,17 +10,18 @@ from dataclasses import dataclass, field
 from tessera.outputs import RequestMetrics
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqDelta:
     index: int  # the sequence's place in its request (0, or the k-th forked child)
     new_token_ids: list[int]
-    # per new token: {token_id: logprob}, the chosen token included (see ModelRunnerOutput)
+    # per new token: {token_id: logprob}, the chosen token included (see ModelRunnerOutput);
+    # empty when the runner reported none
     new_logprobs: list[dict[int, float]]
     finish_reason: str | None = None  # "stop", "length", "abort" once the sequence is done
     stop_reason: int | str | None = None  # the stop token id that ended it (None for EOS)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
     seqs: list[SeqDelta] = field(default_factory=list)  # the sequences that changed this step
@@ -28,5 +29,6 @@ class EngineCoreOutput:
     prompt_logprobs: tuple[int, list[dict[int, float]]] | None = None
     finished: bool = False
     error: str | None = None  # why it was rejected at admission (never fits)
+    # the request's timestamps, sent when its first token arrives and when it finishes
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0

@@ -21,7 +21,7 @@ from tessera.core.scheduler_output import CachedRequestData, NewRequestData, Sch
 from tessera.sequence import Sequence, SequenceGroup
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sent:
     num_tokens: int
     num_blocks: int
@@ -38,7 +38,9 @@ class RunnerView:
         """Add `seq`'s entry for this step to `out`: whole if the runner lacks it, else a diff."""
         req_id = seq.req_id
         sent = self._sent.get(req_id)
-        num_tokens = seq.get_len()
+        num_prompt = len(seq.prompt_token_ids)
+        num_tokens = num_prompt + len(seq.output_token_ids)
+        last = table[-1] if table else -1
         if sent is None:
             seed = group.sampling_params.seed
             out.scheduled_new_reqs.append(NewRequestData(
@@ -50,17 +52,21 @@ class RunnerView:
                 num_computed_tokens=seq.num_computed_tokens,
                 seed=None if seed is None else seed + seq.index,
             ))
-        else:
-            n = sent.num_blocks
-            appended = len(table) >= n and (n == 0 or table[n - 1] == sent.last_block)
-            out.scheduled_cached_reqs.append(CachedRequestData(
-                req_id=req_id,
-                new_token_ids=seq.get_token_ids_range(sent.num_tokens, num_tokens),
-                new_block_ids=table[n:] if appended else list(table),
-                replace_block_ids=not appended,
-                num_computed_tokens=seq.num_computed_tokens,
-            ))
-        self._sent[req_id] = _Sent(num_tokens, len(table), table[-1] if table else -1)
+            self._sent[req_id] = _Sent(num_tokens, len(table), last)
+            return
+        n = sent.num_blocks
+        appended = len(table) >= n and (n == 0 or table[n - 1] == sent.last_block)
+        start = sent.num_tokens
+        new_tokens = (
+            seq.output_token_ids[start - num_prompt :] if start >= num_prompt
+            else seq.get_token_ids_range(start, num_tokens)
+        )
+        out.scheduled_cached_reqs.append(CachedRequestData(
+            req_id, new_tokens, table[n:] if appended else list(table), not appended,
+            seq.num_computed_tokens,
+        ))
+        # in place: one object per request, not per step
+        sent.num_tokens, sent.num_blocks, sent.last_block = num_tokens, len(table), last
 
     def preempted(self, seq: Sequence) -> None:
         """Its blocks (and, for recompute, its progress) are gone: send it whole next time."""

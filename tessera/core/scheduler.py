@@ -451,38 +451,43 @@ class Scheduler:
             if seq.status is not _RUNNING:
                 continue
             i = index.get(req_id)
-            tokens = runner_output.sampled_token_ids[i] if i is not None else []
+            tokens = runner_output.sampled_token_ids[i] if i is not None else None
             start = seq.num_computed_tokens
-            if tokens and req_id in spec:  # rejected draft tokens' KV is stale: not computed
+            if tokens and spec and req_id in spec:  # rejected drafts' KV is stale: not computed
                 num_new -= len(spec[req_id]) + 1 - len(tokens)
             seq.num_computed_tokens = start + num_new
-            self.num_prompt_tokens_total += max(0, min(start + num_new, seq.get_prompt_len()) - start)
+            if start < len(seq.prompt_token_ids):
+                self.num_prompt_tokens_total += min(num_new, len(seq.prompt_token_ids) - start)
             if caching:
                 self.block_manager.cache_computed_blocks(seq)
-            prompt_lps = runner_output.prompt_logprobs.get(req_id)
-            if prompt_lps is not None:
-                self._output_of(group, touched).prompt_logprobs = prompt_lps
+            if runner_output.prompt_logprobs:
+                prompt_lps = runner_output.prompt_logprobs.get(req_id)
+                if prompt_lps is not None:
+                    self._output_of(group, touched).prompt_logprobs = prompt_lps
             if not tokens:
                 continue
             if group.first_token_time is None:
                 group.first_token_time = now
+                self._output_of(group, touched).metrics = _metrics(group)
             group.last_token_time = now
-            logprobs = runner_output.logprobs[i] if runner_output.logprobs else [{}] * len(tokens)
+            logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
             out = self._output_of(group, touched)
-            if group.is_fork_pending and len(tokens) > 1:
-                any_finished |= self._fork(group, seq, tokens[1:], logprobs[1:], out)
-                tokens, logprobs = tokens[:1], logprobs[:1]
+            if len(tokens) > 1 and group.is_fork_pending:
+                any_finished |= self._fork(group, seq, tokens[1:], logprobs and logprobs[1:], out)
+                tokens, logprobs = tokens[:1], logprobs and logprobs[:1]
             any_finished |= self._append(group, seq, tokens, logprobs, out)
         for group in self._ignored:
             touched[group.request_id] = (group, EngineCoreOutput(group.request_id, error=group.error))
         self._ignored = []
         if any_finished:
             self._sweep_finished()
+        groups = self._groups
         for group, out in touched.values():
-            out.finished = group.is_finished()
-            if out.finished and group.finished_time is None:
-                group.finished_time = now
-            out.metrics = _metrics(group)
+            if group.request_id not in groups:  # dropped: finished (or rejected)
+                out.finished = True
+                if group.finished_time is None:
+                    group.finished_time = now
+                out.metrics = _metrics(group)
         return [out for _, out in touched.values()]
 
     @staticmethod
@@ -497,8 +502,8 @@ class Scheduler:
         return entry[1]
 
     def _append(
-        self, group: SequenceGroup, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]],
-        out: EngineCoreOutput,
+        self, group: SequenceGroup, seq: Sequence, tokens: list[int],
+        logprobs: list[dict[int, float]] | None, out: EngineCoreOutput,
     ) -> bool:
         """Append accepted tokens up to the first that stops the sequence; True if it finished."""
         params = group.sampling_params
@@ -512,7 +517,9 @@ class Scheduler:
                 finished = True
                 break
         self.num_generation_tokens_total += kept
-        delta = SeqDelta(seq.index, tokens[:kept], logprobs[:kept])
+        if kept < len(tokens):
+            tokens, logprobs = tokens[:kept], logprobs and logprobs[:kept]
+        delta = SeqDelta(seq.index, tokens, logprobs or [])
         if finished:
             delta.finish_reason = seq.status.finish_reason
             delta.stop_reason = seq.stop_reason
@@ -522,18 +529,18 @@ class Scheduler:
 
     def _fork(
         self, group: SequenceGroup, parent: Sequence, tokens: list[int],
-        logprobs: list[dict[int, float]], out: EngineCoreOutput,
+        logprobs: list[dict[int, float]] | None, out: EngineCoreOutput,
     ) -> bool:
         """The prompt of an n > 1 request is done: one child per extra sampled token, sharing all
         of the parent's blocks (copy-on-write later). Returns whether any child finished at once."""
         finished = False
-        for token, lp in zip(tokens, logprobs, strict=True):
+        for j, token in enumerate(tokens):
             k = len(group.seqs)
             child = parent.fork(new_seq_id(), k, child_req_id(group.request_id, k))
             group.seqs.append(child)
             self.block_manager.fork(parent, child)
             self._live[child.req_id] = (group, child)
-            finished |= self._append(group, child, [token], [lp], out)
+            finished |= self._append(group, child, [token], logprobs and [logprobs[j]], out)
         return finished
 
 

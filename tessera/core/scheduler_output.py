@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from tessera.sampling.params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
@@ -35,7 +35,7 @@ class NewRequestData:
     seed: int | None = None  # of this stream's generator (child k of a seeded request: seed + k)
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     req_id: str
     new_token_ids: list[int]  # tokens appended since the runner last saw this request

@@ -117,12 +117,13 @@ class OutputProcessor:
         params = req.params
         last = len(delta.new_token_ids) - 1
         stopped_by_token = delta.finish_reason == "stop"
-        for i, (token_id, lps) in enumerate(
-            zip(delta.new_token_ids, delta.new_logprobs, strict=True)
-        ):
+        logprobs = delta.new_logprobs
+        for i, token_id in enumerate(delta.new_token_ids):
             seq.output_token_ids.append(token_id)
-            seq.logprobs.append(lps)
-            seq.cumulative_logprob += lps.get(token_id, 0.0)
+            if logprobs:
+                lps = logprobs[i]
+                seq.logprobs.append(lps)
+                seq.cumulative_logprob += lps.get(token_id, 0.0)
             if self.detokenizer is None:
                 continue
             new_text = self.detokenizer.decode_new(seq, params.skip_special_tokens)
