@@ -24,7 +24,16 @@ class PagedKernelMetadata(AttentionMetadata):
     token_block_tables: torch.Tensor  # [num_tokens, max_blocks] its sequence's table, padded
     token_seq_lens: torch.Tensor  # [num_tokens] tokens it attends to (position + 1)
 
-    def attend(self, q, k, v, k_cache, v_cache, scale, out):
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
         return paged_attention(
             q, k_cache, v_cache, self.token_block_tables, self.token_seq_lens, scale, out=out
         )

@@ -43,7 +43,16 @@ class SdpaMetadata(AttentionMetadata):
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
 
-    def attend(self, q, k, v, k_cache, v_cache, scale, out):
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
