@@ -17,13 +17,12 @@ from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from tessera.config import default_num_threads
-from tessera.core.scheduler_output import ScheduledSequence
 from tessera.model.default_model import resolve_model_path
 from tessera.model.llama import LlamaForCausalLM
 from tessera.model.loader import load_model
-from tessera.sequence import Sequence
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
 from tessera.worker.model_runner import ModelRunner
+from tessera.worker.static_batch import StaticBatch
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
@@ -53,25 +52,15 @@ class Ours:
         self.runner = ModelRunner(self.model, self.cache, block_size, torch.device("cpu"))
         self.block_size = block_size
 
-    def _forward(self, scheduled):
-        inp = self.runner.prepare_input(scheduled)
-        h = self.model.forward(inp.input_ids, inp.positions, self.cache.kv_caches, inp.attn_metadata)
-        return self.model.compute_logits(h.index_select(0, inp.logits_indices)).argmax(-1)
-
     def prefill(self, prompts):
-        per = -(-(max(len(p) for p in prompts) + 64) // self.block_size)
-        self.seqs = [
-            ScheduledSequence(Sequence(i, p), len(p), list(range(i * per, (i + 1) * per)))
-            for i, p in enumerate(prompts)
-        ]
-        return self._forward(self.seqs)
+        self.batch = StaticBatch(self.runner, self.block_size)  # fresh blocks and request ids
+        max_len = max(len(p) for p in prompts) + 64
+        self.seqs = [self.batch.new_seq(p, max_len) for p in prompts]
+        return self.batch.logits(self.seqs).argmax(-1)
 
     def decode(self, tokens):
-        for s, t in zip(self.seqs, tokens.tolist(), strict=True):
-            s.seq.num_computed_tokens = s.seq.get_len()
-            s.seq.output_token_ids.append(t)
-            s.num_new_tokens = 1
-        return self._forward(self.seqs)
+        self.batch.advance(self.seqs, tokens.tolist())
+        return self.batch.logits(self.seqs).argmax(-1)
 
 
 class HF:

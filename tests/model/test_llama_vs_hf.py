@@ -3,18 +3,14 @@ decoding alone and as one mixed batch of different lengths."""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 from greedy_reference import check_greedy, hf_greedy
 
-from tessera.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tessera.model.llama import LlamaForCausalLM
-from tessera.sampling.params import SamplingParams
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
 from tessera.worker.model_runner import ModelRunner
+from tessera.worker.static_batch import StaticBatch, StaticSeq
 
 PROMPTS = [
     "The capital of France is",
@@ -29,67 +25,24 @@ PROMPTS = [
 BLOCK_SIZE = 16
 
 
-@dataclass
-class Scheduled:
-    """One sequence as the harness schedules it: the runner only ever sees the messages."""
-
-    req_id: str
-    prompt: list[int]
-    block_table: list[int]
-    num_new_tokens: int
-    num_computed_tokens: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    num_sent_outputs: int | None = None  # None: not yet sent to the runner
-
-
-class Harness:
+class Harness(StaticBatch):
     """The runner with a trivial block allocator: each sequence gets its own contiguous range."""
 
     def __init__(self, cfg, weights, dtype=torch.float32, num_blocks=256):
         dev = torch.device("cpu")
         self.model = LlamaForCausalLM(cfg, weights, dtype, dev, 2048)
         spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, dtype)
-        self.runner = ModelRunner(self.model, CacheEngine(spec, num_blocks, 0, dev), BLOCK_SIZE, dev)
-        self.next_block = 0
-        self.ids = itertools.count()
+        super().__init__(ModelRunner(self.model, CacheEngine(spec, num_blocks, 0, dev), BLOCK_SIZE, dev),
+                         BLOCK_SIZE)
 
-    def new_seq(self, seq_id: int, prompt: list[int], max_len: int) -> Scheduled:
-        n = -(-max_len // BLOCK_SIZE)
-        table = list(range(self.next_block, self.next_block + n))
-        self.next_block += n
-        return Scheduled(f"{seq_id}-{next(self.ids)}", list(prompt), table, len(prompt))
-
-    def step(self, scheduled: list[Scheduled]) -> SchedulerOutput:
-        out = SchedulerOutput()
-        for s in scheduled:
-            if s.num_sent_outputs is None:
-                out.scheduled_new_reqs.append(NewRequestData(
-                    s.req_id, s.prompt, list(s.output_token_ids), SamplingParams(temperature=0),
-                    s.block_table, s.num_computed_tokens))
-            else:
-                out.scheduled_cached_reqs.append(CachedRequestData(
-                    s.req_id, s.output_token_ids[s.num_sent_outputs :], [], False,
-                    s.num_computed_tokens))
-            s.num_sent_outputs = len(s.output_token_ids)
-            out.num_scheduled_tokens[s.req_id] = s.num_new_tokens
-        self.runner.requests.update(out)
-        return out
-
-    @torch.inference_mode()
-    def logits(self, scheduled: list[Scheduled], all_positions: bool = False) -> torch.Tensor:
-        inp = self.runner.prepare_input(self.step(scheduled))
-        h = self.model.forward(inp.input_ids, inp.positions, self.runner.cache_engine.kv_caches, inp.attn_metadata)
-        return self.model.compute_logits(h if all_positions else h.index_select(0, inp.logits_indices))
+    def new_seq(self, seq_id: int, prompt: list[int], max_len: int) -> StaticSeq:
+        return super().new_seq(prompt, max_len)
 
     def greedy(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
         """Prefill all prompts in one step, then decode them together."""
         seqs = [self.new_seq(i, p, len(p) + num_tokens) for i, p in enumerate(prompts)]
         for _ in range(num_tokens):
-            next_ids = self.logits(seqs).argmax(-1).tolist()
-            for s, t in zip(seqs, next_ids, strict=True):
-                s.num_computed_tokens += s.num_new_tokens
-                s.output_token_ids.append(t)
-                s.num_new_tokens = 1
+            self.advance(seqs, self.logits(seqs).argmax(-1).tolist())
         return [s.output_token_ids for s in seqs]
 
 
