@@ -37,14 +37,11 @@ from dataclasses import dataclass
 from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from tessera.core.admission import never_fits_reason, reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
-from tessera.core.core_output import EngineCoreOutput, SeqDelta
 from tessera.core.request_queue import create_request_queue
-from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.core.stop_conditions import check_token_stop
-from tessera.outputs import RequestMetrics
-from tessera.sequence import Sequence, SequenceGroup, SequenceStatus, child_req_id, new_seq_id
+from tessera.core.scheduler_update import UpdateFromOutput
+from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +61,7 @@ class _Budget:
     num_seqs: int = 0  # seats taken, against max_num_seqs
 
 
-class Scheduler:
+class Scheduler(UpdateFromOutput):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -154,26 +151,6 @@ class Scheduler:
 
     def get_num_unfinished_seq_groups(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
-
-    def _free_seq(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-        self._runner.finished(seq)
-        self._live.pop(seq.req_id, None)
-
-    def _drop(self, group: SequenceGroup) -> None:
-        for seq in group.seqs:
-            self._free_seq(seq)
-        self._groups.pop(group.request_id, None)
-
-    def _sweep_finished(self) -> None:
-        """Drop finished groups from `running` (their sequences are already freed)."""
-        kept = []
-        for group in self.running:
-            if group.is_finished():
-                self._drop(group)
-            else:
-                kept.append(group)
-        self.running = kept
 
     # the step
 
@@ -429,129 +406,6 @@ class Scheduler:
         self._drop(group)
         out.ignored_request_ids.append(group.request_id)
         self._ignored.append(group)
-
-    # after the forward pass
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        """Apply one step's results; the only writer of request progress (see the module
-        docstring). Returns, per request that changed, what its sequences gained."""
-        now = self.clock()
-        caching = self.block_manager.enable_prefix_caching
-        index = runner_output.index_of()
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        touched: dict[str, tuple[SequenceGroup, EngineCoreOutput]] = {}
-        any_finished = False
-        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
-            entry = self._live.get(req_id)
-            if entry is None:
-                continue  # aborted meanwhile
-            group, seq = entry
-            if seq.status is not _RUNNING:
-                continue
-            i = index.get(req_id)
-            tokens = runner_output.sampled_token_ids[i] if i is not None else None
-            start = seq.num_computed_tokens
-            if tokens and spec and req_id in spec:  # rejected drafts' KV is stale: not computed
-                num_new -= len(spec[req_id]) + 1 - len(tokens)
-            seq.num_computed_tokens = start + num_new
-            if start < len(seq.prompt_token_ids):
-                self.num_prompt_tokens_total += min(num_new, len(seq.prompt_token_ids) - start)
-            if caching:
-                self.block_manager.cache_computed_blocks(seq)
-            if runner_output.prompt_logprobs:
-                prompt_lps = runner_output.prompt_logprobs.get(req_id)
-                if prompt_lps is not None:
-                    self._output_of(group, touched).prompt_logprobs = prompt_lps
-            if not tokens:
-                continue
-            if group.first_token_time is None:
-                group.first_token_time = now
-                self._output_of(group, touched).metrics = _metrics(group)
-            group.last_token_time = now
-            logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
-            out = self._output_of(group, touched)
-            if len(tokens) > 1 and group.is_fork_pending:
-                any_finished |= self._fork(group, seq, tokens[1:], logprobs and logprobs[1:], out)
-                tokens, logprobs = tokens[:1], logprobs and logprobs[:1]
-            any_finished |= self._append(group, seq, tokens, logprobs, out)
-        for group in self._ignored:
-            touched[group.request_id] = (group, EngineCoreOutput(group.request_id, error=group.error))
-        self._ignored = []
-        if any_finished:
-            self._sweep_finished()
-        groups = self._groups
-        for group, out in touched.values():
-            if group.request_id not in groups:  # dropped: finished (or rejected)
-                out.finished = True
-                if group.finished_time is None:
-                    group.finished_time = now
-                out.metrics = _metrics(group)
-        return [out for _, out in touched.values()]
-
-    @staticmethod
-    def _output_of(
-        group: SequenceGroup, touched: dict[str, tuple[SequenceGroup, EngineCoreOutput]]
-    ) -> EngineCoreOutput:
-        entry = touched.get(group.request_id)
-        if entry is None:
-            entry = touched[group.request_id] = (
-                group, EngineCoreOutput(group.request_id, num_cached_tokens=group.num_cached_tokens)
-            )
-        return entry[1]
-
-    def _append(
-        self, group: SequenceGroup, seq: Sequence, tokens: list[int],
-        logprobs: list[dict[int, float]] | None, out: EngineCoreOutput,
-    ) -> bool:
-        """Append accepted tokens up to the first that stops the sequence; True if it finished."""
-        params = group.sampling_params
-        max_len = self.config.max_model_len
-        kept = 0
-        finished = False
-        for token in tokens:
-            seq.output_token_ids.append(token)
-            kept += 1
-            if check_token_stop(seq, params, max_len, self.eos_token_ids):
-                finished = True
-                break
-        self.num_generation_tokens_total += kept
-        if kept < len(tokens):
-            tokens, logprobs = tokens[:kept], logprobs and logprobs[:kept]
-        delta = SeqDelta(seq.index, tokens, logprobs or [])
-        if finished:
-            delta.finish_reason = seq.status.finish_reason
-            delta.stop_reason = seq.stop_reason
-            self._free_seq(seq)
-        out.seqs.append(delta)
-        return finished
-
-    def _fork(
-        self, group: SequenceGroup, parent: Sequence, tokens: list[int],
-        logprobs: list[dict[int, float]] | None, out: EngineCoreOutput,
-    ) -> bool:
-        """The prompt of an n > 1 request is done: one child per extra sampled token, sharing all
-        of the parent's blocks (copy-on-write later). Returns whether any child finished at once."""
-        finished = False
-        for j, token in enumerate(tokens):
-            k = len(group.seqs)
-            child = parent.fork(new_seq_id(), k, child_req_id(group.request_id, k))
-            group.seqs.append(child)
-            self.block_manager.fork(parent, child)
-            self._live[child.req_id] = (group, child)
-            finished |= self._append(group, child, [token], logprobs and [logprobs[j]], out)
-        return finished
-
-
-def _metrics(group: SequenceGroup) -> RequestMetrics:
-    return RequestMetrics(
-        arrival_time=group.arrival_time,
-        first_scheduled_time=group.first_scheduled_time,
-        first_token_time=group.first_token_time,
-        last_token_time=group.last_token_time,
-        finished_time=group.finished_time,
-    )
 
 
 def _num_decodes(group: SequenceGroup) -> int:
