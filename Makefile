@@ -24,3 +24,4 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check tessera tests benchmarks
+	$(VENV)/bin/mypy  # tessera/core, configured in pyproject.toml

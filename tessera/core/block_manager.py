@@ -265,7 +265,16 @@ class BlockManager:
                     self.cache_computed_blocks(seq)
         return mapping
 
-    def _move(self, group, status, src_tables, dst_tables, src, dst, mapping) -> dict[int, int]:
+    def _move(
+        self,
+        group: SequenceGroup,
+        status: SequenceStatus,
+        src_tables: dict[int, list[int]],
+        dst_tables: dict[int, list[int]],
+        src: BlockPool,
+        dst: BlockPool,
+        mapping: dict[int, int] | None,
+    ) -> dict[int, int]:
         # blocks shared between sequences (fork, prefix cache) are copied once and stay shared;
         # they are full or about to be copied-on-write, so sharing the copy is safe
         mapping = {} if mapping is None else mapping

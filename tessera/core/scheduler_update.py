@@ -102,6 +102,7 @@ class UpdateFromOutput:
                 group.first_token_time = now
                 self._output_of(group, touched).metrics = _metrics(group)
             group.last_token_time = now
+            assert i is not None  # tokens came from row i
             logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
             out = self._output_of(group, touched)
             if len(tokens) > 1 and group.is_fork_pending:

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import EngineArgs, default_num_threads
+from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.model.config import ModelArchConfig
 from tessera.model.default_model import resolve_model_path
 from tessera.model.loader import load_model
 from tessera.model.registry import get_model_class
 from tessera.tokenizer import load_tokenizer
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
-from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -22,5 +22,5 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the sampled tokens come back from one of them."""
 
-    def shutdown(self) -> None:
-        """Stop the workers (nothing to do in process)."""
+    def shutdown(self) -> None:  # noqa: B027  (optional: in-process executors have nothing to stop)
+        """Stop the workers."""

@@ -79,7 +79,7 @@ def test_cumulative_outputs_are_prefixes_of_the_final_text():
     processor = OutputProcessor(CharTokenizer(), clock=lambda: 0.0)
     params = SamplingParams(stop=["6, 7"])
     processor.add_request(RequestState("r", None, [1], params, arrival_time=0.0))
-    for i, c in enumerate(TEXT):
+    for c in TEXT:
         outs, stops = processor.process([EngineCoreOutput("r", [SeqDelta(0, [ord(c)], [{}])])])
         seen += [o.outputs[0].text for o in outs]
         if stops:
