@@ -18,9 +18,10 @@ filters work on the top 64 candidates and widen only for rows whose kept set may
 
 Seeds: a seeded row draws its uniforms from its own `torch.Generator` (one per sample), so its
 tokens depend only on its own logits and generator state, never on the batch. Unseeded rows share
-one draw from torch's default RNG for the device. For `n > 1` with a seed, the engine may give the
-n sequences of a group one shared generator: rows draw in batch order, so keep a group's rows in a
-fixed relative order (as vLLM v0 does).
+one draw from torch's default RNG for the device. Generators are never shared: each sequence of a
+seeded request has its own (the engine creates them, `LLMEngine._generator`). For `n > 1` the
+first sequence's generator, seeded `seed`, draws all n first tokens at the fork (its row has
+`num_samples = n`); child k (1 <= k < n) then continues with its own generator seeded `seed + k`.
 """
 
 from __future__ import annotations
@@ -60,11 +61,6 @@ class SampledToken:
 @dataclass
 class SamplerOutput:
     samples: list[list[SampledToken]]  # per row, row.num_samples entries
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The per-sequence generator for a seeded request (create once, keep across steps)."""
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 class Sampler:
@@ -326,7 +322,7 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     taken = 0
     for r in rows:
         if r.generator is None:
-            assert r.params.seed is None, "a seeded row needs its generator (see make_generator)"
+            assert r.params.seed is None, "a seeded row needs its generator (SamplingRow.generator)"
             parts.append(shared[taken : taken + r.num_samples])
             taken += r.num_samples
         else:
@@ -354,14 +350,3 @@ def token_logprobs(logits: torch.Tensor, target_ids: list[int], k: int
         d.setdefault(tok, lp)
     return result
 
-
-def compute_prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], k: int
-                            ) -> list[dict[int, float] | None]:
-    """Prompt logprobs: logits [prompt_len - 1, vocab], row i predicting prompt token i + 1.
-
-    Returns prompt_len entries; the first is None (nothing predicts the first token). Each other
-    entry holds the top-k ids and the actual prompt token, with raw-distribution logprobs.
-    """
-    assert logits.shape[0] == len(prompt_token_ids) - 1, (
-        f"{logits.shape[0]} logit rows for a prompt of {len(prompt_token_ids)} tokens")
-    return [None, *token_logprobs(logits, prompt_token_ids[1:], k)]
