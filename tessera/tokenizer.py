@@ -97,13 +97,3 @@ def apply_chat_template(
         ids = ids["input_ids"]
     return [int(i) for i in ids]
 
-
-def get_eos_token_ids(
-    tokenizer: PreTrainedTokenizerFast, model_eos_token_ids: tuple[int, ...] = ()
-) -> tuple[int, ...]:
-    """Token ids that end generation: the model's (`ModelArchConfig.eos_token_ids`, which for a
-    GGUF includes end-of-turn ids) and the tokenizer's eos token, without duplicates."""
-    ids = list(model_eos_token_ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    return tuple(ids)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tessera.model import default_model
-from tessera.tokenizer import apply_chat_template, get_eos_token_ids, load_tokenizer
+from tessera.tokenizer import apply_chat_template, load_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -60,8 +60,14 @@ def test_round_trip(tokenizer):
 def test_special_tokens(tokenizer):
     assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
     assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [2]
-    assert get_eos_token_ids(tokenizer) == (2,)
-    assert get_eos_token_ids(tokenizer, (7, 2)) == (7, 2)
+    assert tokenizer.eos_token_id == 2
+
+
+def test_model_eos_ids_include_the_tokenizers(tokenizer, default_weights):
+    # the engine stops on the model's eos ids alone (`ModelArchConfig.eos_token_ids`, read from the
+    # GGUF): the tokenizer's eos token must be among them
+    cfg, _ = default_weights
+    assert tokenizer.eos_token_id in cfg.eos_token_ids
 
 
 def test_chat_template(tokenizer):

@@ -9,7 +9,6 @@ The sampler (`tessera/sampling/sampler.py`) reads the sampling fields; the sched
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,12 +16,6 @@ from typing import Any
 # Below this temperature a request is greedy: dividing logits by ~0 only overflows.
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
-
-
-class SamplingType(enum.Enum):
-    GREEDY = "greedy"
-    RANDOM = "random"  # sampled from the engine's shared RNG
-    RANDOM_SEED = "random_seed"  # sampled from the request's own generator
 
 
 def _is_int(x: Any) -> bool:
@@ -113,12 +106,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.is_greedy:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
     def max_stop_str_len(self) -> int:

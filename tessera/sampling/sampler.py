@@ -14,13 +14,15 @@ applied to all rows at once, in this order (vLLM's):
 Why not the exponential race (argmax(probs / Exp(1))): it needs vocab-many random numbers per
 row. Measured here (1 thread, 64 rows x 49k vocab): Exp(1) noise + race 183 ms, a prefix sum +
 binary search 3 ms. Both are exact samplers. Likewise a full sort for top-p costs ~550 ms, so
-filters work on the top 64 candidates and widen only for rows whose kept set may reach past them.
+filters work on the top 64 candidates and widen only for rows whose kept set may reach past them
+(or whose top-k does while top-p is on: top-p needs the top-k mass).
 
 Seeds: a seeded row draws its uniforms from its own `torch.Generator` (one per sample), so its
 tokens depend only on its own logits and generator state, never on the batch. Unseeded rows share
-one draw from torch's default RNG for the device. For `n > 1` with a seed, the engine may give the
-n sequences of a group one shared generator: rows draw in batch order, so keep a group's rows in a
-fixed relative order (as vLLM v0 does).
+one draw from torch's default RNG for the device. Generators are never shared: each sequence of a
+seeded request has its own (the engine creates them, `LLMEngine._generator`). For `n > 1` the
+first sequence's generator, seeded `seed`, draws all n first tokens at the fork (its row has
+`num_samples = n`); child k (1 <= k < n) then continues with its own generator seeded `seed + k`.
 """
 
 from __future__ import annotations
@@ -60,11 +62,6 @@ class SampledToken:
 @dataclass
 class SamplerOutput:
     samples: list[list[SampledToken]]  # per row, row.num_samples entries
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The per-sequence generator for a seeded request (create once, keep across steps)."""
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 class Sampler:
@@ -237,7 +234,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         k = min(k, vocab)
         sub_params = [params[i] for i in todo]
         cand_probs, cand_ids = _rows(probs, todo).topk(k, dim=-1)  # [T, k] sorted descending
-        kept, resolved = _apply_filters(cand_probs, sub_params, k == vocab)
+        kept, resolved = _apply_filters(cand_probs, sub_params, vocab)
         done = [j for j, ok in enumerate(resolved.tolist()) if ok]
         if done:
             sel = torch.tensor(done, device=device)
@@ -270,37 +267,42 @@ def _expand(row_ids: list[int], starts: list[int], num_samples: list[int], devic
     return torch.tensor(pos, device=device), torch.tensor(rep, device=device)
 
 
-def _apply_filters(cand: torch.Tensor, params: list[SamplingParams], complete: bool
+def _apply_filters(cand: torch.Tensor, params: list[SamplingParams], vocab: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k, then top-p, then min-p (vLLM's order) on each row's top candidates.
 
-    cand: [T, K] probabilities sorted descending. Returns the candidates with dropped ones zeroed
-    and, per row, whether the kept prefix provably ends inside the K candidates (always, when
-    they are the complete vocabulary).
+    cand: [T, K] probabilities sorted descending, the first K of `vocab`. Returns the candidates
+    with dropped ones zeroed and, per row, whether the kept prefix provably ends inside the K
+    candidates and is the one the complete vocabulary would give (always, when K == vocab).
     """
     num_rows, k = cand.shape
     device = cand.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else k + 1 for p in params], device=device)
+    # top_k of 0, -1 or >= vocab is off; as `vocab` it keeps every candidate
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                         device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
     keep = torch.arange(k, device=device)[None, :] < top_k[:, None]  # [T, K]
     kept = cand * keep
     # top-p on the top-k-renormalised distribution: keep a token while the mass strictly above
-    # it is below top_p (so the most likely token always stays)
-    use_k = top_k <= k
+    # it is below top_p (so the most likely token always stays). top_p == 1 is off: in float32
+    # the mass above a tail token can round up to the total and would drop it.
+    use_k = top_k <= k  # the top-k mass is the kept candidates' sum
+    p_off = top_p >= 1
+    # with top-k off the total is the whole distribution's, 1; with K < top_k < vocab it is not
+    # known from the candidates, so such a row resolves only once top-p is off or K reaches top_k
     total = torch.where(use_k, kept.sum(dim=-1), torch.ones_like(top_p))  # [T]
+    total_known = use_k | (top_k == vocab) | p_off
     above = kept.cumsum(dim=-1) - kept
-    keep &= above < (top_p * total)[:, None]
+    keep &= (above < (top_p * total)[:, None]) | p_off[:, None]
     # min-p compares with the most likely token; renormalising does not change that ratio
     keep &= cand >= (min_p * cand[:, 0])[:, None]
     keep[:, 0] = True  # the most likely token always survives (top_p may underflow to 0)
     kept = cand * keep
     # the next token past the candidates is dropped if any active filter already drops it
-    resolved = (use_k | ((top_p < 1) & (cand.sum(dim=-1) >= top_p * total))
-                | ((min_p > 0) & (cand[:, -1] < min_p * cand[:, 0])))
-    if complete:
-        resolved = torch.ones_like(resolved)
-    return kept, resolved
+    ends_inside = (use_k | (~p_off & (cand.sum(dim=-1) >= top_p * total))
+                   | ((min_p > 0) & (cand[:, -1] < min_p * cand[:, 0])))
+    return kept, total_known & ends_inside
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -326,7 +328,7 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     taken = 0
     for r in rows:
         if r.generator is None:
-            assert r.params.seed is None, "a seeded row needs its generator (see make_generator)"
+            assert r.params.seed is None, "a seeded row needs its generator (SamplingRow.generator)"
             parts.append(shared[taken : taken + r.num_samples])
             taken += r.num_samples
         else:
@@ -354,14 +356,3 @@ def token_logprobs(logits: torch.Tensor, target_ids: list[int], k: int
         d.setdefault(tok, lp)
     return result
 
-
-def compute_prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], k: int
-                            ) -> list[dict[int, float] | None]:
-    """Prompt logprobs: logits [prompt_len - 1, vocab], row i predicting prompt token i + 1.
-
-    Returns prompt_len entries; the first is None (nothing predicts the first token). Each other
-    entry holds the top-k ids and the actual prompt token, with raw-distribution logprobs.
-    """
-    assert logits.shape[0] == len(prompt_token_ids) - 1, (
-        f"{logits.shape[0]} logit rows for a prompt of {len(prompt_token_ids)} tokens")
-    return [None, *token_logprobs(logits, prompt_token_ids[1:], k)]

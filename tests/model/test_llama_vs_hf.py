@@ -1,7 +1,10 @@
 """The model runner against HF transformers loading the same GGUF (fp32): prefill logits, and greedy
-decoding alone and as one mixed batch of different lengths."""
+decoding alone and as one mixed batch of different lengths; and bf16 prefill logits against HF in
+bf16."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -76,6 +79,58 @@ def test_prefill_logits_match_hf(harness, hf_model, default_tokenizer):
             diff = (ours[offset : offset + len(p)] - ref).abs().max().item()
             offset += len(p)
             assert diff <= 1e-3, f"prompt of {len(p)} tokens: max abs logit diff {diff}"
+
+
+@pytest.fixture(scope="module")
+def hf_model_bf16(default_model_path):
+    """HF transformers loading the same GGUF in bfloat16 (its weights are the same fp32 values,
+    rounded to bf16 as ours are; it computes in bf16 with sdpa)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_model_path),
+        gguf_file=os.path.basename(default_model_path),
+        dtype=torch.bfloat16,
+    )
+    return model.eval()
+
+
+# bf16 against bf16, per prompt, with s = the std of HF's logits over the prompt (~4-8 here):
+# Measured (8 PROMPTS, 237 tokens of text, 300 random tokens): mean |diff| <= 0.042 s and max
+# |diff| <= 0.63 s, while HF's own bf16 is up to 0.041 s (mean) and 0.99 s (max) off its fp32.
+# Wrong models measured against the same reference: layers 14 and 15 swapped, mean >= 0.11 s on
+# every prompt; RoPE left out, >= 0.23 s; rope_theta doubled, 0.115 s on the 300-token prompt.
+BF16_MEAN_TOL = 0.06  # x s
+BF16_MAX_TOL = 1.0  # x s
+# Top-1 must agree unless HF's two best logits are within this (measured flips: gaps <= 0.25; a
+# bf16 logit in [16, 32) has a step of 0.125).
+BF16_NEAR_TIE = 0.5
+
+
+@pytest.mark.slow
+def test_bf16_prefill_logits_match_hf_bf16(default_weights, hf_model_bf16, prompt_ids,
+                                           default_tokenizer):
+    cfg, weights = default_weights
+    harness = Harness(cfg, weights, dtype=torch.bfloat16)
+    prompts = [*prompt_ids, default_tokenizer.encode(" ".join(PROMPTS) * 3),
+               torch.randint(100, 49000, (300,), generator=torch.Generator().manual_seed(0)).tolist()]
+    seqs = [harness.new_seq(i, p, len(p)) for i, p in enumerate(prompts)]
+    ours = harness.logits(seqs, all_positions=True)  # one mixed batch, every position
+    offset = 0
+    with torch.inference_mode():
+        for p in prompts:
+            ref = hf_model_bf16(torch.tensor([p])).logits[0].float()  # [len(p), vocab]
+            got = ours[offset : offset + len(p)]
+            offset += len(p)
+            scale = ref.std().item()
+            diff = (got - ref).abs()
+            what = f"prompt of {len(p)} tokens (logit std {scale:.2f})"
+            assert diff.mean().item() <= BF16_MEAN_TOL * scale, f"{what}: mean diff {diff.mean():.3f}"
+            assert diff.max().item() <= BF16_MAX_TOL * scale, f"{what}: max diff {diff.max():.3f}"
+            top2 = ref.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > BF16_NEAR_TIE
+            flips = (clear & (got.argmax(-1) != ref.argmax(-1))).nonzero().flatten().tolist()
+            assert not flips, f"{what}: top-1 differs at positions {flips} (not near-ties)"
 
 
 def _assert_greedy_matches(hf_model, prompt_ids, expected, got):

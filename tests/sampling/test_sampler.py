@@ -4,13 +4,7 @@ import pytest
 import torch
 
 from tessera.sampling.params import SamplingParams
-from tessera.sampling.sampler import (
-    Sampler,
-    SamplingRow,
-    compute_prompt_logprobs,
-    make_generator,
-    token_logprobs,
-)
+from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
 
 VOCAB = 64
 
@@ -21,7 +15,7 @@ def row(params=None, prompt=(1, 2, 3), output=(), **kw):
 
 def seeded(seed, **kw):
     p = SamplingParams(seed=seed, **kw)
-    return row(p, generator=make_generator(seed))
+    return row(p, generator=torch.Generator().manual_seed(seed))
 
 
 def tokens(out):
@@ -62,13 +56,13 @@ def test_seeded_row_ignores_the_batch(logits):
     params = dict(temperature=0.9, top_p=0.95, top_k=40)
 
     alone = []
-    gen = make_generator(1234)
+    gen = torch.Generator().manual_seed(1234)
     for _ in range(5):
         out = Sampler()(target[None], [row(SamplingParams(seed=1234, **params), generator=gen)])
         alone.append(out.samples[0][0].token_id)
 
     in_batch = []
-    gen = make_generator(1234)
+    gen = torch.Generator().manual_seed(1234)
     for step in range(5):
         rows = []
         for i in range(16):
@@ -90,8 +84,8 @@ def test_seeded_row_ignores_the_batch(logits):
 def test_seed_reproducible_and_varied(logits):
     def draw(seed):
         p = SamplingParams(seed=seed, n=50)
-        return tokens(Sampler()(logits[:1], [row(p, num_samples=50,
-                                                  generator=make_generator(seed))]))[0]
+        gen = torch.Generator().manual_seed(seed)
+        return tokens(Sampler()(logits[:1], [row(p, num_samples=50, generator=gen)]))[0]
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
     assert len(set(draw(7))) > 1
@@ -221,14 +215,14 @@ def test_logprobs_are_raw_log_softmax(logits):
 def test_prompt_logprobs():
     lg = torch.randn(4, VOCAB)
     prompt = [5, 9, 1, 30, 2]
-    res = compute_prompt_logprobs(lg, prompt, 3)
+    res = token_logprobs(lg, prompt[1:], 3)  # row i predicts prompt token i + 1
     ref = lg.log_softmax(-1)
-    assert res[0] is None and len(res) == 5
-    for i, d in enumerate(res[1:]):
+    assert len(res) == 4
+    for i, d in enumerate(res):
         assert set(d) == set(ref[i].topk(3).indices.tolist()) | {prompt[i + 1]}
         for tok, lp in d.items():
             assert lp == pytest.approx(ref[i, tok].item(), abs=1e-5)
-    assert compute_prompt_logprobs(lg[:0], [7], 2) == [None]
+    assert token_logprobs(lg[:0], [], 2) == []  # a one-token prompt: nothing to score
     assert list(token_logprobs(lg[:1], [3], 0)[0]) == [3]  # k=0: the actual token only
 
 
@@ -259,7 +253,7 @@ def test_seeded_row_with_filters_ignores_the_batch():
               SamplingParams(temperature=2.0)]
 
     def first_row_tokens(batch):
-        gen = make_generator(5)
+        gen = torch.Generator().manual_seed(5)
         out = []
         for _ in range(4):
             rows = [row(params[0], generator=gen)] + [row(p) for p in params[1:batch]]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tessera.sampling.params import SamplingParams, SamplingType
+from tessera.sampling.params import SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -12,7 +12,7 @@ def test_defaults_match_vllm():
     assert p.stop == [] and p.stop_token_ids == []
     assert not p.ignore_eos and not p.include_stop_str_in_output and p.skip_special_tokens
     assert (p.max_tokens, p.min_tokens, p.logprobs, p.prompt_logprobs) == (16, 0, None, None)
-    assert p.sampling_type is SamplingType.RANDOM and not p.is_greedy and not p.has_penalties
+    assert not p.is_greedy and not p.has_penalties
 
 
 def test_stop_forms():
@@ -23,10 +23,10 @@ def test_stop_forms():
     assert SamplingParams(stop_token_ids=None).stop_token_ids == []
 
 
-def test_sampling_type():
-    assert SamplingParams(temperature=0).sampling_type is SamplingType.GREEDY
+def test_is_greedy():
+    assert SamplingParams(temperature=0).is_greedy
     assert SamplingParams(temperature=1e-6).is_greedy
-    assert SamplingParams(temperature=0.7, seed=3).sampling_type is SamplingType.RANDOM_SEED
+    assert not SamplingParams(temperature=0.7, seed=3).is_greedy
     # greedy with n > 1 and no seed: allowed (as in vLLM), if pointless
     assert SamplingParams(temperature=0, n=3).n == 3
 
