@@ -9,6 +9,7 @@ The sampler (`tessera/sampling/sampler.py`) reads the sampling fields; the sched
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
