@@ -71,6 +71,7 @@ class AsyncLLMEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.config.model.max_model_len
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
+        self.scheduling_policy = engine.config.scheduler.scheduling_policy
         # the server tokenizes on the event loop with this copy; the engine thread keeps the original
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.vocab_size: int = getattr(engine, "vocab_size", None) or len(self.tokenizer)
@@ -122,8 +123,9 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; return its output stream once the engine has accepted it.
 
-        Raises `ValueError` if the engine refuses the request. The stream yields cumulative
-        `RequestOutput`s and ends after the finished one. Closing the stream early (or the task
+        Raises `ValueError` if the engine refuses the request. The stream yields the
+        `RequestOutput`s that `sampling_params.output_kind` asks for (cumulative, deltas, or only
+        the final one) and ends after the finished one. Closing the stream early (or the task
         consuming it being cancelled) aborts the request."""
         if not self.is_accepting:
             raise EngineShutdownError("the engine is shutting down")

@@ -165,6 +165,9 @@ def test_core_never_imports_torch():
     import subprocess
     import sys
 
-    code = "import sys, tessera.core.scheduler; print('torch' in sys.modules)"
+    # the scheduler, its update and both boundary messages (a remote worker unpickles them)
+    code = ("import sys, tessera.core.scheduler, tessera.core.runner_output, "
+            "tessera.core.scheduler_output, tessera.core.core_output; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

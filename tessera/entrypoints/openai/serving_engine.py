@@ -36,7 +36,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         # AsyncLLMEngine does not surface the policy; the wrapped engine's config is its one home
-        self.scheduling_policy: SchedulingPolicy = engine.engine.config.scheduler.scheduling_policy
+        self.scheduling_policy: SchedulingPolicy = engine.scheduling_policy
 
     # -- checks ---------------------------------------------------------------------------------
 
