@@ -71,10 +71,3 @@ class SchedulerOutput:
     @property
     def num_preemptions(self) -> int:
         return len(self.preempted_request_ids)
-
-    @property
-    def scheduled_req_ids(self) -> list[str]:
-        """Every scheduled request: new ones first, then cached ones (the order they are listed)."""
-        return [r.req_id for r in self.scheduled_new_reqs] + [
-            r.req_id for r in self.scheduled_cached_reqs
-        ]

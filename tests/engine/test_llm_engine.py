@@ -145,6 +145,17 @@ def test_delta_outputs_concatenate_to_the_final_one():
     assert len(texts) > 1
 
 
+def test_prefix_cache_hits_are_reported_per_request():
+    engine = make_engine(enable_prefix_caching=True)
+    prompt = "abcdefghij"  # 10 tokens: 2 full blocks of 4
+    engine.add_request("first", prompt, SamplingParams(max_tokens=2))
+    run(engine)
+    engine.add_request("second", prompt, SamplingParams(max_tokens=2))
+    out = run(engine)["second"]
+    assert out.num_cached_tokens == 8
+    assert engine.get_metrics()["tessera:prompt_tokens_total"] == 10 + 2
+
+
 def test_never_fitting_request_finishes_at_once_with_its_reason():
     engine = make_engine()
     engine.add_request("big", "x" * 200, SamplingParams())
