@@ -22,10 +22,11 @@ import torch
 
 from tessera.attention import SeqSpan, select_attention_backend
 from tessera.kernels.paged_attention import paged_attention_available
+from tessera.utils import cdiv
 
 
 def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, gen):
-    max_blocks = -(-ctx // block_size)
+    max_blocks = cdiv(ctx, block_size)
     num_blocks = 2 * batch * max_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)

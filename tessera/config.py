@@ -27,7 +27,9 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The command-line flag of a config field: `max_num_seqs` -> `--max-num-seqs`. Error messages
+    name flags with it, and the CLI (tessera/entrypoints/cli.py) registers them with it."""
     return "--" + name.replace("_", "-")
 
 
@@ -181,7 +183,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value not in {m.value for m in enum_cls}:
                 choices = ", ".join(m.value for m in enum_cls)
-                raise ValueError(f"{_flag(name)} must be one of {choices}, got {value!r}")
+                raise ValueError(f"{flag_name(name)} must be one of {choices}, got {value!r}")
         return EngineConfig(
             model=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=max_model_len, seed=self.seed

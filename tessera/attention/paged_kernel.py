@@ -17,6 +17,7 @@ import torch
 
 from tessera.attention.backend import AttentionBackend, AttentionMetadata, SeqSpan, check_spans
 from tessera.kernels.paged_attention import paged_attention, paged_attention_available
+from tessera.utils import cdiv
 
 
 @dataclass
@@ -55,7 +56,7 @@ class PagedKernelBackend(AttentionBackend):
         read) and how many tokens it attends to [num_tokens] (its position + 1)."""
         check_spans(spans, len(positions))
         bs = self.block_size
-        needed = [-(-s.num_tokens // bs) for s in spans]
+        needed = [cdiv(s.num_tokens, bs) for s in spans]
         max_blocks = max(needed)
         per_seq = [
             s.block_table[:n] + [0] * (max_blocks - n) for s, n in zip(spans, needed, strict=True)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.attention.backend import AttentionBackend, AttentionMetadata, SeqSpan, check_spans
+from tessera.utils import cdiv
 
 
 @dataclass
@@ -118,10 +119,10 @@ class SdpaBackend(AttentionBackend):
         whole context, and the padding mask [B, 1, 1, max_blocks * bs]."""
         bs = self.block_size
         lens = [s.num_tokens for s in decodes]
-        max_blocks = -(-max(lens) // bs)
+        max_blocks = cdiv(max(lens), bs)
         tables = []
         for s, n in zip(decodes, lens, strict=True):
-            used = s.block_table[: -(-n // bs)]
+            used = s.block_table[: cdiv(n, bs)]
             tables.extend(used)
             tables.extend([0] * (max_blocks - len(used)))
         dev = self.device
@@ -137,7 +138,7 @@ class SdpaBackend(AttentionBackend):
         )
         if start > 0:  # continues a cached context: gather it (new tokens included) and mask
             dev = self.device
-            blocks = s.block_table[: -(-end // self.block_size)]
+            blocks = s.block_table[: cdiv(end, self.block_size)]
             span.block_table = torch.tensor(blocks, dtype=torch.long, device=dev)
             q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
             key_pos = torch.arange(len(blocks) * self.block_size, device=dev).unsqueeze(0)

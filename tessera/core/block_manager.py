@@ -23,6 +23,7 @@ import enum
 from tessera.core.block_pool import BlockPool
 from tessera.core.prefix_cache import PrefixCache
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
+from tessera.utils import cdiv
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
@@ -63,7 +64,7 @@ class BlockManager:
         self.num_prefix_cache_hits = 0  # of which found computed in the cache
 
     def _num_blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # admission
 
@@ -143,7 +144,7 @@ class BlockManager:
                 continue
             table = tables[seq.seq_id]
             num_tokens = seq.get_len()
-            grow = -(-num_tokens // bs) - len(table)
+            grow = cdiv(num_tokens, bs) - len(table)
             if grow > 0:
                 need += grow
             for i in range(seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)):
@@ -202,7 +203,7 @@ class BlockManager:
                 gpu.decref(block)
                 table[i] = new
                 copies.append((block, new))
-        for _ in range(-(-num_tokens // bs) - len(table)):
+        for _ in range(cdiv(num_tokens, bs) - len(table)):
             table.append(gpu.allocate())
         return copies
 

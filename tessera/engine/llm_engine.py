@@ -16,6 +16,7 @@ from tessera.config import EngineArgs, EngineConfig
 from tessera.core.scheduler import Scheduler
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.executor.abstract import Executor
+from tessera.inputs import check_token_ids
 from tessera.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
@@ -175,11 +176,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def check_token_ids(token_ids: list, vocab_size: int, field_name: str) -> None:
-    """ValueError naming `field_name` unless every entry is a token id in [0, vocab_size)."""
-    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
-           or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{field_name}: {bad[0]!r} is not a token id in [0, {vocab_size})")

@@ -17,11 +17,7 @@ import typing
 from collections.abc import Callable
 
 from tessera.bench import add_bench_parser
-from tessera.config import EngineArgs
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from tessera.config import EngineArgs, flag_name
 
 
 def _base_type(annotation) -> type:
@@ -42,14 +38,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = f.metadata.get("help", "")
         if kind is bool:
             if f.default:
-                group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
+                group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,
                                    default=True, help=help_text)
             else:
-                group.add_argument(_flag(f.name), action="store_true", help=help_text)
+                group.add_argument(flag_name(f.name), action="store_true", help=help_text)
             continue
         if f.default is not None:
             help_text += " (default: %(default)s)"
-        group.add_argument(_flag(f.name), type=kind, default=f.default,
+        group.add_argument(flag_name(f.name), type=kind, default=f.default,
                            choices=f.metadata.get("choices"), help=help_text,
                            metavar=None if f.metadata.get("choices") else f.name.upper())
 

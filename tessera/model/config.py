@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+from tessera.model.registry import supported_architectures
+
+SUPPORTED_ARCHITECTURES = tuple(supported_architectures())  # the registry is their home
 
 
 @dataclass(frozen=True)

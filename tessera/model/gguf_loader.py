@@ -21,14 +21,9 @@ import numpy as np
 import torch
 
 from tessera.model.config import ModelArchConfig
+from tessera.model.registry import GGUF_ARCHITECTURES, has_qkv_bias
 
 logger = logging.getLogger(__name__)
-
-# GGUF general.architecture -> (HF architecture, Q/K rows permuted by llama.cpp, bias on q/k/v)
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True, False),
-    "qwen2": ("Qwen2ForCausalLM", False, True),
-}
 
 _NAME_MAP = {
     "token_embd": "model.embed_tokens",
@@ -63,7 +58,7 @@ def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     arrays = {t.name: dequantize_tensor(t) for t in reader.tensors}
     rope_freqs = arrays.pop("rope_freqs.weight", None)
     config = _read_config(reader, path, arrays, rope_freqs)
-    _, permuted, _ = _ARCHITECTURES[_field(reader, "general.architecture")]
+    _, permuted = GGUF_ARCHITECTURES[_field(reader, "general.architecture")]
 
     weights: dict[str, torch.Tensor] = {}
     for gguf_name, array in arrays.items():
@@ -122,12 +117,12 @@ def _read_config(
     reader: gguf.GGUFReader, path: str, arrays: dict[str, np.ndarray], rope_freqs: np.ndarray | None
 ) -> ModelArchConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {', '.join(_ARCHITECTURES)}"
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    architecture, _, attention_bias = _ARCHITECTURES[arch]
+    architecture, _ = GGUF_ARCHITECTURES[arch]
 
     def key(name: str, default=None):
         value = _field(reader, f"{arch}.{name}", default)
@@ -166,7 +161,7 @@ def _read_config(
         rope_scaling=_rope_scaling(reader, arch, path, rope_freqs, rope_theta, head_dim),
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in arrays,
-        attention_bias=attention_bias,
+        attention_bias=has_qkv_bias(architecture),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
     )

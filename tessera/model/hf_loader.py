@@ -15,16 +15,15 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from tessera.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+from tessera.model.config import ModelArchConfig
+from tessera.model.registry import (
+    HF_ALIASES,
+    has_qkv_bias,
+    hf_architecture,
+    supported_architectures,
+)
 
 logger = logging.getLogger(__name__)
-
-# Llama-shaped HF architectures; the value is the ModelArchConfig.architecture they load as.
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "LlamaForCausalLM",
-    "MistralForCausalLM": "LlamaForCausalLM",  # only without a sliding window (checked below)
-    "Qwen2ForCausalLM": "Qwen2ForCausalLM",
-}
 
 
 def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
@@ -54,12 +53,15 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     archs = cfg.get("architectures") or []
-    hf_arch = next((a for a in archs if a in _ARCHITECTURES), None)
+    hf_arch = next((a for a in archs if hf_architecture(a) is not None), None)
     if hf_arch is None:
         raise ValueError(
             f"{path}: architectures {archs} are not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (and MistralForCausalLM without sliding window)"
+            f"{', '.join(supported_architectures())} "
+            f"(and {', '.join(HF_ALIASES)} without sliding window)"
         )
+    architecture = hf_architecture(hf_arch)
+    assert architecture is not None
     sliding = cfg.get("sliding_window")
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     uses_sliding = cfg.get("use_sliding_window", hf_arch == "MistralForCausalLM")
@@ -76,7 +78,7 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
         rope.setdefault("rope_type", rope.pop("type"))
     rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
 
-    if hf_arch != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+    if not has_qkv_bias(architecture) and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ValueError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
@@ -100,7 +102,7 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
                 eos_ids.append(int(tok))
 
     return ModelArchConfig(
-        architecture=_ARCHITECTURES[hf_arch],
+        architecture=architecture,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]),
@@ -113,7 +115,7 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(tie),
-        attention_bias=hf_arch == "Qwen2ForCausalLM",
+        attention_bias=has_qkv_bias(architecture),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos_ids),
     )

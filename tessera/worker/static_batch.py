@@ -11,6 +11,7 @@ import torch
 
 from tessera.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tessera.sampling.params import SamplingParams
+from tessera.utils import cdiv
 from tessera.worker.model_runner import ModelRunner
 
 
@@ -34,7 +35,7 @@ class StaticBatch:
 
     def new_seq(self, prompt: list[int], max_len: int) -> StaticSeq:
         """A sequence with blocks for `max_len` tokens, its whole prompt to compute next."""
-        n = -(-max_len // self.block_size)
+        n = cdiv(max_len, self.block_size)
         table = list(range(self.next_block, self.next_block + n))
         self.next_block += n
         return StaticSeq(f"static-{next(self._ids)}", list(prompt), table, len(prompt))

@@ -21,6 +21,7 @@ from tessera.engine.async_engine import (
 )
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from tessera.entrypoints.openai.protocol import TopLogprob, _SamplingRequest
+from tessera.inputs import InvalidTokenIdError, check_token_ids
 from tessera.outputs import RequestOutput
 from tessera.sampling.params import RequestOutputKind, SamplingParams
 
@@ -57,10 +58,11 @@ class OpenAIServing:
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
             raise bad_request(f"{param} must not be empty", param)
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"{param} holds token id {bad}, outside the vocabulary "
-                              f"[0, {self.vocab_size})", param)
+        try:
+            check_token_ids(token_ids, self.vocab_size, param)  # the rule's home: tessera/inputs.py
+        except InvalidTokenIdError as e:
+            raise bad_request(f"{param} holds token id {e.token_id!r}, outside the vocabulary "
+                              f"[0, {self.vocab_size})", param) from None
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """The request's max_tokens, checked against max_model_len (default: what is left)."""

@@ -1,0 +1,26 @@
+"""Checks on what a caller hands the engine, shared by `LLMEngine` (ValueError) and the OpenAI
+server (400). Torch-free, so the server and the tests can import it without the model stack."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class InvalidTokenIdError(ValueError):
+    """A prompt entry that is not a token id; `token_id` is the first bad entry, so the server can
+    word its own 400."""
+
+    def __init__(self, field_name: str, token_id: object, vocab_size: int) -> None:
+        super().__init__(f"{field_name}: {token_id!r} is not a token id in [0, {vocab_size})")
+        self.field_name = field_name
+        self.token_id = token_id
+        self.vocab_size = vocab_size
+
+
+def check_token_ids(token_ids: Sequence[object], vocab_size: int, field_name: str) -> None:
+    """ValueError (InvalidTokenIdError) naming `field_name` unless every entry is a token id: an
+    int (not a bool) in [0, vocab_size). An empty list passes; callers word their own empty-prompt
+    error."""
+    for t in token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InvalidTokenIdError(field_name, t, vocab_size)
