@@ -7,7 +7,8 @@ on the same prompts (the machine is noisy: compare within a run).
 
 The default workload is docs/performance.md's figure 2 (32 x 256 in / 256 out, 384 blocks of 16,
 --max-num-seqs 64): the requests need 32 x 32 = 1,024 blocks at their longest, so the scheduler
-preempts throughout. "auto" is the scheduler's rule for an unset --preemption-mode.
+preempts throughout. Measured here (bf16, 2 cores): swap 139.3 vs recompute 113.1 output tok/s
+(1.23x), with 18 vs 16 preemptions; so swap is the default (`--preemption-mode` unset).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> None:
     print(f"{args.num_prompts} x {args.input_len} in / {args.output_len} out, {args.dtype}, "
           f"{args.num_gpu_blocks} blocks")
     results = {}
-    for name, mode in (("swap", "swap"), ("recompute", "recompute"), ("auto", None)):
+    for name, mode in (("swap", "swap"), ("recompute", "recompute")):
         results[name] = run(bundle, args, mode, prompts, ample=False)
         print(f"{name:<14} {results[name][0]:8.1f} output tok/s  {results[name][1]:5.0f} preemptions")
     free = run(bundle, args, None, prompts, ample=True)

@@ -367,13 +367,7 @@ class Scheduler(UpdateFromOutput):
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, alone: bool) -> None:
         """Take a running group off the device. `alone`: no other group holds device blocks, so
         swapping would only bring it back to the same full pool; recompute it instead."""
-        mode = self.config.preemption_mode
-        if mode is None:
-            mode = (
-                PreemptionMode.RECOMPUTE
-                if len(group.get_unfinished_seqs()) == 1
-                else PreemptionMode.SWAP
-            )
+        mode = self.config.preemption_mode or PreemptionMode.SWAP
         if mode is PreemptionMode.SWAP and (alone or not self.block_manager.can_swap_out(group)):
             mode = PreemptionMode.RECOMPUTE  # never abort for lack of swap space
         if mode is PreemptionMode.SWAP:

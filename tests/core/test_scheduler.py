@@ -53,7 +53,7 @@ def _three_running(mode=None, num_cpu_blocks=64, priority=False, priorities=(0, 
 
 
 def test_preempts_newest_first_and_recompute_goes_to_front_of_waiting():
-    sched, runner = _three_running()
+    sched, runner = _three_running(mode=PreemptionMode.RECOMPUTE)
     sched.add_seq_group(make_group("late", 4, arrival=10))
     out = runner.step()
     # r0 needs a block: the newest (r2) is preempted, which frees enough for r0 and r1
@@ -209,7 +209,8 @@ def test_prefix_hits_skip_computation():
 
 def test_priority_preempts_running_tail():
     # running sorted by (priority, arrival): the tail is the worst
-    sched, runner = _three_running(priority=True, priorities=(0, 5, 3), order=("r0", "r2", "r1"))
+    sched, runner = _three_running(mode=PreemptionMode.RECOMPUTE, priority=True, priorities=(0, 5, 3),
+                                  order=("r0", "r2", "r1"))
     sched.add_seq_group(make_group("vip", 8, priority=1, arrival=20))
     sched.add_seq_group(make_group("low", 4, priority=9, arrival=21))
     out = runner.step()
