@@ -253,7 +253,7 @@ class Scheduler(UpdateFromOutput):
                 if copies:
                     out.blocks_to_copy += copies
                 scheduled.append((group, plan))
-                budget.tokens = left - sum(n for _, n in plan)
+                budget.tokens = left - (plan[0][1] if len(plan) == 1 else sum(n for _, n in plan))
             kept.append(group)
             budget.num_seqs += group.sampling_params.n if group.is_fork_pending else len(seqs)
         self.running = kept
