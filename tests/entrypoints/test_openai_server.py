@@ -118,6 +118,18 @@ def test_stop(client, model):
     assert r.choices[0].text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize("stop", [["6, 7"], [" 7"], ["5, 6, 7, 8"], [",", " 9"], ["zzz"]])
+def test_streamed_text_equals_whole_text_with_stop_strings(client, model, stop):
+    """The issue's trace: a stream used to leak the start of a multi-token stop string."""
+    args = dict(model=model, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=stop)
+    whole = client.completions.create(**args).choices[0]
+    pieces = [c.choices[0].text for c in client.completions.create(**args, stream=True)
+              if c.choices]
+    assert "".join(pieces) == whole.text
+    if stop == ["6, 7"]:
+        assert whole.text == " 5, " and whole.finish_reason == "stop"
+
+
 def test_logprobs(client, model):
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0,
                                   logprobs=3)
