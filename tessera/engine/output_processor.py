@@ -173,9 +173,8 @@ class OutputProcessor:
                 if kind is _DELTA:
                     start_chars = seq.num_sent_chars
                     visible = max(visible, start_chars)
-                    if (visible == start_chars and len(seq.output_token_ids) == seq.num_sent_tokens
-                            and not (done and _just_finished(core, i))):
-                        continue  # nothing new for this sequence
+                    if visible == start_chars and len(seq.output_token_ids) == seq.num_sent_tokens:
+                        continue  # nothing new for this sequence (a finishing one has a token)
                     start_tokens = seq.num_sent_tokens
                     seq.num_sent_chars, seq.num_sent_tokens = visible, len(seq.output_token_ids)
                 else:
@@ -203,10 +202,6 @@ class OutputProcessor:
             error=core.error,
             num_cached_tokens=req.num_cached_tokens,
         )
-
-
-def _just_finished(core: EngineCoreOutput, index: int) -> bool:
-    return any(d.index == index for d in core.seqs)
 
 
 def _extend_prompt_logprobs(req: RequestState, first_pos: int, chunk: list[dict[int, float]]) -> None:
