@@ -28,6 +28,12 @@ class _Sent:
     last_block: int
 
 
+def stream_seed(seed: int, index: int) -> int:
+    """The seed of a request's `index`-th stream: seed + index, wrapped into the unsigned 64-bit
+    range every generator accepts (a request's own seed may be any 64-bit value)."""
+    return (seed + index) % 2**64
+
+
 class RunnerView:
     def __init__(self) -> None:
         # req_id -> what was sent; None: the runner holds the request but must be sent it whole
@@ -50,7 +56,7 @@ class RunnerView:
                 sampling_params=group.sampling_params,
                 block_ids=list(table),
                 num_computed_tokens=seq.num_computed_tokens,
-                seed=None if seed is None else seed + seq.index,
+                seed=None if seed is None else stream_seed(seed, seq.index),
             ))
             self._sent[req_id] = _Sent(num_tokens, len(table), last)
             return

@@ -286,3 +286,10 @@ def test_abort_swapped_group_frees_cpu_blocks():
     sched.abort_seq_group("pair")
     assert not sched.swapped and sched.block_manager.get_num_free_cpu_blocks() == 8
     sched.block_manager.check_integrity()
+
+
+def test_child_seeds_stay_in_the_generator_range():
+    from tessera.core.runner_view import stream_seed
+
+    assert stream_seed(7, 2) == 9
+    assert stream_seed(2**64 - 1, 1) == 0 and stream_seed(-1, 0) == 2**64 - 1
