@@ -2,7 +2,7 @@
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 
@@ -12,10 +12,10 @@ def __getattr__(name: str) -> Any:
         from tessera.entrypoints.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from tessera.sampling.params import SamplingParams
+    if name in ("SamplingParams", "RequestOutputKind"):
+        from tessera.sampling import params
 
-        return SamplingParams
+        return getattr(params, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from tessera import outputs
 

@@ -24,5 +24,7 @@ class ModelRunnerOutput:
     # req_id -> (position of the first scored prompt token, {token_id: logprob} per position)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
-    def index_of(self) -> dict[str, int]:
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        """Row of each request in the lists above (vLLM's name)."""
         return {req_id: i for i, req_id in enumerate(self.req_ids)}

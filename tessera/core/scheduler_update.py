@@ -71,7 +71,7 @@ class UpdateFromOutput:
         docstring). Returns, per request that changed, what its sequences gained."""
         now = self.clock()
         caching = self.block_manager.enable_prefix_caching
-        index = runner_output.index_of()
+        index = runner_output.req_id_to_index
         spec = scheduler_output.scheduled_spec_decode_tokens
         touched: dict[str, tuple[SequenceGroup, EngineCoreOutput]] = {}
         any_finished = False
