@@ -72,39 +72,41 @@ class UpdateFromOutput:
         now = self.clock()
         caching = self.block_manager.enable_prefix_caching
         index = runner_output.req_id_to_index
+        sampled, all_logprobs = runner_output.sampled_token_ids, runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         spec = scheduler_output.scheduled_spec_decode_tokens
+        live = self._live
         touched: dict[str, tuple[SequenceGroup, EngineCoreOutput]] = {}
         any_finished = False
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
-            entry = self._live.get(req_id)
+            entry = live.get(req_id)
             if entry is None:
                 continue  # aborted meanwhile
             group, seq = entry
             if seq.status is not _RUNNING:
                 continue
             i = index.get(req_id)
-            tokens = runner_output.sampled_token_ids[i] if i is not None else None
+            tokens = sampled[i] if i is not None else None
             start = seq.num_computed_tokens
             if tokens and spec and req_id in spec:  # rejected drafts' KV is stale: not computed
                 num_new -= len(spec[req_id]) + 1 - len(tokens)
             seq.num_computed_tokens = start + num_new
-            if start < len(seq.prompt_token_ids):
-                self.num_prompt_tokens_total += min(num_new, len(seq.prompt_token_ids) - start)
+            num_prompt = len(seq.prompt_token_ids)
+            if start < num_prompt:
+                self.num_prompt_tokens_total += min(num_new, num_prompt - start)
             if caching:
                 self.block_manager.cache_computed_blocks(seq)
-            if runner_output.prompt_logprobs:
-                prompt_lps = runner_output.prompt_logprobs.get(req_id)
-                if prompt_lps is not None:
-                    self._output_of(group, touched).prompt_logprobs = prompt_lps
+            if prompt_logprobs and req_id in prompt_logprobs:
+                self._output_of(group, touched).prompt_logprobs = prompt_logprobs[req_id]
             if not tokens:
                 continue
+            out = self._output_of(group, touched)
             if group.first_token_time is None:
                 group.first_token_time = now
-                self._output_of(group, touched).metrics = _metrics(group)
+                out.metrics = _metrics(group)
             group.last_token_time = now
             assert i is not None  # tokens came from row i
-            logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
-            out = self._output_of(group, touched)
+            logprobs = all_logprobs[i] if all_logprobs else None
             if len(tokens) > 1 and group.is_fork_pending:
                 any_finished |= self._fork(group, seq, tokens[1:], logprobs and logprobs[1:], out)
                 tokens, logprobs = tokens[:1], logprobs and logprobs[:1]
