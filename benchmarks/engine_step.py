@@ -33,28 +33,15 @@ except ImportError:  # the engine before it
 
 
 def _new_executor(num_blocks: int):
-    class FakeExecutor(Executor):
-        """Keeps each request's length and progress from the messages, as a runner must."""
+    from scheduler import _FakeRunner  # benchmarks/scheduler.py: lengths from the messages alone
 
+    class FakeExecutor(Executor):
         def __init__(self) -> None:
             self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, 0
-            self.num_tokens: dict[str, int] = {}
+            self.runner = _FakeRunner()
 
-        def execute_model(self, out):
-            num_tokens = self.num_tokens
-            for req_id in out.finished_req_ids:
-                del num_tokens[req_id]
-            computed = {}
-            for new in out.scheduled_new_reqs:
-                num_tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
-                computed[new.req_id] = new.num_computed_tokens
-            for diff in out.scheduled_cached_reqs:
-                num_tokens[diff.req_id] += len(diff.new_token_ids)
-                computed[diff.req_id] = diff.num_computed_tokens
-            req_ids = [r for r, n in out.num_scheduled_tokens.items()
-                       if computed[r] + n == num_tokens[r]]
-            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[7] for _ in req_ids],
-                                     logprobs=[[{7: -0.5}] for _ in req_ids])
+        def execute_model(self, out) -> ModelRunnerOutput:
+            return self.runner(out)
 
     return FakeExecutor()
 

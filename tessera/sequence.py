@@ -14,6 +14,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tessera.utils import token_range
+
 if TYPE_CHECKING:
     from tessera.sampling.params import SamplingParams
 
@@ -85,13 +87,8 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def get_token_ids_range(self, start: int, end: int) -> list[int]:
-        """token_ids[start:end] without building the whole prompt + output list (per-step path)."""
-        num_prompt = len(self.prompt_token_ids)
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        """token_ids[start:end] without building the whole prompt + output list."""
+        return token_range(self.prompt_token_ids, self.output_token_ids, start, end)
 
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

@@ -8,3 +8,14 @@ def cdiv(a: int, b: int) -> int:
     tokens, for example). Exact for any int size, unlike `math.ceil(a / b)`, which rounds through a
     float; and one named home instead of the unreadable `-(-a // b)` idiom at every call site."""
     return -(-a // b)
+
+
+def token_range(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """(prompt + output)[start:end] without concatenating the two (a per-step path: a decode
+    reads one token of a long sequence)."""
+    num_prompt = len(prompt)
+    if start >= num_prompt:
+        return output[start - num_prompt : end - num_prompt]
+    if end <= num_prompt:
+        return prompt[start:end]
+    return prompt[start:] + output[: end - num_prompt]

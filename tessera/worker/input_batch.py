@@ -15,6 +15,7 @@ import torch
 
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.params import SamplingParams
+from tessera.utils import token_range
 
 
 @dataclass
@@ -32,13 +33,7 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
-        """token_ids[start:end] without concatenating prompt and output (per-step path)."""
-        num_prompt = len(self.prompt_token_ids)
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return token_range(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 class InputBatch:
