@@ -1,6 +1,6 @@
 """Request state: `Sequence` (one stream of tokens) and `SequenceGroup` (one request: n sequences
-that share a prompt). Knows nothing of blocks or tensors; the scheduler and engine move these
-objects between queues and append to them.
+that share a prompt). Knows nothing of blocks or tensors. Only the scheduler writes them (it moves
+them between queues and appends to them); the runner and the engine see plain messages instead.
 
 Every sequence carries `num_computed_tokens`: how many of its tokens already have KV in the cache.
 A step hands it `num_new_tokens` more. That one counter covers prefill, chunked prefill, decode,
