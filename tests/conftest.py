@@ -34,17 +34,20 @@ def default_tokenizer(default_model_path):
     return load_tokenizer(default_model_path)
 
 
-@pytest.fixture(scope="session")
-def hf_model(default_model_path):
-    """HF transformers loading the same GGUF: the reference for logits and greedy tokens."""
+def load_hf_reference(model_path: str, dtype: torch.dtype):
+    """HF transformers loading the same GGUF (skips the test if transformers/accelerate lack)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_model_path),
-        gguf_file=os.path.basename(default_model_path),
-        dtype=torch.float32,
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path):
+    """HF transformers loading the same GGUF: the reference for logits and greedy tokens."""
+    return load_hf_reference(default_model_path, torch.float32)
 
 
 @pytest.fixture(scope="session")

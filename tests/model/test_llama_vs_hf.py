@@ -4,10 +4,9 @@ bf16."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import load_hf_reference
 from greedy_reference import check_greedy, hf_greedy
 
 from tessera.model.llama import LlamaForCausalLM
@@ -85,14 +84,7 @@ def test_prefill_logits_match_hf(harness, hf_model, default_tokenizer):
 def hf_model_bf16(default_model_path):
     """HF transformers loading the same GGUF in bfloat16 (its weights are the same fp32 values,
     rounded to bf16 as ours are; it computes in bf16 with sdpa)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_model_path),
-        gguf_file=os.path.basename(default_model_path),
-        dtype=torch.bfloat16,
-    )
-    return model.eval()
+    return load_hf_reference(default_model_path, torch.bfloat16)
 
 
 # bf16 against bf16, per prompt, with s = the std of HF's logits over the prompt (~4-8 here):
