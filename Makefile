@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test test-all lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +20,10 @@ serve: install
 	$(VENV)/bin/tessera serve $(ARGS)
 
 test: install
+	$(PY) -m pytest -q --durations=15 -m "not heavy" $(ARGS)
+
+# everything, including the multi-process and long scenarios marked `heavy`
+test-all: install
 	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 lint: install
