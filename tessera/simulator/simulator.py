@@ -17,6 +17,7 @@ length and `ignore_eos`.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -95,6 +96,20 @@ class Simulator:
         self.max_concurrency = max_concurrency
 
     def run(self, requests: list[SimRequest], record_timeline: bool = True) -> SimOutcome:
+        """Simulate until every request is done. The cyclic garbage collector is paused meanwhile
+        (and the requests frozen out of its way, as the engine does after start-up): its full
+        collections walk every live request and halved the simulation's speed (3,000 ShareGPT
+        requests: 13.9 -> 6.9 s of CPU); the loop makes no reference cycles worth collecting."""
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        try:
+            return self._run(requests, record_timeline)
+        finally:
+            gc.enable()
+            gc.unfreeze()
+
+    def _run(self, requests: list[SimRequest], record_timeline: bool) -> SimOutcome:
         start_wall = time.perf_counter()
         order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_time)
         records = [RequestRecord(len(r.prompt_token_ids)) for r in requests]
