@@ -24,9 +24,7 @@ import logging
 import math
 import shlex
 
-from tessera.config import GiB, EngineConfig
-
-logger = logging.getLogger(__name__)
+from tessera.config import EngineConfig, GiB
 
 _NOT_SIMULATED = ("model", "device")  # engine flags the simulator replaces (see above)
 
