@@ -4,7 +4,9 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
     flock -x /work/cpu.lock .venv/bin/python benchmarks/simulator_fidelity.py \\
         [--profile profile.json] [--settings default chunked swap recompute prefix]
 
-1. calibrate here (`tessera simulate calibrate`, bf16), unless --profile names a profile;
+1. calibrate here (`tessera simulate calibrate --serving-requests 48`, bf16: the runner over a
+   grid of shapes, then the serving overhead from one real-server run on a calibration trace
+   that is none of the traces below), unless --profile names a profile;
 2. per setting: start `tessera serve` on 127.0.0.1 with the setting's engine flags, send the
    trace with `bench serve` (ignore_eos, so both sides produce the dataset's output lengths),
    stop the server; simulate the same samples at the same arrival times with the same flags;
@@ -21,25 +23,23 @@ import json
 import logging
 import os
 import shlex
-import sys
 import tempfile
 import time
 
-from tessera.bench.serve import BenchConfig, load_bench_tokenizer, run_bench
-from tessera.bench.sweep import ServerProcess, free_port
 from tessera.entrypoints.cli import build_parser
 from tessera.simulator.cli import load_samples, run_point
+from tessera.simulator.serving import real_server_metrics
 
 COMMON = "--dtype bfloat16"
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
-          "--random-range-ratio 0.5 --num-prompts 64")
-SETTINGS = {  # name -> (workload flags, engine flags, request rate)
-    "default": (RANDOM, "", 2.0),
-    "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 2.0),
-    "swap": (RANDOM, "--num-gpu-blocks-override 160 --preemption-mode swap", 4.0),
-    "recompute": (RANDOM, "--num-gpu-blocks-override 160 --preemption-mode recompute", 4.0),
+          "--random-range-ratio 0.5 --num-prompts 48")
+SETTINGS = {  # name -> (workload flags, engine flags, request rate): rates near capacity
+    "default": (RANDOM, "", 1.0),
+    "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 1.0),
+    "swap": (RANDOM, "--num-gpu-blocks-override 160 --preemption-mode swap", 1.0),
+    "recompute": (RANDOM, "--num-gpu-blocks-override 160 --preemption-mode recompute", 1.0),
     "prefix": ("--dataset prefix --prefix-len 512 --suffix-len 32 --random-output-len 64 "
-               "--num-prompts 64", "--enable-prefix-caching", 4.0),
+               "--num-prompts 48", "--enable-prefix-caching", 2.0),
 }
 METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
            ("p99_ttft_ms", "p99 TTFT"), ("median_tpot_ms", "med TPOT"),
@@ -47,22 +47,12 @@ METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
 TARGETS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 
 
-def real_run(engine_flags: str, samples, rate: float, seed: int, log_dir: str, name: str) -> dict:
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "tessera.entrypoints.cli", "serve", "--port", str(port),
-            *shlex.split(f"{COMMON} {engine_flags}")]
-    tokenizer = load_bench_tokenizer(None)
-    with ServerProcess(argv, base_url, os.path.join(log_dir, f"server-{name}.log"), 600.0):
-        cfg = BenchConfig(base_url=base_url, request_rate=rate, seed=seed, ignore_eos=True,
-                          disable_tqdm=True)
-        return run_bench(cfg, samples, tokenizer, quiet=True)["metrics"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=None, help="reuse this profile (skip calibration)")
-    parser.add_argument("--grid", default="default", help="calibration grid")
+    parser.add_argument("--grid", default="small", help="calibration grid")
+    parser.add_argument("--serving-requests", type=int, default=48,
+                        help="requests of the serving-overhead calibration (0: runner only)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--result-file", default=None, help="write all figures as JSON")
     args = parser.parse_args()
@@ -74,7 +64,8 @@ def main() -> None:
     if profile is None:
         profile = os.path.join(work, "profile.json")
         cal = build_parser().parse_args(["simulate", "calibrate", *shlex.split(COMMON),
-                                         "--grid", args.grid, "--output", profile])
+                                         "--grid", args.grid, "--output", profile,
+                                         "--serving-requests", str(args.serving_requests)])
         cal.func(cal)
     print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
     rows = {}
@@ -84,13 +75,15 @@ def main() -> None:
                                         *shlex.split(f"{COMMON} {engine_flags}"),
                                         "--profile", profile, "--quiet"])
         samples = load_samples(ns)
-        real = real_run(engine_flags, samples, rate, ns.seed, work, name)
+        real = real_server_metrics(shlex.split(f"{COMMON} {engine_flags}"), samples, rate,
+                                   ns.seed, work, f"server-{name}")
         sim = run_point(ns, samples, rate, include_requests=False)["metrics"]
         rows[name] = {"real": real, "sim": sim, "flags": engine_flags, "workload": workload,
                       "rate": rate}
         print(f"{name}: real {real['output_throughput']:.1f} tok/s vs sim "
               f"{sim['output_throughput']:.1f} ({time.perf_counter() - t0:.0f} s so far; "
-              f"real failed {real['failed']}, preemptions sim {sim['num_preemptions']})",
+              f"real failed {real['failed']}, preemptions real {real['num_preemptions']} "
+              f"sim {sim['num_preemptions']})",
               flush=True)
     print()
     header = f"{'setting':<10} {'metric':<10} {'real':>9} {'sim':>9} {'error':>8}"
@@ -106,6 +99,9 @@ def main() -> None:
             mark = " *" if key in TARGETS and abs(err) > 0.10 else ""
             print(f"{name:<10} {label:<10} {real:9.1f} {sim:9.1f} {100 * err:+7.1f}%{mark}")
         print(f"{name:<10} {'failed':<10} {row['real']['failed']:9d} {row['sim']['failed']:9d}")
+        real_pre = row["real"].get("num_preemptions")
+        print(f"{name:<10} {'preempt':<10} {real_pre if real_pre is not None else '?':>9} "
+              f"{row['sim']['num_preemptions']:9d}")
     print(f"\nworst error on throughput / median TTFT / median TPOT: {100 * worst:.1f}% "
           f"(target 10%; * marks a miss); total {time.perf_counter() - t0:.0f} s")
     if args.result_file:

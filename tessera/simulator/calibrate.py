@@ -52,8 +52,8 @@ def grid_shapes(name: str) -> list[Shape]:
         return [Shape(d, c, p) for d in (1, 3) for c in (4, 12) for p in (0, 8)] + [
             Shape(0, 0, 16), Shape(0, 0, 24, 8)]
     if name == "small":
-        decodes, contexts, prefills = (1, 8, 32), (128, 512), (0, 256)
-        alone, chunks = (128, 1024), ((256, 512),)
+        decodes, contexts, prefills = (1, 8, 32, 64), (128, 512), (0, 256)
+        alone, chunks = (32, 256, 1024), ((256, 512),)
     elif name == "default":
         decodes, contexts, prefills = (1, 4, 16, 32, 64), (64, 256, 768), (0, 128, 512)
         alone, chunks = (32, 256, 1024, 2048), ((512, 512), (256, 1536))
@@ -152,9 +152,10 @@ def time_swap(cache_engine, num_blocks: int, repeats: int) -> float:
 
 
 def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
-              output: str | None = None, bundle=None) -> dict:
+              output: str | None = None, bundle=None, serving_requests: int = 0) -> dict:
     """Load the model as the server would, time every shape of `grid`, fit, and save the profile
-    JSON at `output`. Returns the profile."""
+    JSON at `output`. With `serving_requests` > 0, also run the real server on that many requests
+    of the calibration trace and fit the serving overhead (serving.py). Returns the profile."""
     from tessera.engine.llm_engine import LLMEngine
     from tessera.engine.loading import build_engine, load_bundle
 
@@ -201,8 +202,56 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
         "grid": points,
     }
     engine.shutdown()
+    del engine, runner, driver
+    if serving_requests > 0:
+        profile.update(calibrate_serving(args, profile, serving_requests))
     if output:
         with open(output, "w", encoding="utf-8") as f:
             json.dump(profile, f, indent=2)
             f.write("\n")
     return profile
+
+
+def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dict:
+    """Run the real server on the calibration trace and fit `serving_s_per_seq` to it."""
+    import gc
+    import math
+
+    from tessera.bench import datasets
+    from tessera.bench.serve import load_bench_tokenizer
+    from tessera.config import GiB
+    from tessera.simulator.cli import sim_requests
+    from tessera.simulator.cost_model import ProfiledCostModel
+    from tessera.simulator.serving import (
+        TRACE,
+        engine_flags,
+        fit_serving_overhead,
+        real_server_metrics,
+    )
+    from tessera.simulator.simulator import Simulator
+
+    gc.collect()  # the grid's KV pools go before the server takes its own
+    t = TRACE
+    samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
+                                     t["random_input_len"], t["random_output_len"],
+                                     t["random_range_ratio"], seed=args.seed)
+    real = real_server_metrics(engine_flags(args), samples, math.inf, args.seed,
+                               label="calibration-server")
+    config = args.create_engine_config(profile["max_position_embeddings"])
+
+    def simulate_duration(candidate: dict) -> float:
+        cost = ProfiledCostModel(candidate)
+        block_bytes = cost.geometry.block_bytes(config.cache.block_size)
+        num_gpu = (config.cache.num_gpu_blocks_override
+                   or int(config.cache.kv_cache_space * GiB) // block_bytes)
+        sim = Simulator(config, cost, num_gpu, int(config.cache.swap_space * GiB) // block_bytes)
+        return sim.run(sim_requests(samples, math.inf, 1.0, args.seed),
+                       record_timeline=False).duration_s
+
+    s = fit_serving_overhead(profile, simulate_duration, real["duration_s"])
+    logger.info("serving overhead: %.2f ms per sequence per step (real %.1f s, runner-only "
+                "simulation %.1f s)", s * 1e3, real["duration_s"], simulate_duration(profile))
+    return {"serving_s_per_seq": s,
+            "serving_fit": {"trace": {**TRACE, "num_prompts": num_requests},
+                            "request_rate": "inf", "real_duration_s": real["duration_s"],
+                            "runner_only_duration_s": simulate_duration(profile)}}

@@ -83,7 +83,11 @@ def add_simulate_parser(subparsers) -> None:
     g.add_argument("--output", default="profile.json", help="profile JSON (default: %(default)s)")
     g.add_argument("--grid", default="default", choices=["tiny", "small", "default"],
                    help="batch shapes to time (default: %(default)s)")
-    g.add_argument("--repeats", type=int, default=3, help="timed steps per shape (best kept)")
+    g.add_argument("--repeats", type=int, default=3,
+                   help="timed steps per shape (the median is kept) (default: %(default)s)")
+    g.add_argument("--serving-requests", type=int, default=0, metavar="N",
+                   help="also start the real server (127.0.0.1) on N requests of a calibration "
+                        "trace and fit the serving overhead per sequence (0: runner only)")
     cal.set_defaults(func=calibrate_main, parser=cal)
 
 
@@ -264,9 +268,11 @@ def calibrate_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.repeats < 1:
         args.parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.serving_requests < 0:
+        args.parser.error(f"--serving-requests must be >= 0, got {args.serving_requests}")
     try:
         profile = calibrate(engine_args_from(args), grid=args.grid, repeats=args.repeats,
-                            output=args.output)
+                            output=args.output, serving_requests=args.serving_requests)
     except ValueError as e:
         args.parser.error(str(e))
     fit = profile["fit"]

@@ -83,8 +83,9 @@ class CostModel(ABC):
 
 
 class ProfiledCostModel(CostModel):
-    """A linear model over `FEATURES`, fitted by `tessera simulate calibrate` (see calibrate.py
-    for the fit and why), plus a per-byte swap cost measured on the same machine."""
+    """A linear model over `FEATURES`, fitted by `tessera simulate calibrate` (see fit.py for the
+    fit and why), a per-byte swap cost measured on the same machine, and optionally the serving
+    overhead per sequence per step fitted from a real server run (serving.py)."""
 
     name = "profiled"
 
@@ -93,6 +94,9 @@ class ProfiledCostModel(CostModel):
             coefs = profile["coefficients"]
             self.coefficients = [float(coefs[name]) for name, _ in FEATURES]
             self.swap_s_per_byte = float(profile["swap_s_per_byte"])
+            # streaming each token outside the runner (tessera/simulator/serving.py); 0 if the
+            # profile was calibrated on the runner alone
+            self.serving_s_per_seq = float(profile.get("serving_s_per_seq", 0.0))
             g = profile["kv_geometry"]
             self.geometry = KVGeometry(g["num_layers"], g["num_kv_heads"], g["head_dim"],
                                        g["elem_size"])
@@ -111,11 +115,13 @@ class ProfiledCostModel(CostModel):
     def compute_time(self, batch: BatchShape) -> float:
         if batch.num_tokens == 0:
             return 0.0
-        return sum(c * x for c, x in zip(self.coefficients, features(batch), strict=True))
+        runner = sum(c * x for c, x in zip(self.coefficients, features(batch), strict=True))
+        return runner + self.serving_s_per_seq * batch.num_seqs
 
     def swap_time(self, batch: BatchShape) -> float:
         return batch.swap_bytes * self.swap_s_per_byte
 
     def describe(self) -> dict:
         return {"cost_model": self.name, "profile": self.path, "model": self.profile.get("model"),
-                "dtype": self.dtype, "fit": self.profile.get("fit")}
+                "dtype": self.dtype, "fit": self.profile.get("fit"),
+                "serving_s_per_seq": self.serving_s_per_seq}

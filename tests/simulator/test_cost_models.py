@@ -184,3 +184,29 @@ def test_spec_decode_seam_needs_an_acceptance_model():
 
     _, result = SyntheticRunner(block_bytes=1, acceptance=AcceptOne()).execute(out)
     assert result.sampled_token_ids == [[1, 1]]
+
+
+def test_serving_overhead_fit_and_term():
+    from tessera.simulator.serving import fit_serving_overhead
+
+    def duration(profile):  # a stand-in simulation: 10 s of runner plus 400 seqs-steps of streaming
+        return 10.0 + 400 * profile["serving_s_per_seq"]
+
+    assert fit_serving_overhead({}, duration, 12.0) == pytest.approx(0.005, rel=1e-6)
+    assert fit_serving_overhead({}, duration, 9.0) == 0.0  # already slower than the server
+    profile = _profile([0.0] * len(FEATURES))
+    model = ProfiledCostModel({**profile, "serving_s_per_seq": 0.002})
+    assert model.step_time(BatchShape(num_decode_tokens=5, num_seqs=5)) == pytest.approx(0.01)
+
+
+def test_engine_flags_round_trip_through_the_cli():
+    from tessera.config import EngineArgs
+    from tessera.entrypoints.cli import build_parser, engine_args_from
+    from tessera.simulator.serving import engine_flags
+
+    args = EngineArgs(dtype="bfloat16", enable_chunked_prefill=True, max_num_batched_tokens=256,
+                      num_gpu_blocks_override=160, preemption_mode="recompute")
+    flags = engine_flags(args)
+    assert "--enable-chunked-prefill" in flags and "--model" not in flags
+    parsed = engine_args_from(build_parser().parse_args(["serve", *flags]))
+    assert parsed == args
