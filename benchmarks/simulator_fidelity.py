@@ -32,7 +32,7 @@ from tessera.simulator.serving import real_server_metrics
 
 COMMON = "--dtype bfloat16"
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
-          "--random-range-ratio 0.5 --num-prompts 48")
+          "--random-range-ratio 0.5 --num-prompts 40")
 # name -> (workload flags, engine flags, request rate). The rates put the server at about 70%
 # of its capacity here (~0.85 req/s on RANDOM, ~1.6 on the prefix workload, measured at 1 and 2
 # req/s): near the knee a few percent of step-time error becomes a doubling of TTFT, which
@@ -43,7 +43,7 @@ SETTINGS = {
     "swap": (RANDOM, "--num-gpu-blocks-override 128 --preemption-mode swap", 0.6),
     "recompute": (RANDOM, "--num-gpu-blocks-override 128 --preemption-mode recompute", 0.6),
     "prefix": ("--dataset prefix --prefix-len 512 --suffix-len 32 --random-output-len 64 "
-               "--num-prompts 48", "--enable-prefix-caching", 1.1),
+               "--num-prompts 40", "--enable-prefix-caching", 1.1),
 }
 METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
            ("p99_ttft_ms", "p99 TTFT"), ("median_tpot_ms", "med TPOT"),

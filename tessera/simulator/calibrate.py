@@ -215,7 +215,6 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
 def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dict:
     """Run the real server on the calibration trace and fit `serving_s_per_seq` to it."""
     import gc
-    import math
 
     from tessera.bench import datasets
     from tessera.bench.serve import load_bench_tokenizer
@@ -224,6 +223,7 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
     from tessera.simulator.cost_model import ProfiledCostModel
     from tessera.simulator.serving import (
         TRACE,
+        TRACE_RATE,
         engine_flags,
         fit_serving_overhead,
         real_server_metrics,
@@ -235,23 +235,26 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
     samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
                                      t["random_input_len"], t["random_output_len"],
                                      t["random_range_ratio"], seed=args.seed)
-    real = real_server_metrics(engine_flags(args), samples, math.inf, args.seed,
+    real = real_server_metrics(engine_flags(args), samples, TRACE_RATE, args.seed,
                                label="calibration-server")
+    real_e2el = real["mean_e2el_ms"] / 1e3
     config = args.create_engine_config(profile["max_position_embeddings"])
 
-    def simulate_duration(candidate: dict) -> float:
+    def simulate_e2el(candidate: dict) -> float:
         cost = ProfiledCostModel(candidate)
         block_bytes = cost.geometry.block_bytes(config.cache.block_size)
         num_gpu = (config.cache.num_gpu_blocks_override
                    or int(config.cache.kv_cache_space * GiB) // block_bytes)
         sim = Simulator(config, cost, num_gpu, int(config.cache.swap_space * GiB) // block_bytes)
-        return sim.run(sim_requests(samples, math.inf, 1.0, args.seed),
-                       record_timeline=False).duration_s
+        outcome = sim.run(sim_requests(samples, TRACE_RATE, 1.0, args.seed),
+                          record_timeline=False)
+        return sum(r.finished - r.sent for r in outcome.records) / len(outcome.records)
 
-    s = fit_serving_overhead(profile, simulate_duration, real["duration_s"])
-    logger.info("serving overhead: %.2f ms per sequence per step (real %.1f s, runner-only "
-                "simulation %.1f s)", s * 1e3, real["duration_s"], simulate_duration(profile))
+    s = fit_serving_overhead(profile, simulate_e2el, real_e2el)
+    runner_only = simulate_e2el(profile)
+    logger.info("serving overhead: %.2f ms per sequence per step (real mean E2E %.2f s, "
+                "runner-only simulation %.2f s)", s * 1e3, real_e2el, runner_only)
     return {"serving_s_per_seq": s,
             "serving_fit": {"trace": {**TRACE, "num_prompts": num_requests},
-                            "request_rate": "inf", "real_duration_s": real["duration_s"],
-                            "runner_only_duration_s": simulate_duration(profile)}}
+                            "request_rate": TRACE_RATE, "real_mean_e2el_s": real_e2el,
+                            "runner_only_mean_e2el_s": runner_only}}
