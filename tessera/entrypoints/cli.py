@@ -34,8 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine", "engine flags (see tessera.config.EngineArgs)")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
-        kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
+        if f.metadata.get("json"):  # a JSON object on the command line, a dict from Python
+            group.add_argument(flag_name(f.name), type=str, default=f.default, help=help_text,
+                               metavar="JSON")
+            continue
+        kind = _base_type(hints[f.name])
         if kind is bool:
             if f.default:
                 group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,
