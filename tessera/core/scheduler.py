@@ -48,6 +48,7 @@ from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.core.scheduler_update import UpdateFromOutput
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
+from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,10 @@ class Scheduler(UpdateFromOutput):
             if plan and (seq.spec_token_ids or (len(seqs) > 1 and _any_drafts(seqs))):
                 # drafts take only budget that later groups' decodes do not need
                 reserve = pending_decodes if self.config.enable_chunked_prefill else len(queue)
-                plan = self._take_drafts(seqs, plan, left - sum(n for _, n in plan) - reserve)
+                # ... and only blocks beyond one per sequence of this group and per later group
+                spare = bm.gpu.num_free - len(seqs) - len(queue)
+                plan = self._take_drafts(seqs, plan, left - sum(n for _, n in plan) - reserve,
+                                         spare)
             if plan:
                 while (copies := bm.try_append_slots(group)) is None:
                     if _any_drafts(seqs):  # drafts never cost a preemption: drop them first
@@ -279,23 +283,29 @@ class Scheduler(UpdateFromOutput):
         self.running = kept
         return preempted
 
-    def _take_drafts(self, seqs: list[Sequence], plan: _Plan, room: int) -> _Plan:
+    def _take_drafts(self, seqs: list[Sequence], plan: _Plan, room: int, spare_blocks: int) -> _Plan:
         """Schedule the draft tokens of the plan's decodes as extra new tokens, within `room`
-        tokens of budget and so that verification can neither pass `max_tokens` nor
-        `max_model_len`. Trims each running sequence's `spec_token_ids` to what it verifies (the
-        block manager reserves lookahead slots for exactly those); sequences not decoding
-        this step verify none."""
+        tokens of budget and `spare_blocks` new blocks, and so that verification can neither pass
+        `max_tokens` nor `max_model_len`. Trims each running sequence's `spec_token_ids` to what
+        it verifies (the block manager reserves lookahead slots for exactly those); sequences
+        not decoding this step verify none."""
         max_len = self.config.max_model_len
+        bs = self.block_manager.block_size
         taken: _Plan = []
         decoding = set()
         for seq, n in plan:
             drafts = seq.spec_token_ids
             if n == 1 and drafts and seq.get_len() - seq.num_computed_tokens == 1:
-                k = min(len(drafts), max(room, 0), max_len - seq.get_len() - 1)
+                num_tokens = seq.get_len()
+                # slots already in the table (or in the block its next token needs) are free to use
+                have = max(len(self.block_manager.get_block_table(seq)), cdiv(num_tokens, bs)) * bs
+                k = min(len(drafts), max(room, 0), max_len - num_tokens - 1,
+                        have - num_tokens + max(spare_blocks, 0) * bs)
                 max_tokens = self._max_tokens(seq)
                 if max_tokens is not None:
                     k = min(k, max_tokens - seq.get_output_len() - 1)
                 k = max(k, 0)
+                spare_blocks -= cdiv(max(num_tokens + k - have, 0), bs)
                 if k < len(drafts):
                     seq.spec_token_ids = drafts[:k]
                 room -= k

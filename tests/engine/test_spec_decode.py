@@ -178,3 +178,39 @@ def test_metrics_served_at_prometheus_names(llm_factory):
                  'tessera:spec_decode_num_accepted_tokens_per_pos_total{position="3"}'):
         assert f"\n{name} " in text, name
     assert "spec_decode" not in ServerMetrics(llm_factory().get_metrics).render().decode()
+
+
+def test_bf16_greedy_identical(default_model_path):
+    """bf16 too: exact equality, batched, under preemption and with chunked prefill (every CPU
+    kernel computes a row the same way whatever else is in the step, verification rows included)."""
+    import torch
+
+    from tessera.config import EngineArgs
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.engine.loading import load_bundle
+    from tessera.entrypoints.llm import LLM
+    from tessera.kernels.fused import fused_ops_for
+    from tessera.kernels.linear import linear_kernel_supported
+    from tessera.kernels.paged_attention import paged_attention_available
+
+    cpu = torch.device("cpu")
+    if not (linear_kernel_supported(torch.zeros(32, 32, dtype=torch.bfloat16))
+            and fused_ops_for(cpu, torch.bfloat16) is not None
+            and paged_attention_available(cpu, torch.bfloat16)):
+        pytest.skip("bf16 invariance rests on the C++ kernels, not built here")
+    bundle = load_bundle(EngineArgs(dtype="bfloat16", max_model_len=512))
+
+    def make(**engine_args):
+        engine_args.setdefault("num_gpu_blocks_override", 64)
+        args = EngineArgs(dtype="bfloat16", max_model_len=512, **engine_args)
+        return LLM.from_engine(LLMEngine.from_engine_args(args, bundle=bundle))
+
+    base = _run(make())
+    llm = make(speculative_config=NGRAM)
+    assert _run(llm) == base
+    _speculated(llm)
+    small = make(speculative_config=NGRAM, num_gpu_blocks_override=14, block_size=8,
+                 preemption_mode="recompute", enable_chunked_prefill=True, max_num_batched_tokens=40)
+    assert _run(small) == base
+    assert small.get_metrics()["tessera:num_preemptions_total"] > 0
+    _speculated(small)
