@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -119,12 +120,92 @@ class DeviceConfig:
             raise ValueError(f"--device {self.device!r} is not a valid torch device: {e}") from e
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = (
+    "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+    "disable_by_batch_size",
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's names): a proposer guesses up to `num_speculative_tokens`
+    next tokens of a decoding request, the target model verifies them all in one forward pass, and
+    the request advances by the accepted ones.
+
+    `ngram`: prompt lookup, the last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`) matched against the request's prompt + output. `draft_model`: a smaller
+    model at `model`. `disable_by_batch_size`: no proposals while a step runs at least that many
+    requests (a big batch is compute-bound on CPU, so verifying drafts there only costs)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        dbs = self.disable_by_batch_size
+        if dbs is not None and (not isinstance(dbs, int) or isinstance(dbs, bool) or dbs < 1):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be an integer >= 1, got {dbs!r}"
+            )
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config: model (the draft model's path) is required "
+                                 "for method draft_model")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config: model is only for method draft_model, "
+                             f"not {self.method}")
+
+    @classmethod
+    def from_dict(cls, value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From `LLM(speculative_config={...})` or the JSON of `--speculative-config`."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
+        unknown = sorted(set(value) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(_SPEC_KEYS)}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config: method is required (one of "
+                             f"{', '.join(SPECULATIVE_METHODS)})")
+        return cls(**value)
+
+    def is_enabled_for(self, batch_size: int) -> bool:
+        """Whether a step of `batch_size` requests speculates at all (the one home of the rule)."""
+        return self.disable_by_batch_size is None or batch_size < self.disable_by_batch_size
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    speculative: SpeculativeConfig | None = None
 
 
 def _arg(default, help: str, **kw):
@@ -164,6 +245,12 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(False, "split long prompts to fill each step's token budget")
     enable_prefix_caching: bool = _arg(False, "reuse KV blocks of shared prompt prefixes")
     scheduling_policy: str = _arg("fcfs", "request order", choices=["fcfs", "priority"])
+    speculative_config: dict | str | None = _arg(
+        None,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 16}',
+        json=True,
+    )
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Resolve defaults against the model's context limit and validate the combination."""
@@ -186,6 +273,7 @@ class EngineArgs:
             if value is not None and value not in {m.value for m in enum_cls}:
                 choices = ", ".join(m.value for m in enum_cls)
                 raise ValueError(f"{flag_name(name)} must be one of {choices}, got {value!r}")
+        speculative = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             model=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=max_model_len, seed=self.seed
@@ -206,6 +294,7 @@ class EngineArgs:
                 scheduling_policy=SchedulingPolicy(self.scheduling_policy),
             ),
             device=DeviceConfig(device=self.device),
+            speculative=speculative,
         )
 
     @classmethod

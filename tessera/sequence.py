@@ -73,6 +73,10 @@ class Sequence:
     # the key of this stream in messages to the runner (set by its SequenceGroup)
     req_id: str = ""
     index: int = 0  # position in its group: 0 is the first, k the k-th forked child
+    # draft tokens the runner proposed after this sequence's last token (speculative decoding):
+    # set by `update_from_output`, trimmed by `schedule()` to what the step verifies (the block
+    # manager reserves lookahead slots for exactly these), dropped on preemption
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -105,6 +109,7 @@ class Sequence:
         """KV was dropped: the whole sequence (prompt + output so far) must be prefilled again."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
+        self.spec_token_ids = []
 
     def fork(self, new_seq_id: int, index: int, req_id: str) -> Sequence:
         """A child sharing everything so far; the block manager shares its blocks by ref count."""

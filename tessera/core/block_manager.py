@@ -13,7 +13,10 @@ block, so `append_slots` copies it first (copy-on-write); prefix caching shares 
 blocks, which lie wholly before every holder's `num_computed_tokens`, where nothing writes.
 
 Blocks for a sequence's whole current length are allocated at admission (so chunked prefill never
-runs out mid-prompt); decoding appends one block at a time.
+runs out mid-prompt); decoding appends one block at a time. A sequence verifying draft tokens
+(speculative decoding, `seq.spec_token_ids`) gets lookahead slots for them too; the slots of
+rejected drafts stay in its table and are written again by its next tokens (nothing reads a slot
+at or past `num_computed_tokens`).
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ class BlockManager:
             if seq.status is not _RUNNING:
                 continue
             table = tables[seq.seq_id]
-            num_tokens = seq.get_len()
+            num_tokens = seq.get_len() + len(seq.spec_token_ids)
             grow = cdiv(num_tokens, bs) - len(table)
             if grow > 0:
                 need += grow
@@ -170,7 +173,9 @@ class BlockManager:
             if seq.status is not _RUNNING:
                 continue
             table = tables[seq.seq_id]
-            last = (len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1) // bs
+            last = (
+                len(seq.prompt_token_ids) + len(seq.output_token_ids) + len(seq.spec_token_ids) - 1
+            ) // bs
             if not (
                 last < len(table)
                 and seq.num_computed_tokens // bs == last
@@ -188,11 +193,12 @@ class BlockManager:
         return copies
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make the table cover `seq.get_len()` tokens and give the sequence its own copy of every
-        shared block it is about to write. Returns the (src, dst) block copies to perform."""
+        """Make the table cover `seq.get_len()` tokens (plus its draft tokens' lookahead slots) and
+        give the sequence its own copy of every shared block it is about to write. Returns the
+        (src, dst) block copies to perform."""
         bs = self.block_size
         table = self._tables[seq.seq_id]
-        num_tokens = seq.get_len()
+        num_tokens = seq.get_len() + len(seq.spec_token_ids)
         copies: list[tuple[int, int]] = []
         gpu = self.gpu
         for i in range(seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)):

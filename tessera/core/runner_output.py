@@ -23,6 +23,9 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, float]]] = field(default_factory=list)
     # req_id -> (position of the first scored prompt token, {token_id: logprob} per position)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # speculative decoding: per row of `req_ids`, the draft tokens proposed to follow the tokens
+    # sampled this step (verified next step); empty when speculation is off
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -14,6 +14,12 @@ A step, in order:
 Steps 2 and 3 are skipped after a preemption in step 1: memory is tight, and swapping a group back
 in the step it left would only churn.
 
+Speculative decoding is the same rule: a decoding sequence with draft tokens (proposed by the
+runner after its last step, `seq.spec_token_ids`) gets 1 + k new tokens, listed in
+`scheduled_spec_decode_tokens`. Drafts take only budget left over by the decodes still to come,
+never pass `max_tokens` or `max_model_len`, and are dropped rather than preempt anyone when their
+lookahead slots are not free; `update_from_output` advances the sequence by the accepted ones.
+
 After the forward pass `update_from_output` is the only writer of request progress: it advances
 `num_computed_tokens` by the tokens actually computed and accepted, appends the sampled tokens,
 applies the token-id stop rules (core/stop_conditions.py), forks the children of n > 1 requests,
@@ -42,6 +48,7 @@ from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.core.scheduler_update import UpdateFromOutput
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
+from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +100,11 @@ class Scheduler(UpdateFromOutput):
         self.num_preemptions_total = 0
         self.num_prompt_tokens_total = 0  # prompt tokens computed (chunks, recomputes; not hits)
         self.num_generation_tokens_total = 0
+        # speculative decoding (vLLM's counters): verified requests, draft tokens, accepted ones
+        self.num_spec_drafts_total = 0
+        self.num_spec_draft_tokens_total = 0
+        self.num_spec_accepted_tokens_total = 0
+        self.num_spec_accepted_tokens_per_pos: list[int] = []  # [i]: drafts accepted at position i
 
     def _key(self, group: SequenceGroup) -> tuple[int, float]:
         return (group.priority, group.arrival_time) if self._priority else (0, group.arrival_time)
@@ -187,6 +199,8 @@ class Scheduler(UpdateFromOutput):
                 describe(group, seq, table(seq), out)
                 num_scheduled[seq.req_id] = n
                 total += n
+                if seq.spec_token_ids:
+                    out.scheduled_spec_decode_tokens[seq.req_id] = list(seq.spec_token_ids)
         out.total_num_scheduled_tokens = total
 
     def _plan(self, seqs: list[Sequence], budget: int, reserve: int = 0) -> _Plan:
@@ -237,8 +251,18 @@ class Scheduler(UpdateFromOutput):
                 if pending_decodes:
                     pending_decodes -= _num_decodes(group)
                 plan = self._plan(seqs, left, pending_decodes) if left > 0 else []
+            if plan and (seq.spec_token_ids or (len(seqs) > 1 and _any_drafts(seqs))):
+                # drafts take only budget that later groups' decodes do not need
+                reserve = pending_decodes if self.config.enable_chunked_prefill else len(queue)
+                # ... and only blocks beyond one per sequence of this group and per later group
+                spare = bm.gpu.num_free - len(seqs) - len(queue)
+                plan = self._take_drafts(seqs, plan, left - sum(n for _, n in plan) - reserve,
+                                         spare)
             if plan:
                 while (copies := bm.try_append_slots(group)) is None:
+                    if _any_drafts(seqs):  # drafts never cost a preemption: drop them first
+                        plan = _drop_drafts(seqs, plan)
+                        continue
                     preempted = True
                     if queue:
                         victim = queue.pop()
@@ -258,6 +282,43 @@ class Scheduler(UpdateFromOutput):
             budget.num_seqs += group.sampling_params.n if group.is_fork_pending else len(seqs)
         self.running = kept
         return preempted
+
+    def _take_drafts(self, seqs: list[Sequence], plan: _Plan, room: int, spare_blocks: int) -> _Plan:
+        """Schedule the draft tokens of the plan's decodes as extra new tokens, within `room`
+        tokens of budget and `spare_blocks` new blocks, and so that verification can neither pass
+        `max_tokens` nor `max_model_len`. Trims each running sequence's `spec_token_ids` to what
+        it verifies (the block manager reserves lookahead slots for exactly those); sequences
+        not decoding this step verify none."""
+        max_len = self.config.max_model_len
+        bs = self.block_manager.block_size
+        taken: _Plan = []
+        decoding = set()
+        for seq, n in plan:
+            drafts = seq.spec_token_ids
+            if n == 1 and drafts and seq.get_len() - seq.num_computed_tokens == 1:
+                num_tokens = seq.get_len()
+                # slots already in the table (or in the block its next token needs) are free to use
+                have = max(len(self.block_manager.get_block_table(seq)), cdiv(num_tokens, bs)) * bs
+                k = min(len(drafts), max(room, 0), max_len - num_tokens - 1,
+                        have - num_tokens + max(spare_blocks, 0) * bs)
+                max_tokens = self._max_tokens(seq)
+                if max_tokens is not None:
+                    k = min(k, max_tokens - seq.get_output_len() - 1)
+                k = max(k, 0)
+                spare_blocks -= cdiv(max(num_tokens + k - have, 0), bs)
+                if k < len(drafts):
+                    seq.spec_token_ids = drafts[:k]
+                room -= k
+                n += k
+                decoding.add(seq.seq_id)
+            taken.append((seq, n))
+        for seq in seqs:
+            if seq.spec_token_ids and seq.seq_id not in decoding:
+                seq.spec_token_ids = []
+        return taken
+
+    def _max_tokens(self, seq: Sequence) -> int | None:
+        return self._live[seq.req_id][0].sampling_params.max_tokens
 
     def _schedule_swapped(
         self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
@@ -371,6 +432,8 @@ class Scheduler(UpdateFromOutput):
         if mode is PreemptionMode.SWAP and (alone or not self.block_manager.can_swap_out(group)):
             mode = PreemptionMode.RECOMPUTE  # never abort for lack of swap space
         if mode is PreemptionMode.SWAP:
+            for seq in group.seqs:  # drafts are proposed afresh after the group resumes
+                seq.spec_token_ids = []
             self.block_manager.swap_out(group, out.blocks_to_swap_out)
             for seq in group.seqs:
                 if seq.status is _RUNNING:
@@ -400,6 +463,18 @@ class Scheduler(UpdateFromOutput):
         self._drop(group)
         out.ignored_request_ids.append(group.request_id)
         self._ignored.append(group)
+
+
+def _any_drafts(seqs: list[Sequence]) -> bool:
+    return any(s.spec_token_ids for s in seqs)
+
+
+def _drop_drafts(seqs: list[Sequence], plan: _Plan) -> _Plan:
+    """The plan without its draft tokens (the lookahead slots could not be had)."""
+    plan = [(s, n - len(s.spec_token_ids)) for s, n in plan]
+    for seq in seqs:
+        seq.spec_token_ids = []
+    return plan
 
 
 def _num_decodes(group: SequenceGroup) -> int:

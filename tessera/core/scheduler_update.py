@@ -1,7 +1,9 @@
 """`Scheduler.update_from_output`: after the forward pass, the only writer of request progress.
 
 Per scheduled stream it advances `num_computed_tokens` by the tokens actually computed (a rejected
-draft token's KV does not count), appends the sampled tokens up to the first that stops the stream
+draft token's KV does not count: a stream that verified k drafts and got a + 1 tokens back, the a
+accepted drafts and the target's own next token, advances by 1 + a), stores the drafts the runner
+proposed for its next step, appends the sampled tokens up to the first that stops the stream
 (core/stop_conditions.py), forks the n-1 children of an n > 1 request when its prompt completes,
 frees what finished and offers newly full blocks to the prefix cache. It answers, per request that
 changed, an `EngineCoreOutput` for the engine's output processor.
@@ -43,6 +45,10 @@ class UpdateFromOutput:
     clock: Callable[[], float]
     num_generation_tokens_total: int
     num_prompt_tokens_total: int
+    num_spec_drafts_total: int
+    num_spec_draft_tokens_total: int
+    num_spec_accepted_tokens_total: int
+    num_spec_accepted_tokens_per_pos: list[int]
 
     def _free_seq(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -75,6 +81,7 @@ class UpdateFromOutput:
         sampled, all_logprobs = runner_output.sampled_token_ids, runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         spec = scheduler_output.scheduled_spec_decode_tokens
+        proposals = runner_output.spec_token_ids
         live = self._live
         touched: dict[str, tuple[SequenceGroup, EngineCoreOutput]] = {}
         any_finished = False
@@ -88,9 +95,14 @@ class UpdateFromOutput:
             i = index.get(req_id)
             tokens = sampled[i] if i is not None else None
             start = seq.num_computed_tokens
-            if tokens and spec and req_id in spec:  # rejected drafts' KV is stale: not computed
-                num_new -= len(spec[req_id]) + 1 - len(tokens)
+            drafts = spec.get(req_id) if spec else None
+            if drafts:  # rejected drafts' KV is stale: not computed
+                assert tokens and len(tokens) <= len(drafts) + 1, f"{req_id}: bad verification"
+                num_new -= len(drafts) + 1 - len(tokens)
+                self._count_accepted(len(drafts), len(tokens) - 1)
             seq.num_computed_tokens = start + num_new
+            # the next step's drafts (verified only if the sequence still decodes then)
+            seq.spec_token_ids = proposals[i] if proposals and i is not None else []
             num_prompt = len(seq.prompt_token_ids)
             if start < num_prompt:
                 self.num_prompt_tokens_total += min(num_new, num_prompt - start)
@@ -124,6 +136,18 @@ class UpdateFromOutput:
                     group.finished_time = now
                 out.metrics = _metrics(group)
         return [out for _, out in touched.values()]
+
+    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+        """Speculative-decoding counters (vLLM's): one verified request, its drafts, and how many
+        were accepted, per draft position."""
+        self.num_spec_drafts_total += 1
+        self.num_spec_draft_tokens_total += num_drafts
+        self.num_spec_accepted_tokens_total += num_accepted
+        per_pos = self.num_spec_accepted_tokens_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
 
     @staticmethod
     def _output_of(

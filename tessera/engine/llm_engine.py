@@ -158,10 +158,11 @@ class LLMEngine:
         return apply_chat_template(self.tokenizer, messages)
 
     def get_metrics(self) -> dict[str, float]:
-        """Current values keyed by the Prometheus names `/metrics` serves."""
+        """Current values keyed by the Prometheus names `/metrics` serves; a labelled sample is
+        keyed `name{label="value"}`, as Prometheus prints it."""
         s = self.scheduler
         bm = s.block_manager
-        return {
+        metrics = {
             "tessera:num_requests_running": float(len(s.running)),
             "tessera:num_requests_waiting": float(len(s.waiting)),
             "tessera:num_requests_swapped": float(len(s.swapped)),
@@ -173,6 +174,17 @@ class LLMEngine:
             "tessera:prefix_cache_hits_total": float(bm.num_prefix_cache_hits),
             "tessera:prefix_cache_queries_total": float(bm.num_prefix_cache_queries),
         }
+        spec = self.config.speculative
+        if spec is not None:  # vLLM's names; accepted per draft position as a labelled counter
+            metrics["tessera:spec_decode_num_drafts_total"] = float(s.num_spec_drafts_total)
+            metrics["tessera:spec_decode_num_draft_tokens_total"] = float(s.num_spec_draft_tokens_total)
+            metrics["tessera:spec_decode_num_accepted_tokens_total"] = float(
+                s.num_spec_accepted_tokens_total)
+            per_pos = s.num_spec_accepted_tokens_per_pos
+            for pos in range(spec.num_speculative_tokens):
+                metrics[f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'] = (
+                    float(per_pos[pos]) if pos < len(per_pos) else 0.0)
+        return metrics
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -89,7 +89,8 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     eos = tuple(arch.eos_token_ids)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
-    runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos)
+    runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos,
+                         speculative_config=config.speculative)
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
         time.perf_counter() - start, os.path.basename(path), config.model.dtype,

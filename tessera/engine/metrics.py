@@ -35,6 +35,10 @@ _HELP = {
     "tessera:generation_tokens_total": "Tokens generated since start.",
     "tessera:prefix_cache_hits_total": "Prompt tokens served from the prefix cache.",
     "tessera:prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
+    "tessera:spec_decode_num_drafts_total": "Requests that verified draft tokens, summed over steps.",
+    "tessera:spec_decode_num_draft_tokens_total": "Draft tokens verified.",
+    "tessera:spec_decode_num_accepted_tokens_total": "Draft tokens accepted.",
+    "tessera:spec_decode_num_accepted_tokens_per_pos_total": "Draft tokens accepted, by position.",
 }
 
 
@@ -45,13 +49,36 @@ class _EngineCollector(Collector):
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        for name, value in sorted(self._snapshot().items()):
+        # `name{label="v"}` keys are samples of one labelled family `name`
+        families: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for key, value in self._snapshot().items():
+            name, labels = _parse_key(key)
+            families.setdefault(name, []).append((labels, value))
+        for name in sorted(families):
             doc = _HELP.get(name, name)
+            samples = families[name]
+            label_names = sorted(samples[0][0])
+            family: CounterMetricFamily | GaugeMetricFamily
             if name.endswith("_total"):
                 # the family drops the suffix; the exposed sample is `name` itself
-                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
+                family = CounterMetricFamily(name.removesuffix("_total"), doc, labels=label_names)
             else:
-                yield GaugeMetricFamily(name, doc, value=value)
+                family = GaugeMetricFamily(name, doc, labels=label_names)
+            for labels, value in samples:
+                family.add_metric([labels[k] for k in label_names], value)
+            yield family
+
+
+def _parse_key(key: str) -> tuple[str, dict[str, str]]:
+    """'a_total{position="0"}' -> ('a_total', {'position': '0'}); 'b' -> ('b', {})."""
+    if not key.endswith("}") or "{" not in key:
+        return key, {}
+    name, _, rest = key.partition("{")
+    labels = {}
+    for part in rest[:-1].split(","):
+        k, _, v = part.partition("=")
+        labels[k.strip()] = v.strip().strip('"')
+    return name, labels
 
 
 class ServerMetrics:

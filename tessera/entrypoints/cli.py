@@ -39,8 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     for f in dataclasses.fields(EngineArgs):
         if f.name in exclude:
             continue
-        kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
+        if f.metadata.get("json"):  # a JSON object on the command line, a dict from Python
+            group.add_argument(flag_name(f.name), type=str, default=f.default, help=help_text,
+                               metavar="JSON")
+            continue
+        kind = _base_type(hints[f.name])
         if kind is bool:
             if f.default:
                 group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,

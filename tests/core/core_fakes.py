@@ -118,14 +118,31 @@ class FakeRunner:
         self.apply(out)
         return self.execute_sampling(out)
 
+    def num_accepted(self, req_id: str, drafts: list[int]) -> int:
+        """How many of a request's draft tokens "verification" accepts (speculative decoding)."""
+        return len(drafts)
+
+    def propose(self, req_id: str, tokens: list[int]) -> list[int]:
+        """Draft tokens to follow `tokens` (none: no speculation)."""
+        return []
+
     def execute_sampling(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
+        spec = out.scheduled_spec_decode_tokens
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
-            if req.num_computed_tokens + n == len(req.token_ids):
+            drafts = spec.get(req_id, [])
+            if req.num_computed_tokens + n == len(req.token_ids) + len(drafts):
                 num = out.num_samples.get(req_id, 1)
+                if drafts:  # accepted drafts, then the "target's" own next token
+                    a = self.num_accepted(req_id, drafts)
+                    tokens = drafts[:a] + [self.sample(req_id, req, a)]
+                else:
+                    tokens = [self.sample(req_id, req, k) for k in range(num)]
                 result.req_ids.append(req_id)
-                result.sampled_token_ids.append([self.sample(req_id, req, k) for k in range(num)])
+                result.sampled_token_ids.append(tokens)
+                result.spec_token_ids.append(
+                    self.propose(req_id, req.token_ids + tokens) if num == 1 else [])
         return result
 
     def step(self) -> SchedulerOutput:

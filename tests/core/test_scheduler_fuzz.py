@@ -1,11 +1,17 @@
 """A hypothesis state machine drives the scheduler with random arrivals, lengths, n, priorities,
 aborts and tiny pools, in every mode. A fake runner keeps a fake KV cache (block -> token ids) and
 applies the swap and copy mappings, so every step also checks that each scheduled sequence reads
-its own tokens back through its block table, and that no shared block is ever written."""
+its own tokens back through its block table, and that no shared block is ever written.
+
+With speculation on, the runner proposes random draft tokens after each sample and "verification"
+accepts a random prefix of them: the KV written for rejected drafts must never be read back (the
+check below reads every context position), and max_tokens must hold."""
 
 from __future__ import annotations
 
-from core_fakes import FakeRunner, make_group, make_scheduler, samples_this_step
+import random
+
+from core_fakes import FakeRunner, group_id, make_group, make_scheduler, samples_this_step
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -21,10 +27,21 @@ class CheckingRunner(FakeRunner):
     """Reads and writes a fake KV cache through the block tables it rebuilt from the messages
     alone, and checks them (and its token copies) against the scheduler's own state."""
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, scheduler, num_spec: int = 0, seed: int = 0) -> None:
         super().__init__(scheduler)
         self.gpu: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
+        self.num_spec = num_spec
+        self.rng = random.Random(seed)
+
+    def propose(self, req_id, tokens):
+        if not self.num_spec:
+            return []
+        # drafts numbered apart from sampled tokens, so a stale one would read back wrong
+        return [2000 + self.rng.randrange(100) for _ in range(self.rng.randint(0, self.num_spec))]
+
+    def num_accepted(self, req_id, drafts):
+        return self.rng.randint(0, len(drafts))
 
     def execute(self, out):
         sched = self.scheduler
@@ -45,6 +62,13 @@ class CheckingRunner(FakeRunner):
             assert tokens == seq.get_token_ids(), f"{req_id}: runner's tokens drifted"
             assert table == bm.get_block_table(seq), f"{req_id}: runner's block table drifted"
             assert start == seq.num_computed_tokens
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
+            if drafts:  # a decode verifying its drafts
+                assert start + 1 == len(tokens) and n == 1 + len(drafts), (req_id, n, drafts)
+                assert len(tokens) + len(drafts) < MAX_MODEL_LEN
+                max_tokens = sched._groups[group_id(req_id)].sampling_params.max_tokens
+                assert len(seq.output_token_ids) + len(drafts) < max_tokens
+                tokens = tokens + drafts
             assert n >= 1 and start + n <= len(tokens)
             assert len(table) * bs >= start + n, "block table too short"
             for p in range(start):  # the context reads back as this sequence's tokens
@@ -68,9 +92,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         priority=st.booleans(),
         prefix=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1]),
+        num_spec=st.sampled_from([0, 0, 1, 3, 6]),
+        seed=st.integers(0, 2**16),
     )
     def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, chunked, budget, max_num_seqs,
-              mode, priority, prefix, watermark):
+              mode, priority, prefix, watermark, num_spec, seed):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
         self.budget, self.max_num_seqs = budget, max_num_seqs
@@ -79,7 +105,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
             chunked=chunked, mode=mode, priority=priority, prefix=prefix, watermark=watermark,
         )
-        self.runner = CheckingRunner(self.sched)
+        self.runner = CheckingRunner(self.sched, num_spec, seed)
         self.groups = []
         self.by_id = {}
         self.feasible: dict[str, bool] = {}
@@ -174,6 +200,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert g.is_finished()
             if g.request_id in self.aborted:
                 continue
+            assert all(s.get_output_len() <= g.sampling_params.max_tokens for s in g.seqs)
             if self.feasible[g.request_id]:
                 assert all(s.status is SequenceStatus.FINISHED_LENGTH_CAPPED for s in g.seqs)
                 assert len(g.seqs) == g.sampling_params.n

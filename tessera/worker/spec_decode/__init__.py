@@ -1,0 +1,7 @@
+"""Speculative-decoding proposers: after a step samples, they guess each decoding request's next
+tokens (drafts), which the scheduler schedules as extra new tokens and the runner verifies in the
+next step's forward pass (tessera/sampling/rejection_sampler.py)."""
+
+from tessera.worker.spec_decode.ngram import NgramProposer
+
+__all__ = ["NgramProposer"]
