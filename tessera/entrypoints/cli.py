@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import types
@@ -73,10 +74,25 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--served-model-name", default=None,
                         help="model id reported by /v1/models and expected in requests "
                              "(default: the engine's model name)")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template's text) replacing "
+                             "the model's own")
     server.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a path to a template file, or the template itself (as vLLM takes it)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:  # neither a file nor Jinja: a mistyped path
+        raise SystemExit(f"--chat-template: {value!r} is not a file and not a Jinja template")
+    return value
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,7 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     run_server(engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
-               api_key=args.api_key, log_level=args.log_level)
+               api_key=args.api_key, log_level=args.log_level,
+               chat_template=read_chat_template(args.chat_template))
     return 0
 
 

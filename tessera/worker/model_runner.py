@@ -17,6 +17,7 @@ import torch
 from tessera.attention import SeqSpan, is_decode, select_attention_backend
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
+from tessera.sampling.grammar import GrammarBackend
 from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
 from tessera.worker.input_batch import CachedRequestState, InputBatch
@@ -49,6 +50,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: tuple[int, ...] = (),
         attention_backend: str | None = None,
+        grammar_backend: GrammarBackend | None = None,
     ):
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -56,7 +58,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.requests = InputBatch(device)
+        self.requests = InputBatch(device, grammar_backend)
         # chosen once (the C++ kernel is built, or loaded from its cache, here at start-up)
         self.attn_backend = select_attention_backend(
             device, cache_engine.spec.dtype, block_size, name=attention_backend
@@ -153,6 +155,7 @@ class ModelRunner:
                     num_samples=num_samples.get(req_id, 1),
                     generator=state.generator,
                     eos_token_ids=self.eos_token_ids,
+                    grammar=state.grammar,
                 )
             )
         sampled = self.sampler(logits, rows)

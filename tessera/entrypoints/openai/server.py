@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app()` wires routes to an `AsyncLLMEngine`, and
 `run_server()` serves it with uvicorn until SIGINT/SIGTERM.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true), /health,
-/version, /metrics. With an API key, every /v1 route wants `Authorization: Bearer KEY`; /health,
+Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true), /tokenize,
+/detokenize, /health, /version, /metrics. With an API key, every /v1 route wants `Authorization: Bearer KEY`; /health,
 /metrics and /version stay open for probes and scrapers.
 """
 
@@ -31,12 +31,18 @@ from tessera.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from tessera.entrypoints.openai.serving_chat import OpenAIServingChat
 from tessera.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tessera.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +76,15 @@ class _ApiKeyMiddleware:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
-              api_key: str | None = None) -> FastAPI:
-    """The FastAPI app over `engine`. The app's lifespan starts and stops the engine thread."""
+              api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+    """The FastAPI app over `engine`. The app's lifespan starts and stops the engine thread.
+    `chat_template` (a Jinja template's text) replaces the model's own."""
     model_name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine.get_metrics)
     engine.on_finished.append(metrics.observe_finished)
     completions = OpenAIServingCompletion(engine, model_name)
-    chat = OpenAIServingChat(engine, model_name)
+    chat = OpenAIServingChat(engine, model_name, chat_template)
+    tokens = OpenAIServingTokenization(engine, model_name, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -118,6 +126,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               responses={200: _SSE_OR_JSON, **_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
+        return await tokens.tokenize(body, chat)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await tokens.detokenize(body)
 
     return app
 
@@ -163,9 +179,9 @@ class _Server(uvicorn.Server):
 
 def run_server(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
-               log_level: str = "info") -> None:
+               log_level: str = "info", chat_template: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM; returns normally (exit status 0) after a clean shutdown."""
-    app = build_app(engine, served_model_name, api_key)
+    app = build_app(engine, served_model_name, api_key, chat_template)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=10, lifespan="on")
     server = _Server(config, on_exit=engine.abort_all)

@@ -21,6 +21,7 @@ from tessera.engine.async_engine import (
 )
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from tessera.entrypoints.openai.protocol import TopLogprob, _SamplingRequest
+from tessera.entrypoints.openai.structured import structured_outputs_of
 from tessera.inputs import InvalidTokenIdError, check_token_ids
 from tessera.outputs import RequestOutput
 from tessera.sampling.params import RequestOutputKind, SamplingParams
@@ -30,9 +31,11 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
+                 chat_template: str | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.chat_template = chat_template  # --chat-template: replaces the model's
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -88,16 +91,31 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         fields = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "min_tokens")
+                  "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "min_tokens",
+                  "logit_bias", "stop_token_ids", "allowed_token_ids",
+                  "include_stop_str_in_output", "skip_special_tokens")
         args = {name: getattr(req, name) for name in fields if getattr(req, name) is not None}
         args.update({k: v for k, v in kw.items() if v is not None})
         args["max_tokens"] = max_tokens
+        args["structured_outputs"] = structured_outputs_of(req)
         # a stream forwards what is new; a whole answer needs only the final output
         args["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         try:
-            return SamplingParams(**args)
+            params = SamplingParams(**args)
+            params.check_vocab(self.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+        return params
+
+    async def check_constraint(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar (cached) off the event loop: an invalid schema, regex
+        or grammar is a 400 naming `param`, before any stream starts."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.engine.check_constraints(params)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
 
     # -- running ------------------------------------------------------------------------------
 

@@ -1,0 +1,174 @@
+"""Structured outputs on xgrammar: compile a request's constraint once, follow each sequence's
+accepted tokens with a matcher, and mask the logits of constrained rows.
+
+    StructuredOutputsParams ──compile (cached by schema text)──▶ CompiledGrammar
+    per sequence: GrammarMatcher, advanced by the tokens the scheduler accepted
+    per step: one int32 bitmask [rows, ceil(vocab / 32)] filled for constrained rows only,
+              applied in place to those rows' logits (xgrammar's vectorised CPU kernel)
+
+Why here and not in the scheduler: the mask is needed where the logits are, and a matcher that
+follows the *accepted* tokens (the scheduler's diffs, `tessera/worker/input_batch.py`) is rebuilt
+by replay whenever a request is resent whole (resume after preemption, a forked child). Rows
+without a constraint pay nothing: no bitmask is allocated when no row has one.
+
+xgrammar is imported on first use, so an engine that never sees a constraint never loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import torch
+
+from tessera.sampling.structured_outputs import StructuredOutputsParams
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:94: " and sometimes a failed check
+_INTERNAL_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
+_MAX_ERROR_CHARS = 300
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:  # pragma: no cover - the Makefile installs it
+        raise ValueError("structured_outputs needs the xgrammar package (pip install xgrammar)"
+                         ) from None
+    return xgrammar
+
+
+class GrammarBackend:
+    """One per tokenizer: the xgrammar tokenizer info and compiler, and a cache of compiled
+    grammars. Thread-safe: the server compiles in a worker thread (to validate a request before
+    it reaches the engine) while the engine thread builds matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._cache: dict[tuple[str, str], Any] = {}
+
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured_outputs needs the model's tokenizer, and this "
+                                     "model has none")
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=list(self.stop_token_ids))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar; a `ValueError` naming the field for an invalid constraint."""
+        key = params.key
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        compiler = self._get_compiler()
+        kind = params.kind
+        try:
+            if kind == "json":
+                # compact separators: a small model given free whitespace can loop on newlines
+                compiled = compiler.compile_json_schema(params.schema_text, any_whitespace=False)
+            elif kind == "json_object":
+                compiled = compiler.compile_builtin_json_grammar()
+            elif kind == "regex":
+                compiled = compiler.compile_regex(params.regex)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(params.choice or ()))
+            else:
+                compiled = compiler.compile_grammar(params.grammar)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.{kind} is invalid: {_clean(e)}") from None
+        with self._lock:
+            self._cache[key] = compiled
+        return compiled
+
+    def matcher(self, params: StructuredOutputsParams, token_ids: list[int]) -> GrammarState:
+        """A matcher for one sequence, advanced over the tokens it already generated."""
+        state = GrammarState(_xgrammar().GrammarMatcher(self.compile(params)))
+        state.accept(token_ids)
+        return state
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_ids: list[int]) -> None:
+        for t in token_ids:
+            if self.matcher.is_terminated():
+                return  # tokens after the end (stop tokens under ignore_eos) change nothing
+            if not self.matcher.accept_token(t):
+                # the scheduler accepted a token the mask forbade: a bug, not user input
+                raise AssertionError(f"token {t} violates the request's grammar")
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last accepted tokens (rejected speculative drafts)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+
+def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None],
+                        stop_token_ids: tuple[int, ...]) -> None:
+    """Mask, in place, the tokens each constrained row's grammar forbids next (logits [R, V]).
+
+    A row whose grammar has ended may only emit a stop token."""
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return
+    xgr = _xgrammar()
+    vocab = logits.shape[1]
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)  # [C, ceil(V / 32)] int32, all ones
+    ended: list[int] = []
+    for j, i in enumerate(rows):
+        state = states[i]
+        assert state is not None
+        if state.matcher.is_terminated():
+            ended.append(i)
+        else:
+            state.matcher.fill_next_token_bitmask(bitmask, j)
+    active = [i for i in rows if i not in ended]
+    if active:
+        picked = [j for j, i in enumerate(rows) if i not in ended]
+        sub = bitmask if len(picked) == len(rows) else bitmask[torch.tensor(picked)]
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, sub, indices=active)
+        else:  # device-agnostic fallback: unpack the bits on the logits' device
+            allowed = unpack_bitmask(sub.to(logits.device), vocab)
+            idx = torch.tensor(active, device=logits.device)
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    for i in ended:
+        stop = [t for t in stop_token_ids if 0 <= t < vocab]
+        keep = logits[i, stop].clone()
+        logits[i] = float("-inf")
+        logits[i, stop] = keep
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, W] int32 bitmask (bit j of word w: token 32 w + j allowed) -> [R, vocab] bool."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def choice_grammar(choices: tuple[str, ...] | list[str]) -> str:
+    """EBNF that matches exactly one of the strings (JSON escapes are valid EBNF escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _clean(error: BaseException) -> str:
+    """xgrammar's message without its C++ file paths and check text, cut to a readable size."""
+    text = _INTERNAL_PREFIX.sub("", str(error)).strip()
+    text = text.split("The JSON string is:")[0].strip()
+    return text[:_MAX_ERROR_CHARS]
