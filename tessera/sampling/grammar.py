@@ -78,8 +78,8 @@ class GrammarBackend:
             if kind == "json":
                 # compact separators: a small model given free whitespace can loop on newlines
                 compiled = compiler.compile_json_schema(params.schema_text, any_whitespace=False)
-            elif kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
+            elif kind == "json_object":  # any object, with the same compact separators
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif kind == "regex":
                 compiled = compiler.compile_regex(params.regex)
             elif kind == "choice":
