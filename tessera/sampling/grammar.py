@@ -3,8 +3,8 @@ accepted tokens with a matcher, and mask the logits of constrained rows.
 
     StructuredOutputsParams ──compile (cached by schema text)──▶ CompiledGrammar
     per sequence: GrammarMatcher, advanced by the tokens the scheduler accepted
-    per step: one int32 bitmask [rows, ceil(vocab / 32)] filled for constrained rows only,
-              applied in place to those rows' logits (xgrammar's vectorised CPU kernel)
+    per step: one int32 bitmask [rows, ceil(vocab / 32)], filled for constrained rows only
+              and applied in place to those rows' logits (xgrammar's vectorised CPU kernel)
 
 Why here and not in the scheduler: the mask is needed where the logits are, and a matcher that
 follows the *accepted* tokens (the scheduler's diffs, `tessera/worker/input_batch.py`) is rebuilt
@@ -128,25 +128,25 @@ def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None],
     if not rows:
         return
     xgr = _xgrammar()
-    vocab = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)  # [C, ceil(V / 32)] int32, all ones
+    num_rows, vocab = logits.shape
+    # one bitmask row per logits row: xgrammar indexes both by the same row ids
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab)  # [R, ceil(V / 32)] int32, all ones
     ended: list[int] = []
-    for j, i in enumerate(rows):
+    active: list[int] = []
+    for i in rows:
         state = states[i]
         assert state is not None
         if state.matcher.is_terminated():
             ended.append(i)
         else:
-            state.matcher.fill_next_token_bitmask(bitmask, j)
-    active = [i for i in rows if i not in ended]
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+            active.append(i)
     if active:
-        picked = [j for j, i in enumerate(rows) if i not in ended]
-        sub = bitmask if len(picked) == len(rows) else bitmask[torch.tensor(picked)]
         if logits.device.type == "cpu":
-            xgr.apply_token_bitmask_inplace(logits, sub, indices=active)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=active)
         else:  # device-agnostic fallback: unpack the bits on the logits' device
-            allowed = unpack_bitmask(sub.to(logits.device), vocab)
             idx = torch.tensor(active, device=logits.device)
+            allowed = unpack_bitmask(bitmask.to(logits.device)[idx], vocab)
             logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
     for i in ended:
         stop = [t for t in stop_token_ids if 0 <= t < vocab]
