@@ -4,7 +4,7 @@ accepted tokens with a matcher, and mask the logits of constrained rows.
     StructuredOutputsParams ──compile (cached by schema text)──▶ CompiledGrammar
     per sequence: GrammarMatcher, advanced by the tokens the scheduler accepted
     per step: one int32 bitmask [rows, ceil(vocab / 32)], filled for constrained rows only
-              and applied in place to those rows' logits (xgrammar's vectorised CPU kernel)
+              and applied in place to those rows' logits (tessera/kernels/token_mask.py)
 
 Why here and not in the scheduler: the mask is needed where the logits are, and a matcher that
 follows the *accepted* tokens (the scheduler's diffs, `tessera/worker/input_batch.py`) is rebuilt
@@ -23,7 +23,11 @@ from typing import Any
 
 import torch
 
+from tessera.kernels import token_mask
+from tessera.kernels.token_mask import apply_bitmask_, unpack_bitmask
 from tessera.sampling.structured_outputs import StructuredOutputsParams
+
+__all__ = ["GrammarBackend", "GrammarState", "apply_grammar_masks", "unpack_bitmask"]
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:94: " and sometimes a failed check
 _INTERNAL_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
@@ -63,6 +67,7 @@ class GrammarBackend:
                     self._tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=list(self.stop_token_ids))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                token_mask.prepare()
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -141,25 +146,12 @@ def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None],
         else:
             state.matcher.fill_next_token_bitmask(bitmask, i)
             active.append(i)
-    if active:
-        if logits.device.type == "cpu":
-            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=active)
-        else:  # device-agnostic fallback: unpack the bits on the logits' device
-            idx = torch.tensor(active, device=logits.device)
-            allowed = unpack_bitmask(bitmask.to(logits.device)[idx], vocab)
-            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    apply_bitmask_(logits, bitmask, active)
     for i in ended:
         stop = [t for t in stop_token_ids if 0 <= t < vocab]
         keep = logits[i, stop].clone()
         logits[i] = float("-inf")
         logits[i, stop] = keep
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 bitmask (bit j of word w: token 32 w + j allowed) -> [R, vocab] bool."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def choice_grammar(choices: tuple[str, ...] | list[str]) -> str:
