@@ -19,3 +19,10 @@ def token_range(prompt: list[int], output: list[int], start: int, end: int) -> l
     if end <= num_prompt:
         return prompt[start:end]
     return prompt[start:] + output[: end - num_prompt]
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elem_size: int) -> int:
+    """KV cache bytes one token takes across all layers, K and V. The one home of this rule: the
+    cache engine sizes its pools with it and the simulator (tessera/simulator) counts blocks and
+    KV traffic with it."""
+    return 2 * num_layers * num_kv_heads * head_dim * elem_size

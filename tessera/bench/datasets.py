@@ -21,7 +21,7 @@ import json
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -48,11 +48,14 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One request to send: the prompt, its length in tokens, and how many tokens to ask for."""
+    """One request to send: the prompt, its length in tokens, and how many tokens to ask for.
+    `prompt_token_ids` are the ids the length was counted from, when the dataset kept them: the
+    simulator (tessera/simulator) needs them so prefix-cache hits are the server's."""
 
     prompt: str
     prompt_len: int
     max_tokens: int
+    prompt_token_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------- sharegpt
@@ -138,13 +141,14 @@ def sample_sharegpt(pairs: list[tuple[str, str]], num_requests: int, tokenizer: 
         if len(samples) == num_requests:
             break
         prompt, reply = pairs[i]
-        prompt_len = len(tokenizer.encode(prompt))
+        prompt_ids = tokenizer.encode(prompt)
+        prompt_len = len(prompt_ids)
         reply_len = len(tokenizer.encode(reply)) if output_len is None else output_len
         if prompt_len < MIN_PROMPT_LEN or reply_len < MIN_OUTPUT_LEN:
             continue
         if prompt_len > MAX_PROMPT_LEN or prompt_len + reply_len > MAX_TOTAL_LEN:
             continue
-        samples.append(SampleRequest(prompt, prompt_len, reply_len))
+        samples.append(SampleRequest(prompt, prompt_len, reply_len, tuple(prompt_ids)))
     if len(samples) < num_requests:
         logger.warning("only %d ShareGPT pairs pass the filter (asked for %d)", len(samples),
                        num_requests)
@@ -165,17 +169,24 @@ def _ordinary_ids(tokenizer: Tokenizer) -> np.ndarray:
 
 def random_text(tokenizer: Tokenizer, num_tokens: int, rng: np.random.Generator,
                 ids: np.ndarray) -> tuple[str, int]:
-    """Text of about `num_tokens` random tokens, and its actual token count.
+    """Text of about `num_tokens` random tokens, and its actual token count."""
+    text, token_ids = _random_text_ids(tokenizer, num_tokens, rng, ids)
+    return text, len(token_ids)
+
+
+def _random_text_ids(tokenizer: Tokenizer, num_tokens: int, rng: np.random.Generator,
+                     ids: np.ndarray) -> tuple[str, list[int]]:
+    """Text of about `num_tokens` random tokens, and the ids it encodes to.
 
     Decoding random ids and encoding the text again does not give the same ids back (merges
     across boundaries), so the text is re-encoded, cut to length and decoded once more.
     """
     if num_tokens <= 0:
-        return "", 0
+        return "", []
     text = tokenizer.decode(rng.choice(ids, size=num_tokens).tolist())
     token_ids = tokenizer.encode(text)[:num_tokens]
     text = tokenizer.decode(token_ids)
-    return text, len(tokenizer.encode(text))
+    return text, tokenizer.encode(text)
 
 
 def _lengths(mean: int, range_ratio: float, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -195,8 +206,8 @@ def sample_random(tokenizer: Tokenizer, num_requests: int, input_len: int, outpu
     output_lens = _lengths(output_len, range_ratio, num_requests, rng)
     samples = []
     for n_in, n_out in zip(input_lens, output_lens, strict=True):
-        text, prompt_len = random_text(tokenizer, int(n_in), rng, ids)
-        samples.append(SampleRequest(text, prompt_len, int(n_out)))
+        text, prompt_ids = _random_text_ids(tokenizer, int(n_in), rng, ids)
+        samples.append(SampleRequest(text, len(prompt_ids), int(n_out), tuple(prompt_ids)))
     return samples
 
 
@@ -210,7 +221,8 @@ def sample_prefix(tokenizer: Tokenizer, num_requests: int, prefix_len: int, suff
     for _ in range(num_requests):
         suffix, _ = random_text(tokenizer, suffix_len, rng, ids)
         prompt = prefix + "\n" + suffix
-        samples.append(SampleRequest(prompt, len(tokenizer.encode(prompt)), output_len))
+        prompt_ids = tokenizer.encode(prompt)
+        samples.append(SampleRequest(prompt, len(prompt_ids), output_len, tuple(prompt_ids)))
     return samples
 
 

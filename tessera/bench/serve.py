@@ -185,8 +185,9 @@ def load_bench_tokenizer(path: str | None) -> Tokenizer:
     return load_tokenizer(resolve_model_path(path))
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by `bench serve` and `bench sweep`: the dataset and how it is sent."""
+def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    """The dataset flags, shared by `bench serve`, `bench sweep` and `tessera simulate` (which
+    takes `--seed` from the engine flags, so passes seed=False)."""
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=datasets.DATASETS, default="sharegpt")
     g.add_argument("--dataset-path", default=None,
@@ -203,7 +204,22 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="lengths uniform in [len*(1-r), len*(1+r)] (default: %(default)s)")
     g.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens (prefix)")
     g.add_argument("--suffix-len", type=int, default=32, help="distinct suffix tokens (prefix)")
-    g.add_argument("--seed", type=int, default=0)
+    if seed:
+        g.add_argument("--seed", type=int, default=0)
+
+
+def add_arrival_args(g) -> None:
+    """How requests arrive and what counts as good (shared with `tessera simulate`)."""
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of arrival gaps: 1 = Poisson, < 1 burstier")
+    g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, KEY in ttft, tpot, e2el (e.g. ttft:500 tpot:100)")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `bench serve` and `bench sweep`: the dataset and how it is sent."""
+    add_dataset_args(p)
     s = p.add_argument_group("sending")
     s.add_argument("--model", default=None, help="model id to request (default: /v1/models' first)")
     s.add_argument("--endpoint", default="/v1/completions",
@@ -211,15 +227,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "user message) (default: %(default)s)")
     s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="Bearer token (default: $OPENAI_API_KEY)")
-    s.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of arrival gaps: 1 = Poisson, < 1 burstier")
-    s.add_argument("--max-concurrency", type=int, default=None)
+    add_arrival_args(s)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true")
     s.add_argument("--extra-body", type=json.loads, default={},
                    help="JSON merged into every request body")
-    s.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, KEY in ttft, tpot, e2el (e.g. ttft:500 tpot:100)")
     s.add_argument("--disable-tqdm", action="store_true")
 
 

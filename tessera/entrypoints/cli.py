@@ -1,4 +1,5 @@
-"""The `tessera` command. Subcommands register themselves in `SUBCOMMANDS` (`serve`, `bench`).
+"""The `tessera` command. Subcommands register themselves in `SUBCOMMANDS` (`serve`, `bench`,
+`simulate`).
 
 Engine flags are generated from `EngineArgs`: each dataclass field becomes `--field-name` with the
 field's type, default, `help` and optional `choices` from its metadata; bools become `store_true`
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 from tessera.bench import add_bench_parser
 from tessera.config import EngineArgs, flag_name
+from tessera.simulator import add_simulate_parser
 
 
 def _base_type(annotation) -> type:
@@ -31,11 +33,14 @@ def _base_type(annotation) -> type:
     return annotation
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineArgs` field, in declaration order."""
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per `EngineArgs` field, in declaration order (less the `exclude`d fields: the
+    simulator names its model and device otherwise)."""
     group = parser.add_argument_group("engine", "engine flags (see tessera.config.EngineArgs)")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
+        if f.name in exclude:
+            continue
         kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
         if kind is bool:
@@ -53,7 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    args = {name: getattr(ns, name) for name in EngineArgs.field_names()}
+    """The EngineArgs of parsed flags (fields without a flag keep their defaults)."""
+    args = {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
     if getattr(ns, "model_tag", None) is not None:  # `tessera serve MODEL`
         args["model"] = ns.model_tag
     return EngineArgs(**args)
@@ -161,8 +167,8 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# each registers one subcommand (a parser with `func`); `bench` will join `serve` here
-SUBCOMMANDS: list[Callable] = [_add_serve, add_bench_parser]
+# each registers one subcommand (a parser with `func`)
+SUBCOMMANDS: list[Callable] = [_add_serve, add_bench_parser, add_simulate_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

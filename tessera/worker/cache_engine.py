@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import GiB
+from tessera.utils import kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class KVCacheSpec:
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads,
+                                                    self.head_dim, elem)
 
     def num_blocks_for(self, gib: float) -> int:
         return int(gib * GiB) // self.block_bytes

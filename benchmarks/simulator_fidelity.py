@@ -1,0 +1,117 @@
+"""Fidelity of `tessera simulate` (issue 14): the simulator with the profiled cost model against
+the real server measured by `tessera bench serve`, on the same trace and flags.
+
+    flock -x /work/cpu.lock .venv/bin/python benchmarks/simulator_fidelity.py \\
+        [--profile profile.json] [--settings default chunked swap recompute prefix]
+
+1. calibrate here (`tessera simulate calibrate --serving-requests 48`, bf16: the runner over a
+   grid of shapes, then the serving overhead from one real-server run on a calibration trace
+   that is none of the traces below), unless --profile names a profile;
+2. per setting: start `tessera serve` on 127.0.0.1 with the setting's engine flags, send the
+   trace with `bench serve` (ignore_eos, so both sides produce the dataset's output lengths),
+   stop the server; simulate the same samples at the same arrival times with the same flags;
+3. print a table of output throughput, median and p99 TTFT, median and p99 TPOT, real against
+   simulated, with the relative error (target: <= 10% on throughput, median TTFT, median TPOT).
+
+Timing measurements on a 2-core machine: run it under the exclusive lock and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import tempfile
+import time
+
+from tessera.entrypoints.cli import build_parser
+from tessera.simulator.cli import load_samples, run_point
+from tessera.simulator.serving import real_server_metrics
+
+COMMON = "--dtype bfloat16"
+RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
+          "--random-range-ratio 0.5 --num-prompts 40")
+# name -> (workload flags, engine flags, request rate). The rates put the server at about 70%
+# of its capacity here (~0.85 req/s on RANDOM, ~1.6 on the prefix workload, measured at 1 and 2
+# req/s): near the knee a few percent of step-time error becomes a doubling of TTFT, which
+# measures the knee's position, not the model.
+SETTINGS = {
+    "default": (RANDOM, "", 0.6),
+    "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 0.6),
+    "swap": (RANDOM, "--num-gpu-blocks-override 128 --preemption-mode swap", 0.6),
+    "recompute": (RANDOM, "--num-gpu-blocks-override 128 --preemption-mode recompute", 0.6),
+    "prefix": ("--dataset prefix --prefix-len 512 --suffix-len 32 --random-output-len 64 "
+               "--num-prompts 40", "--enable-prefix-caching", 1.1),
+}
+METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
+           ("p99_ttft_ms", "p99 TTFT"), ("median_tpot_ms", "med TPOT"),
+           ("p99_tpot_ms", "p99 TPOT"))
+TARGETS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default=None, help="reuse this profile (skip calibration)")
+    parser.add_argument("--grid", default="small", help="calibration grid")
+    parser.add_argument("--serving-requests", type=int, default=48,
+                        help="requests of the serving-overhead calibration (0: runner only)")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--result-file", default=None, help="write all figures as JSON")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    work = tempfile.mkdtemp(prefix="tessera-fidelity-")
+    t0 = time.perf_counter()
+    profile = args.profile
+    if profile is None:
+        profile = os.path.join(work, "profile.json")
+        cal = build_parser().parse_args(["simulate", "calibrate", *shlex.split(COMMON),
+                                         "--grid", args.grid, "--output", profile,
+                                         "--serving-requests", str(args.serving_requests)])
+        cal.func(cal)
+    print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
+    rows = {}
+    for name in args.settings:
+        workload, engine_flags, rate = SETTINGS[name]
+        ns = build_parser().parse_args(["simulate", *shlex.split(workload),
+                                        *shlex.split(f"{COMMON} {engine_flags}"),
+                                        "--profile", profile, "--quiet"])
+        samples = load_samples(ns)
+        real = real_server_metrics(shlex.split(f"{COMMON} {engine_flags}"), samples, rate,
+                                   ns.seed, work, f"server-{name}")
+        sim = run_point(ns, samples, rate, include_requests=False)["metrics"]
+        rows[name] = {"real": real, "sim": sim, "flags": engine_flags, "workload": workload,
+                      "rate": rate}
+        print(f"{name}: real {real['output_throughput']:.1f} tok/s vs sim "
+              f"{sim['output_throughput']:.1f} ({time.perf_counter() - t0:.0f} s so far; "
+              f"real failed {real['failed']}, preemptions real {real['num_preemptions']} "
+              f"sim {sim['num_preemptions']})",
+              flush=True)
+    print()
+    header = f"{'setting':<10} {'metric':<10} {'real':>9} {'sim':>9} {'error':>8}"
+    print(header)
+    print("-" * len(header))
+    worst = 0.0
+    for name, row in rows.items():
+        for key, label in METRICS:
+            real, sim = row["real"][key], row["sim"][key]
+            err = (sim - real) / real if real else float("nan")
+            if key in TARGETS:
+                worst = max(worst, abs(err))
+            mark = " *" if key in TARGETS and abs(err) > 0.10 else ""
+            print(f"{name:<10} {label:<10} {real:9.1f} {sim:9.1f} {100 * err:+7.1f}%{mark}")
+        print(f"{name:<10} {'failed':<10} {row['real']['failed']:9d} {row['sim']['failed']:9d}")
+        real_pre = row["real"].get("num_preemptions")
+        print(f"{name:<10} {'preempt':<10} {real_pre if real_pre is not None else '?':>9} "
+              f"{row['sim']['num_preemptions']:9d}")
+    print(f"\nworst error on throughput / median TTFT / median TPOT: {100 * worst:.1f}% "
+          f"(target 10%; * marks a miss); total {time.perf_counter() - t0:.0f} s")
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump({"profile": profile, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

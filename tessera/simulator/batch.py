@@ -1,0 +1,101 @@
+"""The simulator's stand-in for the model runner: it reads a `SchedulerOutput` the way a real
+runner does (keeping its own copy of each request from the messages alone), describes the step's
+batch as a `BatchShape` for the cost model, and answers a `ModelRunnerOutput` with a synthetic
+token wherever a real runner would sample.
+
+The synthetic token is chosen so that no stop rule fires before the dataset's output length: every
+simulated request has `ignore_eos` and `max_tokens` = its output length, and the token is no stop
+token. So a request ends exactly where the dataset says (or at `max_model_len`, as on the server).
+
+Speculative decoding plugs in here: when the scheduler schedules draft tokens
+(`scheduled_spec_decode_tokens`), an `AcceptanceModel` says how many a verification step accepts.
+None exists yet, because the scheduler does not propose drafts yet; a step with drafts and no
+acceptance model is an error rather than a silent guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tessera.core.runner_output import ModelRunnerOutput
+from tessera.core.scheduler_output import SchedulerOutput
+
+SYNTHETIC_TOKEN_ID = 1  # appended for every sampled token; requests run with ignore_eos
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What a cost model may know about one step (all counts over the scheduled sequences).
+
+    num_context_tokens: KV tokens attention reads (each sequence's context after this step);
+    num_attention_pairs: (query, key) pairs attention scores, n * c + n * (n + 1) / 2 for n new
+    tokens after c cached ones (c + 1 for a decode): attention FLOPs grow with it;
+    swap_bytes: KV bytes moved between device and swap space before the step.
+    """
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_context_tokens: int = 0
+    num_seqs: int = 0
+    swap_bytes: int = 0
+    num_attention_pairs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class AcceptanceModel(Protocol):
+    """Seam for speculative decoding: tokens a verification step returns for `req_id` given its
+    `num_draft_tokens` drafts (between 1 and num_draft_tokens + 1)."""
+
+    def num_tokens_returned(self, req_id: str, num_draft_tokens: int) -> int: ...
+
+
+class SyntheticRunner:
+    """Plays the runner from the messages alone: request lengths and computed counters per req_id,
+    no tensors. `block_bytes` turns swapped blocks into bytes."""
+
+    def __init__(self, block_bytes: int, acceptance: AcceptanceModel | None = None) -> None:
+        self.block_bytes = block_bytes
+        self.acceptance = acceptance
+        self._num_tokens: dict[str, int] = {}  # req_id -> prompt + output length the runner knows
+
+    def execute(self, out: SchedulerOutput) -> tuple[BatchShape, ModelRunnerOutput]:
+        num_tokens = self._num_tokens
+        for req_id in out.finished_req_ids:
+            num_tokens.pop(req_id, None)
+        computed: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            num_tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        for diff in out.scheduled_cached_reqs:
+            num_tokens[diff.req_id] += len(diff.new_token_ids)
+            computed[diff.req_id] = diff.num_computed_tokens
+        spec = out.scheduled_spec_decode_tokens
+        if spec and self.acceptance is None:
+            raise ValueError("the scheduler scheduled draft tokens, but the simulator has no "
+                             "acceptance model for speculative decoding")
+        prefill = decode = context = pairs = 0
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            c = computed[req_id]
+            context += c + n
+            pairs += n * c + n * (n + 1) // 2
+            if n == 1 and c > 0:  # the runner's is_decode
+                decode += 1
+            else:
+                prefill += n
+            if c + n >= num_tokens[req_id]:  # reaches its full length: the runner samples
+                k = out.num_samples.get(req_id, 1)
+                if spec and req_id in spec:
+                    assert self.acceptance is not None
+                    k = self.acceptance.num_tokens_returned(req_id, len(spec[req_id]))
+                req_ids.append(req_id)
+                sampled.append([SYNTHETIC_TOKEN_ID] * k)
+        num_swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        shape = BatchShape(prefill, decode, context, len(out.num_scheduled_tokens),
+                           num_swapped * self.block_bytes, pairs)
+        return shape, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

@@ -1,0 +1,260 @@
+"""`tessera simulate calibrate`: time the real model runner on this machine over a grid of batch
+shapes and fit the profiled cost model (tessera/simulator/fit.py says which model and why).
+
+A shape is (decode sequences D, their context C, prefill tokens P after Pc cached ones). Each is
+timed with hand-built `SchedulerOutput`s through the real `ModelRunner.execute_model` (the same
+persistent batch, attention backend, kernels and sampler the server runs):
+
+    warm-up step   D decode requests sent whole with num_computed_tokens = C (their KV is zeros:
+                   the timing of attention does not depend on the values), and the prefill
+    timed steps    the D decodes as diffs (one new token each, as the scheduler sends them), the
+                   prefill as a fresh request each time (a prefill always is new)
+
+The median of the timed steps is kept. Swap is timed apart (the cache engine moving blocks out
+and in) as seconds per byte. The profile also records the KV geometry and dtype, so the simulator
+sizes the KV pools from --kv-cache-space exactly as the server does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessera.config import EngineArgs
+from tessera.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tessera.sampling.params import SamplingParams
+from tessera.simulator.batch import BatchShape
+from tessera.simulator.cost_model import FEATURES, features
+from tessera.simulator.fit import fit_step_times
+from tessera.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_decodes: int
+    decode_context: int
+    num_prefill_tokens: int
+    prefill_context: int = 0
+
+
+def grid_shapes(name: str) -> list[Shape]:
+    """The shapes of a named grid: decodes over contexts, mixed with prefills, prefills alone,
+    and prefill chunks after a cached context (chunked prefill, prefix hits)."""
+    if name == "tiny":  # for tests on a tiny model
+        return [Shape(d, c, p) for d in (1, 3) for c in (4, 12) for p in (0, 8)] + [
+            Shape(0, 0, 16), Shape(0, 0, 24, 8)]
+    if name == "small":
+        decodes, contexts, prefills = (1, 8, 32, 64), (128, 512), (0, 256)
+        alone, chunks = (32, 256, 1024), ((256, 512),)
+    elif name == "default":
+        decodes, contexts, prefills = (1, 4, 16, 32, 64), (64, 256, 768), (0, 128, 512)
+        alone, chunks = (32, 256, 1024, 2048), ((512, 512), (256, 1536))
+    else:
+        raise ValueError(f"--grid must be tiny, small or default, got {name!r}")
+    shapes = [Shape(d, c, p) for d in decodes for c in contexts for p in prefills]
+    shapes += [Shape(0, 0, p) for p in alone]
+    shapes += [Shape(0, 0, p, pc) for p, pc in chunks]
+    return shapes
+
+
+class _Driver:
+    """Builds the messages for one shape and times the runner on them."""
+
+    def __init__(self, runner, block_size: int, vocab_size: int, num_blocks: int) -> None:
+        self.runner, self.block_size, self.num_blocks = runner, block_size, num_blocks
+        self.rng = np.random.default_rng(0)
+        self.vocab_size = vocab_size
+        self.params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+        self.next_id = 0
+
+    def _tokens(self, n: int) -> list[int]:
+        return self.rng.integers(3, self.vocab_size - 1, size=n).tolist()
+
+    def _new(self, n_tokens: int, n_computed: int, blocks: list[int]) -> NewRequestData:
+        self.next_id += 1
+        return NewRequestData(f"cal{self.next_id}", self._tokens(n_tokens), [], self.params,
+                              blocks, n_computed)
+
+    def fits(self, shape: Shape, repeats: int) -> bool:
+        bs = self.block_size
+        need = shape.num_decodes * cdiv(shape.decode_context + repeats + 2, bs)
+        need += cdiv(shape.prefill_context + shape.num_prefill_tokens, bs)
+        return need <= self.num_blocks
+
+    def time_shape(self, shape: Shape, repeats: int) -> tuple[BatchShape, float]:
+        bs, c = self.block_size, shape.decode_context
+        free = iter(range(self.num_blocks))
+        decode_blocks = [[next(free) for _ in range(cdiv(c + repeats + 2, bs))]
+                         for _ in range(shape.num_decodes)]
+        prefill_blocks = [next(free) for _ in range(cdiv(shape.prefill_context +
+                                                          shape.num_prefill_tokens, bs))]
+        decodes = [self._new(c + 1, c, blocks) for blocks in decode_blocks]
+        times = []
+        prefill_id = None
+        batch = BatchShape()
+        for step in range(repeats + 1):
+            out = SchedulerOutput()
+            if step == 0:
+                out.scheduled_new_reqs = list(decodes)
+            else:
+                out.scheduled_cached_reqs = [
+                    CachedRequestData(d.req_id, [1], [], False, c + step) for d in decodes]
+            for d in decodes:
+                out.num_scheduled_tokens[d.req_id] = 1
+            if prefill_id is not None:
+                out.finished_req_ids.append(prefill_id)
+            if shape.num_prefill_tokens:
+                pre = self._new(shape.prefill_context + shape.num_prefill_tokens,
+                                shape.prefill_context, prefill_blocks)
+                out.scheduled_new_reqs.append(pre)
+                out.num_scheduled_tokens[pre.req_id] = shape.num_prefill_tokens
+                prefill_id = pre.req_id
+            out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+            t0 = time.perf_counter()
+            self.runner.execute_model(out)
+            elapsed = time.perf_counter() - t0
+            if step > 0:
+                times.append(elapsed)
+                ctx = c + step
+                p, pc = shape.num_prefill_tokens, shape.prefill_context
+                batch = BatchShape(
+                    num_prefill_tokens=p, num_decode_tokens=shape.num_decodes,
+                    num_context_tokens=shape.num_decodes * (ctx + 1) + (pc + p if p else 0),
+                    num_seqs=shape.num_decodes + (1 if p else 0),
+                    num_attention_pairs=shape.num_decodes * (ctx + 1) + p * pc + p * (p + 1) // 2)
+        done = SchedulerOutput(finished_req_ids=[d.req_id for d in decodes] +
+                               ([prefill_id] if prefill_id else []))
+        self.runner.execute_model(done)
+        return batch, statistics.median(times)
+
+
+def time_swap(cache_engine, num_blocks: int, repeats: int) -> float:
+    """Seconds per byte to move `num_blocks` blocks out to swap space and back."""
+    n = min(num_blocks, cache_engine.num_gpu_blocks, cache_engine.num_cpu_blocks)
+    if n < 1:
+        raise ValueError("calibrating swap needs --swap-space > 0 and KV blocks")
+    mapping = {i: i for i in range(n)}
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        cache_engine.swap_out(mapping)
+        cache_engine.swap_in(mapping)
+        best = min(best, time.perf_counter() - t0)
+    return best / (2 * n * cache_engine.spec.block_bytes)
+
+
+def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
+              output: str | None = None, bundle=None, serving_requests: int = 0) -> dict:
+    """Load the model as the server would, time every shape of `grid`, fit, and save the profile
+    JSON at `output`. With `serving_requests` > 0, also run the real server on that many requests
+    of the calibration trace and fit the serving overhead (serving.py). Returns the profile."""
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.engine.loading import build_engine, load_bundle
+
+    shapes = grid_shapes(grid)
+    bundle = bundle or load_bundle(args)
+    engine = build_engine(LLMEngine, args, bundle)
+    runner = engine.executor.runner
+    spec = runner.cache_engine.spec
+    driver = _Driver(runner, spec.block_size, bundle.arch.vocab_size,
+                     runner.cache_engine.num_gpu_blocks)
+    rows, measured, points = [], [], []
+    start = time.perf_counter()
+    for shape in shapes:
+        if not driver.fits(shape, repeats):
+            logger.info("skipping %s: more KV than --kv-cache-space holds", shape)
+            continue
+        batch, seconds = driver.time_shape(shape, repeats)
+        rows.append(features(batch))
+        measured.append(seconds)
+        points.append({"shape": shape.__dict__, "batch": {
+            k: getattr(batch, k) for k in BatchShape.__dataclass_fields__}, "seconds": seconds})
+        logger.info("%s: %.1f ms", shape, seconds * 1e3)
+    coefs, fit = fit_step_times(rows, measured)
+    for point, row in zip(points, rows, strict=True):
+        point["fitted_seconds"] = float(np.dot(coefs, row))
+    import torch
+
+    elem = torch.tensor([], dtype=spec.dtype).element_size()
+    profile = {
+        "kind": "tessera-simulator-profile",
+        "model": bundle.path,
+        "dtype": engine.config.model.dtype,
+        "device": engine.config.device.device,
+        "block_size": spec.block_size,
+        "max_position_embeddings": bundle.arch.max_position_embeddings,
+        "kv_geometry": {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+                        "head_dim": spec.head_dim, "elem_size": elem},
+        "features": [name for name, _ in FEATURES],
+        "coefficients": {name: float(c) for (name, _), c in zip(FEATURES, coefs, strict=True)},
+        "swap_s_per_byte": time_swap(runner.cache_engine, 256, repeats),
+        "fit": {**fit, "grid": grid, "repeats": repeats,
+                "calibration_seconds": time.perf_counter() - start},
+        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "grid": points,
+    }
+    engine.shutdown()
+    del engine, runner, driver
+    if serving_requests > 0:
+        profile.update(calibrate_serving(args, profile, serving_requests))
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            json.dump(profile, f, indent=2)
+            f.write("\n")
+    return profile
+
+
+def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dict:
+    """Run the real server on the calibration trace and fit `serving_s_per_seq` to it."""
+    import gc
+
+    from tessera.bench import datasets
+    from tessera.bench.serve import load_bench_tokenizer
+    from tessera.config import GiB
+    from tessera.simulator.cli import sim_requests
+    from tessera.simulator.cost_model import ProfiledCostModel
+    from tessera.simulator.serving import (
+        TRACE,
+        TRACE_RATE,
+        engine_flags,
+        fit_serving_overhead,
+        real_server_metrics,
+    )
+    from tessera.simulator.simulator import Simulator
+
+    gc.collect()  # the grid's KV pools go before the server takes its own
+    t = TRACE
+    samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
+                                     t["random_input_len"], t["random_output_len"],
+                                     t["random_range_ratio"], seed=args.seed)
+    real = real_server_metrics(engine_flags(args), samples, TRACE_RATE, args.seed,
+                               label="calibration-server")
+    real_e2el = real["mean_e2el_ms"] / 1e3
+    config = args.create_engine_config(profile["max_position_embeddings"])
+
+    def simulate_e2el(candidate: dict) -> float:
+        cost = ProfiledCostModel(candidate)
+        block_bytes = cost.geometry.block_bytes(config.cache.block_size)
+        num_gpu = (config.cache.num_gpu_blocks_override
+                   or int(config.cache.kv_cache_space * GiB) // block_bytes)
+        sim = Simulator(config, cost, num_gpu, int(config.cache.swap_space * GiB) // block_bytes)
+        outcome = sim.run(sim_requests(samples, TRACE_RATE, 1.0, args.seed),
+                          record_timeline=False)
+        return sum(r.finished - r.sent for r in outcome.records) / len(outcome.records)
+
+    s = fit_serving_overhead(profile, simulate_e2el, real_e2el)
+    runner_only = simulate_e2el(profile)
+    logger.info("serving overhead: %.2f ms per sequence per step (real mean E2E %.2f s, "
+                "runner-only simulation %.2f s)", s * 1e3, real_e2el, runner_only)
+    return {"serving_s_per_seq": s,
+            "serving_fit": {"trace": {**TRACE, "num_prompts": num_requests},
+                            "request_rate": TRACE_RATE, "real_mean_e2el_s": real_e2el,
+                            "runner_only_mean_e2el_s": runner_only}}

@@ -1,0 +1,281 @@
+"""The flags of `tessera simulate` and `tessera simulate calibrate`, and their entry points.
+
+`tessera simulate` takes `bench serve`'s dataset and arrival flags (tessera/bench/serve.py) and
+every engine flag (generated from `EngineArgs`, as `tessera serve` does) except `--model` and
+`--device`: the simulated model is `--profile`'s (profiled) or `--model-config`'s (roofline), on
+`--hardware`. `--seed` seeds the dataset and the arrivals.
+
+    tessera simulate --cost-model roofline --hardware H100-SXM --model-config Llama-3-8B \\
+        --dtype bfloat16 --kv-cache-space 40 --dataset sharegpt --num-prompts 1000 \\
+        --request-rate 8 --result-file sim.json --timeline-file timeline.png
+    tessera simulate calibrate --dtype bfloat16 --output profile.json
+    tessera simulate --profile profile.json --dtype bfloat16 --sweep --request-rates 1 2 4 \\
+        --settings "" " --enable-chunked-prefill" --plot-file sweep.png
+
+`--sweep` runs every (setting, rate) pair (a setting is a string of engine flags laid over the
+command's own, written as for `bench sweep`) and writes bench sweep's JSON and figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import math
+import shlex
+
+from tessera.config import EngineConfig, GiB
+
+_NOT_SIMULATED = ("model", "device")  # engine flags the simulator replaces (see above)
+
+
+def add_simulate_parser(subparsers) -> None:
+    from tessera.bench.serve import add_arrival_args, add_dataset_args
+    from tessera.entrypoints.cli import add_engine_args
+    from tessera.simulator.specs import hardware_names, model_config_names
+
+    p = subparsers.add_parser(
+        "simulate", help="simulate serving with the real scheduler on a virtual clock",
+        description="Drive the real scheduler with a dataset on a virtual clock; a cost model "
+                    "prices each step. Reports what `tessera bench serve` reports.")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson (or gamma with --burstiness); inf = all "
+                        "at once (default: %(default)s)")
+    add_dataset_args(p, seed=False)
+    add_arrival_args(p.add_argument_group("arrivals"))
+    add_engine_args(p, exclude=_NOT_SIMULATED)
+    c = p.add_argument_group("cost model")
+    c.add_argument("--cost-model", choices=["profiled", "roofline"], default=None,
+                   help="default: profiled with --profile, else roofline")
+    c.add_argument("--profile", default=None,
+                   help="calibration profile JSON (from `tessera simulate calibrate`)")
+    c.add_argument("--hardware", default="H100-SXM", choices=hardware_names(),
+                   help="roofline hardware spec (default: %(default)s)")
+    c.add_argument("--model-config", default="Llama-3-8B", metavar="NAME|PATH",
+                   help="roofline model: a config.json (or its directory) or one of "
+                        f"{', '.join(model_config_names())} (default: %(default)s)")
+    s = p.add_argument_group("sweep")
+    s.add_argument("--sweep", action="store_true",
+                   help="run every --settings x --request-rates point; write the sweep JSON "
+                        "and figure (to --result-file, --plot-file)")
+    s.add_argument("--request-rates", type=float, nargs="+", default=None,
+                   help="rates of the sweep (default: --request-rate)")
+    s.add_argument("--settings", nargs="+", default=[""], metavar="FLAGS",
+                   help='engine flags per setting, e.g. "" " --enable-chunked-prefill" '
+                        '(a lone flag needs a leading space)')
+    out = p.add_argument_group("output")
+    out.add_argument("--result-file", default=None, help="write the result JSON here")
+    out.add_argument("--plot-file", default=None,
+                     help="latency CDF figure (as bench serve's); with --sweep, the sweep figure")
+    out.add_argument("--timeline-file", default=None,
+                     help="figure of queue lengths, KV usage and batch size over time")
+    out.add_argument("--label", default=None, help="a name stored in the result's config")
+    out.add_argument("--quiet", action="store_true", help="do not print the result table")
+    p.set_defaults(func=simulate_main, parser=p)
+
+    commands = p.add_subparsers(dest="simulate_command", metavar="{calibrate}")
+    cal = commands.add_parser(
+        "calibrate", help="time the real runner over a grid of batch shapes and fit a profile",
+        description="Time the real model runner here over a grid of batch shapes and fit the "
+                    "profiled cost model (tessera/simulator/calibrate.py); save it as JSON.")
+    add_engine_args(cal)
+    g = cal.add_argument_group("calibration")
+    g.add_argument("--output", default="profile.json", help="profile JSON (default: %(default)s)")
+    g.add_argument("--grid", default="default", choices=["tiny", "small", "default"],
+                   help="batch shapes to time (default: %(default)s)")
+    g.add_argument("--repeats", type=int, default=3,
+                   help="timed steps per shape (the median is kept) (default: %(default)s)")
+    g.add_argument("--serving-requests", type=int, default=0, metavar="N",
+                   help="also start the real server (127.0.0.1) on N requests of a calibration "
+                        "trace and fit the serving overhead per sequence (0: runner only)")
+    cal.set_defaults(func=calibrate_main, parser=cal)
+
+
+# ------------------------------------------------------------------ building a simulation
+
+
+def make_cost_model(args: argparse.Namespace):
+    from tessera.simulator.cost_model import ProfiledCostModel
+    from tessera.simulator.roofline import RooflineCostModel
+    from tessera.simulator.specs import load_hardware, load_model_config
+
+    kind = args.cost_model or ("profiled" if args.profile else "roofline")
+    if kind == "profiled":
+        if not args.profile:
+            raise ValueError("--cost-model profiled needs --profile PATH (from `tessera simulate "
+                             "calibrate`)")
+        model = ProfiledCostModel.load(args.profile)
+        if model.dtype != args.dtype:
+            raise ValueError(f"--dtype {args.dtype} differs from the profile's {model.dtype}: "
+                             f"pass --dtype {model.dtype} or calibrate with --dtype {args.dtype}")
+        return model
+    return RooflineCostModel(load_model_config(args.model_config), load_hardware(args.hardware),
+                             args.dtype)
+
+
+def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, int, int]:
+    """The engine config and KV pool sizes the server would have with these flags."""
+    from tessera.entrypoints.cli import engine_args_from
+
+    config = engine_args_from(args).create_engine_config(cost_model.max_model_len)
+    block_bytes = cost_model.geometry.block_bytes(config.cache.block_size)
+    num_gpu = config.cache.num_gpu_blocks_override or int(config.cache.kv_cache_space * GiB) // block_bytes
+    num_cpu = int(config.cache.swap_space * GiB) // block_bytes
+    if num_gpu < 1:
+        raise ValueError(f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
+                         f"{block_bytes} bytes: raise it")
+    check = getattr(cost_model, "check_fits", None)
+    if check is not None:
+        check(num_gpu * block_bytes / GiB)
+    return config, num_gpu, num_cpu
+
+
+def sim_requests(samples, request_rate: float, burstiness: float, seed: int):
+    """Samples at bench serve's arrival times; synthetic distinct prompt ids when a sample has
+    none (then no two prompts share a prefix)."""
+    from tessera.bench.client import arrival_times
+    from tessera.simulator.simulator import SimRequest
+
+    offsets = arrival_times(len(samples), request_rate, burstiness, seed)
+    requests = []
+    for k, (sample, offset) in enumerate(zip(samples, offsets, strict=True)):
+        ids = sample.prompt_token_ids
+        prompt = list(ids) if ids is not None else [k + 1] * sample.prompt_len
+        requests.append(SimRequest(prompt, sample.max_tokens, float(offset)))
+    return requests
+
+
+def run_point(args: argparse.Namespace, samples, request_rate: float,
+              include_requests: bool = True) -> dict:
+    """One simulation with the flags in `args`: the result JSON (bench serve's, plus timeline)."""
+    from tessera.bench.report import json_rate, parse_goodput
+    from tessera.simulator.report import simulation_json
+    from tessera.simulator.simulator import Simulator
+
+    cost_model = make_cost_model(args)
+    config, num_gpu, num_cpu = engine_setup(args, cost_model)
+    sim = Simulator(config, cost_model, num_gpu, num_cpu, max_concurrency=args.max_concurrency)
+    outcome = sim.run(sim_requests(samples, request_rate, args.burstiness, args.seed))
+    described = {
+        **cost_model.describe(), "dataset": args.dataset, "num_prompts": len(samples),
+        "request_rate": json_rate(request_rate), "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency, "label": args.label,
+        "num_gpu_blocks": num_gpu, "num_cpu_blocks": num_cpu,
+        "engine": _engine_json(config),
+    }
+    return simulation_json(outcome, described, parse_goodput(args.goodput), include_requests)
+
+
+def _engine_json(config: EngineConfig) -> dict:
+    s, c = config.scheduler, config.cache
+    return {"max_model_len": s.max_model_len, "max_num_batched_tokens": s.max_num_batched_tokens,
+            "max_num_seqs": s.max_num_seqs, "enable_chunked_prefill": s.enable_chunked_prefill,
+            "preemption_mode": s.preemption_mode.value if s.preemption_mode else None,
+            "scheduling_policy": s.scheduling_policy.value, "block_size": c.block_size,
+            "enable_prefix_caching": c.enable_prefix_caching, "swap_space": c.swap_space,
+            "kv_cache_space": c.kv_cache_space, "dtype": config.model.dtype}
+
+
+def setting_args(args: argparse.Namespace, setting: str) -> argparse.Namespace:
+    """`args` with the engine flags of one sweep setting laid over them."""
+    from tessera.entrypoints.cli import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="--settings", add_help=False, exit_on_error=False)
+    add_engine_args(parser, exclude=_NOT_SIMULATED)
+    try:
+        return parser.parse_args(shlex.split(setting), namespace=copy.copy(args))
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ValueError(f"--settings {setting!r}: not engine flags ({e})") from None
+
+
+def run_sweep(args: argparse.Namespace, samples) -> dict:
+    from tessera.bench.report import json_rate
+
+    rates = args.request_rates or [args.request_rate]
+    points = []
+    for setting in args.settings:
+        point_args = setting_args(args, setting)
+        for rate in rates:
+            data = run_point(point_args, samples, rate, include_requests=False)
+            label = setting.strip() or "default"
+            m = data["metrics"]
+            print(f"{label:<40} rate {rate:>6g}: {m['request_throughput']:7.2f} req/s, "
+                  f"p99 TPOT {m['p99_tpot_ms']:8.1f} ms, p99 ITL {m['p99_itl_ms']:8.1f} ms, "
+                  f"preemptions {m['num_preemptions']}", flush=True)
+            points.append({"setting": label, "request_rate": json_rate(rate),
+                           "metrics": m, "config": data["config"]})
+    return {"dataset": args.dataset, "num_prompts": len(samples), "points": points}
+
+
+# ------------------------------------------------------------------ entry points
+
+
+def load_samples(args: argparse.Namespace):
+    from tessera.bench import datasets
+    from tessera.bench.serve import load_bench_tokenizer
+
+    return datasets.build_samples(args, load_bench_tokenizer(args.tokenizer))
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    from tessera.bench.report import format_table, plot_cdfs, save_json
+
+    parser = args.parser
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if not math.isinf(args.request_rate) and args.request_rate <= 0:
+            raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+        make_cost_model(args)  # bad cost-model flags fail before the dataset loads
+        samples = load_samples(args)
+        if not samples:
+            raise ValueError("no samples (did the dataset filter drop them all?)")
+        if args.sweep:
+            from tessera.bench.sweep import plot_sweep
+
+            data = run_sweep(args, samples)
+            if args.result_file:
+                save_json(args.result_file, data)
+            if args.plot_file:
+                plot_sweep(args.plot_file, data)
+            return 0
+        data = run_point(args, samples, args.request_rate)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    m = data["metrics"]
+    if not args.quiet:
+        print(format_table(m))
+        print(f"preemptions: {m['num_preemptions']}, steps: {m['num_steps']}, simulated in "
+              f"{m['wall_time_s']:.2f} s ({m['simulated_requests_per_wall_s']:.0f} requests/s)")
+    if args.result_file:
+        save_json(args.result_file, data)
+    if args.plot_file:
+        from tessera.simulator.report import request_results_from_json
+
+        plot_cdfs(args.plot_file, request_results_from_json(data), title="simulated")
+    if args.timeline_file:
+        from tessera.simulator.report import plot_timeline
+
+        c = data["config"]
+        plot_timeline(args.timeline_file, data["timeline"],
+                      title=f"{c['cost_model']}: {c['dataset']}, rate {c['request_rate']}")
+    return 0
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    from tessera.entrypoints.cli import engine_args_from
+    from tessera.simulator.calibrate import calibrate
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.repeats < 1:
+        args.parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.serving_requests < 0:
+        args.parser.error(f"--serving-requests must be >= 0, got {args.serving_requests}")
+    try:
+        profile = calibrate(engine_args_from(args), grid=args.grid, repeats=args.repeats,
+                            output=args.output, serving_requests=args.serving_requests)
+    except ValueError as e:
+        args.parser.error(str(e))
+    fit = profile["fit"]
+    print(f"wrote {args.output}: {len(profile['grid'])} shapes, relative RMS error "
+          f"{100 * fit['relative_rms_error']:.1f}%, worst {100 * fit['max_relative_error']:.1f}%")
+    return 0

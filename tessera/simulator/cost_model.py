@@ -1,0 +1,127 @@
+"""Cost models: how long one engine step takes, as a function of its batch (`BatchShape`).
+
+    step_time = compute_time + swap_time + all_reduce_time + kv_transfer_time
+
+`compute_time` and `swap_time` are each model's own: `ProfiledCostModel` (a fit to timings of the
+real runner on this machine, `tessera simulate calibrate`) or `RooflineCostModel`
+(tessera/simulator/roofline.py: FLOPs and bytes against a hardware spec).
+
+The two other terms are seams for issues not landed yet, and return 0 because today's engine has
+neither: `all_reduce_time` (tensor parallelism: the per-layer all-reduces of a TP group; today
+tensor_parallel_size is 1) and `kv_transfer_time` (disaggregated prefill: shipping a prompt's KV
+to a decode peer; today no connector exists). A subclass that models them overrides them.
+Speculative decoding's seam is the runner's acceptance model (tessera/simulator/batch.py).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from tessera.simulator.batch import BatchShape
+from tessera.utils import kv_bytes_per_token
+
+# the features of the profiled model, in order: (name, BatchShape attribute or None for 1)
+FEATURES: tuple[tuple[str, str | None], ...] = (
+    ("step", None),
+    ("prefill_token", "num_prefill_tokens"),
+    ("decode_token", "num_decode_tokens"),
+    ("context_token", "num_context_tokens"),
+    ("seq", "num_seqs"),
+    ("attention_pair", "num_attention_pairs"),
+)
+
+
+def features(batch: BatchShape) -> list[float]:
+    return [1.0 if attr is None else float(getattr(batch, attr)) for _, attr in FEATURES]
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What sizing the KV pools needs, as the engine does it (tessera/engine/loading.py)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    elem_size: int
+
+    def block_bytes(self, block_size: int) -> int:
+        return block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                               self.elem_size)
+
+
+class CostModel(ABC):
+    """Step time of a batch; `geometry` and `max_model_len` describe the model it prices."""
+
+    name: str
+    geometry: KVGeometry
+    max_model_len: int  # the model's own limit (the default of --max-model-len, capped at 2048)
+
+    def step_time(self, batch: BatchShape) -> float:
+        return (self.compute_time(batch) + self.swap_time(batch) + self.all_reduce_time(batch)
+                + self.kv_transfer_time(batch))
+
+    @abstractmethod
+    def compute_time(self, batch: BatchShape) -> float:
+        """The forward pass, sampling and the engine's own per-step work."""
+
+    @abstractmethod
+    def swap_time(self, batch: BatchShape) -> float:
+        """Moving `batch.swap_bytes` of KV between the device and swap space."""
+
+    def all_reduce_time(self, batch: BatchShape) -> float:
+        """Seam for tensor parallelism (tensor_parallel_size is 1 today: no all-reduce)."""
+        return 0.0
+
+    def kv_transfer_time(self, batch: BatchShape) -> float:
+        """Seam for disaggregated prefill (no KV connector today: nothing crosses)."""
+        return 0.0
+
+    def describe(self) -> dict:
+        return {"cost_model": self.name}
+
+
+class ProfiledCostModel(CostModel):
+    """A linear model over `FEATURES`, fitted by `tessera simulate calibrate` (see fit.py for the
+    fit and why), a per-byte swap cost measured on the same machine, and optionally the serving
+    overhead per sequence per step fitted from a real server run (serving.py)."""
+
+    name = "profiled"
+
+    def __init__(self, profile: dict, path: str | None = None) -> None:
+        try:
+            coefs = profile["coefficients"]
+            self.coefficients = [float(coefs[name]) for name, _ in FEATURES]
+            self.swap_s_per_byte = float(profile["swap_s_per_byte"])
+            # streaming each token outside the runner (tessera/simulator/serving.py); 0 if the
+            # profile was calibrated on the runner alone
+            self.serving_s_per_seq = float(profile.get("serving_s_per_seq", 0.0))
+            g = profile["kv_geometry"]
+            self.geometry = KVGeometry(g["num_layers"], g["num_kv_heads"], g["head_dim"],
+                                       g["elem_size"])
+            self.dtype = profile["dtype"]
+            self.max_model_len = int(profile["max_position_embeddings"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"--profile {path or ''}: not a calibration profile ({e})") from None
+        self.profile = profile
+        self.path = path
+
+    @classmethod
+    def load(cls, path: str) -> ProfiledCostModel:
+        with open(path, encoding="utf-8") as f:
+            return cls(json.load(f), path)
+
+    def compute_time(self, batch: BatchShape) -> float:
+        if batch.num_tokens == 0:
+            return 0.0
+        runner = sum(c * x for c, x in zip(self.coefficients, features(batch), strict=True))
+        return runner + self.serving_s_per_seq * batch.num_seqs
+
+    def swap_time(self, batch: BatchShape) -> float:
+        return batch.swap_bytes * self.swap_s_per_byte
+
+    def describe(self) -> dict:
+        return {"cost_model": self.name, "profile": self.path, "model": self.profile.get("model"),
+                "dtype": self.dtype, "fit": self.profile.get("fit"),
+                "serving_s_per_seq": self.serving_s_per_seq}

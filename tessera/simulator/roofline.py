@@ -1,0 +1,72 @@
+"""The analytical cost model: a roofline per step from the model's config and a hardware spec.
+
+A step is two kernels families, each bound by compute or by memory, whichever is slower:
+
+    linear    = max(FLOPs of every linear for the step's tokens (LM head per sequence),
+                    weight bytes streamed once)                 / (peak * efficiency)
+    attention = max(4 * layers * heads * head_dim per (query, key) pair,
+                    KV bytes of every context read once)        / (peak * efficiency)
+    step      = linear + attention + step_overhead_s (host work: scheduling, launches, sampling)
+    swap      = swap bytes / host link bandwidth (blocking, as the runner's swap is)
+
+Decode batches are memory-bound until the batch is large (the weights are read once for all of
+them); prefill is compute-bound. What it leaves out (kernel launch gaps beyond the fixed overhead,
+wave quantisation, activation traffic, the prefill attention's re-reads of KV tiles) is listed in
+docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+from tessera.config import GiB
+from tessera.simulator.batch import BatchShape
+from tessera.simulator.cost_model import CostModel, KVGeometry
+from tessera.simulator.specs import DTYPE_BYTES, HardwareSpec, ModelSpec
+
+
+class RooflineCostModel(CostModel):
+    name = "roofline"
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, dtype: str) -> None:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        self.model, self.hardware, self.dtype = model, hardware, dtype
+        self.geometry = KVGeometry(model.num_layers, model.num_kv_heads, model.head_dim,
+                                   DTYPE_BYTES[dtype])
+        self.max_model_len = model.max_position_embeddings
+        self._flops = hardware.flops(dtype) * hardware.compute_efficiency
+        self._bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
+        self._weight_bytes = model.weight_bytes_per_step(dtype)
+        self._kv_bytes_per_token = model.kv_bytes_per_token(dtype)
+
+    def check_fits(self, kv_cache_space_gib: float) -> None:
+        """The weights and the KV cache (--kv-cache-space) must fit in the device's memory."""
+        weights = self.model.num_params * DTYPE_BYTES[self.dtype]
+        need = weights + kv_cache_space_gib * GiB
+        if need > self.hardware.memory_bytes:
+            raise ValueError(
+                f"--kv-cache-space {kv_cache_space_gib} GiB plus {weights / GiB:.1f} GiB of "
+                f"{self.model.name} weights exceed the {self.hardware.memory_bytes / GiB:.0f} GiB "
+                f"of --hardware {self.hardware.name}: lower --kv-cache-space")
+
+    def linear_time(self, batch: BatchShape) -> float:
+        m = self.model
+        flops = batch.num_tokens * m.linear_flops_per_token + batch.num_seqs * m.lm_head_flops
+        return max(flops / self._flops, self._weight_bytes / self._bandwidth)
+
+    def attention_time(self, batch: BatchShape) -> float:
+        flops = batch.num_attention_pairs * self.model.attention_flops_per_pair
+        kv_bytes = batch.num_context_tokens * self._kv_bytes_per_token
+        return max(flops / self._flops, kv_bytes / self._bandwidth)
+
+    def compute_time(self, batch: BatchShape) -> float:
+        if batch.num_tokens == 0:
+            return 0.0
+        return self.linear_time(batch) + self.attention_time(batch) + self.hardware.step_overhead_s
+
+    def swap_time(self, batch: BatchShape) -> float:
+        return batch.swap_bytes / self.hardware.host_bandwidth
+
+    def describe(self) -> dict:
+        return {"cost_model": self.name, "model_config": self.model.name,
+                "hardware": self.hardware.name, "hardware_source": self.hardware.source,
+                "dtype": self.dtype}

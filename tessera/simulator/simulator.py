@@ -1,0 +1,190 @@
+"""The simulator: the real `tessera.core.Scheduler` on a virtual clock.
+
+    arrivals (dataset + arrival process) ─▶ Scheduler.add_seq_group at their virtual time
+    loop:  out = scheduler.schedule()                      the real scheduler, unchanged
+           batch, runner_out = SyntheticRunner.execute(out) no model: a BatchShape and tokens
+           clock += cost_model.step_time(batch)            the only place time passes
+           scheduler.update_from_output(out, runner_out)   the real progress writer
+           record token times, queue lengths, KV usage, batch size
+
+Nothing here decides what runs: admission, budgets, chunking, preemption (swap or recompute),
+prefix-cache hits and stop rules are the scheduler's own code, so the simulation cannot drift
+from the engine. Time jumps to the next arrival when nothing is left to run. Requests are sent as
+`tessera bench serve` sends them: at their arrival offsets, under an optional concurrency cap
+(a capped request is sent when a running one finishes), with `max_tokens` = the dataset's output
+length and `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+from tessera.config import EngineConfig
+from tessera.core.scheduler import Scheduler
+from tessera.sampling.params import SamplingParams
+from tessera.sequence import Sequence, SequenceGroup, new_seq_id
+from tessera.simulator.batch import AcceptanceModel, SyntheticRunner
+from tessera.simulator.cost_model import CostModel
+
+
+class VirtualClock:
+    """The scheduler's injected clock: time is whatever the simulator last set."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float  # seconds from the start (before any concurrency cap delays it)
+
+
+@dataclass
+class RequestRecord:
+    """What the client of one request would have seen, in virtual seconds."""
+
+    prompt_len: int
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Timeline:
+    """One row per step (at the step's end)."""
+
+    time: list[float] = field(default_factory=list)
+    num_waiting: list[int] = field(default_factory=list)
+    num_running: list[int] = field(default_factory=list)
+    num_swapped: list[int] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)
+    batch_seqs: list[int] = field(default_factory=list)
+    batch_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SimOutcome:
+    records: list[RequestRecord]
+    timeline: Timeline
+    duration_s: float  # virtual: first send to last token
+    wall_time_s: float  # how long simulating took
+    num_steps: int
+    counters: dict[str, float]
+
+
+class Simulator:
+    def __init__(self, config: EngineConfig, cost_model: CostModel, num_gpu_blocks: int,
+                 num_cpu_blocks: int, max_concurrency: int | None = None,
+                 acceptance: AcceptanceModel | None = None) -> None:
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}")
+        self.config = config
+        self.cost_model = cost_model
+        self.clock = VirtualClock()
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks, num_cpu_blocks,
+                                   clock=self.clock)
+        self.runner = SyntheticRunner(cost_model.geometry.block_bytes(config.cache.block_size),
+                                      acceptance)
+        self.max_concurrency = max_concurrency
+
+    def run(self, requests: list[SimRequest], record_timeline: bool = True) -> SimOutcome:
+        """Simulate until every request is done. The cyclic garbage collector is paused meanwhile
+        (and the requests frozen out of its way, as the engine does after start-up): its full
+        collections walk every live request and halved the simulation's speed (3,000 ShareGPT
+        requests: 13.9 -> 6.9 s of CPU); the loop makes no reference cycles worth collecting."""
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        try:
+            return self._run(requests, record_timeline)
+        finally:
+            gc.enable()
+            gc.unfreeze()
+
+    def _run(self, requests: list[SimRequest], record_timeline: bool) -> SimOutcome:
+        start_wall = time.perf_counter()
+        order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_time)
+        records = [RequestRecord(len(r.prompt_token_ids)) for r in requests]
+        by_id = {str(k): records[k] for k in range(len(requests))}
+        sched, runner, clock, cost = self.scheduler, self.runner, self.clock, self.cost_model
+        tl = Timeline()
+        cap = self.max_concurrency
+        in_flight = 0
+        room_since = 0.0  # since when the concurrency cap has had room
+        nxt = 0  # index into `order` of the next request to send
+        t = 0.0
+        num_steps = idle_steps = 0
+        while True:
+            while nxt < len(order) and requests[order[nxt]].arrival_time <= t:
+                if cap is not None and in_flight >= cap:
+                    break
+                k = order[nxt]
+                req = requests[k]
+                sent = max(req.arrival_time, room_since) if cap is not None else req.arrival_time
+                records[k].sent = sent
+                sched.add_seq_group(SequenceGroup(
+                    request_id=str(k), seqs=[Sequence(new_seq_id(), list(req.prompt_token_ids))],
+                    sampling_params=SamplingParams(max_tokens=req.max_tokens, ignore_eos=True,
+                                                   temperature=0.0),
+                    arrival_time=sent))
+                in_flight += 1
+                nxt += 1
+            if not sched.has_unfinished_seqs():
+                if nxt >= len(order):
+                    break
+                t = clock.now = max(t, requests[order[nxt]].arrival_time)
+                continue
+            out = sched.schedule()
+            batch, runner_out = runner.execute(out)
+            dt = cost.step_time(batch)
+            t = clock.now = t + dt
+            core_outputs = sched.update_from_output(out, runner_out)
+            num_steps += 1
+            for core in core_outputs:
+                rec = by_id[core.request_id]
+                for delta in core.seqs:
+                    if delta.new_token_ids:
+                        rec.token_times.extend([t] * len(delta.new_token_ids))
+                if core.error is not None:
+                    rec.error = core.error
+                if core.finished:
+                    rec.finished = t
+                    if cap is not None and in_flight == cap:
+                        room_since = t
+                    in_flight -= 1
+            if record_timeline:
+                tl.time.append(t)
+                tl.num_waiting.append(len(sched.waiting))
+                tl.num_running.append(len(sched.running))
+                tl.num_swapped.append(len(sched.swapped))
+                tl.kv_usage.append(sched.block_manager.gpu_usage())
+                tl.batch_seqs.append(batch.num_seqs)
+                tl.batch_tokens.append(batch.num_tokens)
+            if dt == 0.0 and not core_outputs:
+                idle_steps += 1  # nothing ran and nothing changed: only an arrival can help
+                if nxt < len(order):
+                    t = clock.now = max(t, requests[order[nxt]].arrival_time)
+                elif idle_steps > 3:
+                    raise RuntimeError("the scheduler makes no progress and no request is left "
+                                       "to arrive")
+            else:
+                idle_steps = 0
+        bm = sched.block_manager
+        counters = {
+            "num_preemptions": sched.num_preemptions_total,
+            "prompt_tokens_computed": sched.num_prompt_tokens_total,
+            "generation_tokens": sched.num_generation_tokens_total,
+            "prefix_cache_queries": bm.num_prefix_cache_queries,
+            "prefix_cache_hits": bm.num_prefix_cache_hits,
+        }
+        first = min((r.sent for r in records), default=0.0)
+        return SimOutcome(records, tl, max(t - first, 1e-9), time.perf_counter() - start_wall,
+                          num_steps, counters)

@@ -1,0 +1,134 @@
+"""`tessera simulate` and `tessera simulate calibrate` from the command line: flags reach the
+scheduler, a tiny run writes bench serve's JSON and the figures, a sweep, and a calibration on a
+tiny random model whose profile then drives a simulation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessera.config import PreemptionMode
+from tessera.entrypoints.cli import build_parser, main
+from tessera.simulator.cli import engine_setup, make_cost_model, setting_args
+from tessera.simulator.simulator import Simulator
+
+ROOFLINE = ["--dtype", "bfloat16", "--kv-cache-space", "10"]
+TINY_RANDOM = ["--dataset", "random", "--num-prompts", "12", "--random-input-len", "48",
+               "--random-output-len", "6"]
+
+
+def _parse(*flags: str):
+    return build_parser().parse_args(["simulate", *flags])
+
+
+def test_engine_flags_reach_the_scheduler():
+    args = _parse(*ROOFLINE, "--block-size", "32", "--max-num-batched-tokens", "96",
+                  "--max-num-seqs", "5", "--enable-chunked-prefill", "--enable-prefix-caching",
+                  "--preemption-mode", "recompute", "--swap-space", "2",
+                  "--num-gpu-blocks-override", "300", "--max-model-len", "1024",
+                  "--scheduling-policy", "priority")
+    cost = make_cost_model(args)
+    config, num_gpu, num_cpu = engine_setup(args, cost)
+    sim = Simulator(config, cost, num_gpu, num_cpu)
+    s, bm = sim.scheduler.config, sim.scheduler.block_manager
+    assert (s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len) == (96, 5, 1024)
+    assert s.enable_chunked_prefill and s.preemption_mode is PreemptionMode.RECOMPUTE
+    assert s.scheduling_policy.value == "priority"
+    assert bm.block_size == 32 and bm.enable_prefix_caching and bm.num_gpu_blocks == 300
+    # 2 GiB of swap in Llama-3-8B bf16 blocks of 32 tokens (128 KiB a token)
+    assert bm.num_cpu_blocks == 2 * 2**30 // (32 * 131072)
+
+
+def test_kv_cache_space_sizes_the_pool_like_the_server():
+    args = _parse(*ROOFLINE)
+    _, num_gpu, _ = engine_setup(args, make_cost_model(args))
+    assert num_gpu == 10 * 2**30 // (16 * 131072)
+
+
+def test_bad_flags_name_themselves():
+    with pytest.raises(ValueError, match="--profile"):
+        make_cost_model(_parse("--cost-model", "profiled"))
+    with pytest.raises(ValueError, match="--kv-cache-space"):
+        args = _parse("--dtype", "bfloat16", "--kv-cache-space", "200")
+        engine_setup(args, make_cost_model(args))
+    with pytest.raises(ValueError, match="--settings"):
+        setting_args(_parse(*ROOFLINE), "--no-such-flag 3")
+    with pytest.raises(SystemExit):
+        main(["simulate", "--hardware", "TPU-v9"])
+
+
+def test_setting_flags_overlay_the_command():
+    args = _parse(*ROOFLINE, "--max-num-seqs", "7")
+    overlaid = setting_args(args, " --enable-chunked-prefill --max-num-batched-tokens 512")
+    assert overlaid.enable_chunked_prefill and overlaid.max_num_batched_tokens == 512
+    assert overlaid.max_num_seqs == 7 and overlaid.kv_cache_space == 10
+    assert not args.enable_chunked_prefill  # the command's own flags untouched
+
+
+def test_simulate_writes_bench_json_and_figures(tmp_path, capsys):
+    result, timeline, cdf = (tmp_path / "sim.json", tmp_path / "tl.png", tmp_path / "cdf.png")
+    assert main(["simulate", *ROOFLINE, *TINY_RANDOM, "--request-rate", "20",
+                 "--goodput", "ttft:50", "--result-file", str(result),
+                 "--timeline-file", str(timeline), "--plot-file", str(cdf)]) == 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    data = json.loads(result.read_text())
+    assert set(data) >= {"config", "metrics", "requests", "timeline"}
+    m = data["metrics"]
+    assert m["completed"] == 12 and m["total_output_tokens"] == 12 * 6
+    assert m["request_goodput"] is not None and m["median_tpot_ms"] > 0
+    assert data["config"]["hardware"] == "H100-SXM"
+    assert timeline.stat().st_size > 0 and cdf.stat().st_size > 0
+
+
+def test_sweep_over_rates_and_a_flag(tmp_path, capsys):
+    result, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    assert main(["simulate", *ROOFLINE, *TINY_RANDOM, "--sweep", "--request-rates", "5", "inf",
+                 "--settings", "", " --enable-chunked-prefill --max-num-batched-tokens 16",
+                 "--result-file", str(result), "--plot-file", str(plot)]) == 0
+    data = json.loads(result.read_text())
+    assert [(p["setting"], p["request_rate"]) for p in data["points"]] == [
+        ("default", 5.0), ("default", "inf"),
+        ("--enable-chunked-prefill --max-num-batched-tokens 16", 5.0),
+        ("--enable-chunked-prefill --max-num-batched-tokens 16", "inf")]
+    chunked = data["points"][3]["config"]["engine"]
+    assert chunked["enable_chunked_prefill"] and chunked["max_num_batched_tokens"] == 16
+    # 48-token prompts in 16-token chunks take more steps than whole prefills
+    assert data["points"][3]["metrics"]["num_steps"] > data["points"][1]["metrics"]["num_steps"]
+    assert plot.stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return str(path)
+
+
+def test_calibrate_a_tiny_model_then_simulate_with_its_profile(tiny_llama, tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    assert main(["simulate", "calibrate", "--model", tiny_llama, "--grid", "tiny",
+                 "--repeats", "1", "--num-gpu-blocks-override", "64", "--swap-space", "0.01",
+                 "--output", str(profile)]) == 0
+    data = json.loads(profile.read_text())
+    assert len(data["grid"]) == 10 and data["dtype"] == "float32"
+    assert all(c >= 0 for c in data["coefficients"].values())
+    assert data["kv_geometry"] == {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
+                                   "elem_size": 4}
+    assert data["swap_s_per_byte"] > 0 and data["fit"]["method"].startswith("non-negative")
+    assert all(p["seconds"] > 0 for p in data["grid"])
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--profile", str(profile), *TINY_RANDOM,
+                 "--result-file", str(out), "--quiet"]) == 0
+    sim = json.loads(out.read_text())
+    assert sim["config"]["cost_model"] == "profiled" and sim["metrics"]["completed"] == 12
+    assert sim["config"]["engine"]["max_model_len"] == 512  # the profiled model's own limit
+    with pytest.raises(SystemExit):  # a profile is for the dtype it was measured in
+        main(["simulate", "--profile", str(profile), "--dtype", "bfloat16", *TINY_RANDOM])

@@ -1,0 +1,212 @@
+"""Cost models: the roofline's arithmetic against hand-computed numbers, the shipped specs and
+configs, the profiled model, the NNLS fit, and the seams."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tomllib
+
+import numpy as np
+import pytest
+
+from tessera.config import GiB
+from tessera.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tessera.sampling.params import SamplingParams
+from tessera.simulator.batch import BatchShape, SyntheticRunner
+from tessera.simulator.cost_model import FEATURES, ProfiledCostModel
+from tessera.simulator.fit import fit_step_times, nnls
+from tessera.simulator.roofline import RooflineCostModel
+from tessera.simulator.specs import (
+    hardware_names,
+    load_hardware,
+    load_model_config,
+    model_config_names,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_shipped_hardware_and_models():
+    assert {"A100-80GB", "H100-SXM", "H200", "L4", "cpu-zen4-2core"} <= set(hardware_names())
+    for name in hardware_names():
+        hw = load_hardware(name)
+        assert hw.source and hw.memory_bandwidth > 0 and hw.flops("bfloat16") > 0
+    assert {"Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B"} <= set(model_config_names())
+    with pytest.raises(ValueError, match="--hardware"):
+        load_hardware("TPU-v9")
+    with pytest.raises(ValueError, match="--model-config"):
+        load_model_config("no-such-model")
+
+
+@pytest.mark.parametrize("name,params", [("Llama-3-8B", 8.03e9), ("Llama-3-70B", 70.55e9),
+                                         ("Qwen2.5-7B", 7.62e9)])
+def test_model_configs_have_the_published_sizes(name, params):
+    spec = load_model_config(name)
+    assert spec.num_params == pytest.approx(params, rel=0.01)
+
+
+def test_package_data_is_declared_for_setuptools():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["tessera.simulator"]
+    base = os.path.join(REPO, "tessera", "simulator")
+    declared = {p for g in globs for p in glob.glob(os.path.join(base, g))}
+    shipped = set(glob.glob(os.path.join(base, "data", "**", "*.json"), recursive=True))
+    assert shipped and shipped == declared
+
+
+def test_llama3_8b_kv_and_roofline_by_hand():
+    spec = load_model_config("Llama-3-8B")
+    assert spec.kv_bytes_per_token("bfloat16") == 2 * 32 * 8 * 128 * 2  # 128 KiB
+    hw = load_hardware("H100-SXM")
+    model = RooflineCostModel(spec, hw, "bfloat16")
+    # one decode: memory-bound, the weights (linears + LM head) streamed once
+    weights = (32 * spec.linear_params_per_layer + 128256 * 4096) * 2
+    decode = BatchShape(num_decode_tokens=1, num_context_tokens=1000, num_seqs=1,
+                        num_attention_pairs=1000)
+    kv = 1000 * 131072 / (hw.memory_bandwidth * hw.memory_efficiency)
+    expected = weights / (hw.memory_bandwidth * hw.memory_efficiency) + kv + hw.step_overhead_s
+    assert model.step_time(decode) == pytest.approx(expected)
+    # a long prefill: compute-bound
+    n = 4096
+    prefill = BatchShape(num_prefill_tokens=n, num_context_tokens=n, num_seqs=1,
+                         num_attention_pairs=n * (n + 1) // 2)
+    peak = hw.peak_flops["bfloat16"] * hw.compute_efficiency
+    linear = (n * 2 * 32 * spec.linear_params_per_layer + 2 * 128256 * 4096) / peak
+    attention = n * (n + 1) // 2 * 4 * 32 * 32 * 128 / peak
+    assert model.step_time(prefill) == pytest.approx(linear + attention + hw.step_overhead_s)
+
+
+def test_roofline_orders_hardware_and_batches():
+    spec = load_model_config("Llama-3-8B")
+    models = {h: RooflineCostModel(spec, load_hardware(h), "bfloat16")
+              for h in ("L4", "A100-80GB", "H100-SXM", "H200")}
+    decode = BatchShape(num_decode_tokens=32, num_context_tokens=32 * 500, num_seqs=32,
+                        num_attention_pairs=32 * 500)
+    times = [models[h].step_time(decode) for h in ("L4", "A100-80GB", "H100-SXM", "H200")]
+    assert times == sorted(times, reverse=True)  # bandwidth order for a decode batch
+    small = BatchShape(num_decode_tokens=1, num_context_tokens=10, num_seqs=1,
+                       num_attention_pairs=10)
+    h100 = models["H100-SXM"]
+    assert h100.step_time(decode) < 32 * h100.step_time(small)  # batching amortises weights
+    assert h100.swap_time(BatchShape(swap_bytes=10**9)) == pytest.approx(1e9 / 50e9)
+    assert h100.all_reduce_time(decode) == 0.0 and h100.kv_transfer_time(decode) == 0.0
+
+
+def test_roofline_refuses_a_cache_that_does_not_fit():
+    model = RooflineCostModel(load_model_config("Llama-3-70B"), load_hardware("H100-SXM"),
+                              "bfloat16")
+    with pytest.raises(ValueError, match="--kv-cache-space"):
+        model.check_fits(10.0)  # 141 GB of weights alone
+    RooflineCostModel(load_model_config("Llama-3-8B"), load_hardware("H100-SXM"),
+                      "bfloat16").check_fits(50.0)
+    assert 16 * GiB < 80 * GiB
+
+
+def _profile(coefs):
+    return {"coefficients": dict(zip([n for n, _ in FEATURES], coefs, strict=True)),
+            "swap_s_per_byte": 1e-10, "dtype": "bfloat16", "max_position_embeddings": 2048,
+            "kv_geometry": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "elem_size": 2}}
+
+
+def test_profiled_model_is_the_fitted_linear_form():
+    coefs = [0.01, 1e-3, 2e-4, 1e-6, 5e-5, 1e-8]
+    model = ProfiledCostModel(_profile(coefs))
+    b = BatchShape(num_prefill_tokens=100, num_decode_tokens=10, num_context_tokens=5000,
+                   num_seqs=11, num_attention_pairs=9000, swap_bytes=10**6)
+    expected = 0.01 + 0.1 + 2e-3 + 5e-3 + 11 * 5e-5 + 9e-5 + 1e-4
+    assert model.step_time(b) == pytest.approx(expected)
+    assert model.step_time(BatchShape()) == 0.0
+    assert model.geometry.block_bytes(16) == 16 * 2 * 2 * 1 * 4 * 2
+    with pytest.raises(ValueError, match="profile"):
+        ProfiledCostModel({"coefficients": {}})
+
+
+def test_nnls_matches_a_known_solution_and_stays_non_negative():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0, 1, size=(40, 4))
+    truth = np.array([0.5, 0.0, 2.0, 1.0])
+    assert nnls(a, a @ truth) == pytest.approx(truth, abs=1e-8)
+    # a target that plain least squares fits with a negative coefficient
+    b = a @ np.array([1.0, -0.5, 0.2, 0.3])
+    assert np.linalg.lstsq(a, b, rcond=None)[0][1] < 0
+    x = nnls(a, b)
+    assert (x >= 0).all()
+    # optimal: no non-negative direction improves it (KKT: the gradient is <= 0 off the support)
+    grad = a.T @ (b - a @ x)
+    assert np.all(grad[x == 0] <= 1e-9) and np.allclose(grad[x > 0], 0, atol=1e-8)
+
+
+def test_fit_recovers_step_costs_from_timings():
+    truth = np.array([0.012, 8e-4, 3e-4, 2e-7, 1e-4, 4e-9])
+    rows = []
+    for d in (1, 4, 16, 64):
+        for c in (64, 512):
+            for p in (0, 64, 128, 512, 1024):  # >= 4 values: p, [p > 0], p^2 independent
+                rows.append([1, p, d, d * (c + 1) + p, d + (p > 0), d * (c + 1) + p * (p + 1) / 2])
+    times = list(np.asarray(rows) @ truth)
+    coefs, fit = fit_step_times(rows, times)
+    assert coefs == pytest.approx(truth, rel=1e-6)
+    assert fit["relative_rms_error"] < 1e-9
+
+
+def _new(req_id, prompt_len, computed):
+    return NewRequestData(req_id, list(range(prompt_len)), [], SamplingParams(), [0, 1, 2, 3],
+                          computed)
+
+
+def test_synthetic_runner_describes_the_batch_and_samples_like_a_runner():
+    runner = SyntheticRunner(block_bytes=100)
+    out = SchedulerOutput(scheduled_new_reqs=[_new("a", 10, 9), _new("b", 40, 0),
+                                              _new("c", 50, 20)],
+                          num_scheduled_tokens={"a": 1, "b": 40, "c": 16},
+                          blocks_to_swap_in={5: 6, 7: 8})
+    batch, result = runner.execute(out)
+    assert batch == BatchShape(num_prefill_tokens=56, num_decode_tokens=1,
+                               num_context_tokens=10 + 40 + 36, num_seqs=3, swap_bytes=200,
+                               num_attention_pairs=10 + 40 * 41 // 2 + 16 * 20 + 16 * 17 // 2)
+    assert result.req_ids == ["a", "b"]  # c's chunk does not reach its length: no sample
+    nxt = SchedulerOutput(scheduled_cached_reqs=[CachedRequestData("a", [1], [], False, 10)],
+                          num_scheduled_tokens={"a": 1}, finished_req_ids=["b"])
+    batch, result = runner.execute(nxt)
+    assert batch.num_decode_tokens == 1 and result.req_ids == ["a"]
+
+
+def test_spec_decode_seam_needs_an_acceptance_model():
+    out = SchedulerOutput(scheduled_new_reqs=[_new("a", 10, 9)], num_scheduled_tokens={"a": 3},
+                          scheduled_spec_decode_tokens={"a": [5, 6]})
+    with pytest.raises(ValueError, match="acceptance model"):
+        SyntheticRunner(block_bytes=1).execute(out)
+
+    class AcceptOne:
+        def num_tokens_returned(self, req_id, num_draft_tokens):
+            return 2
+
+    _, result = SyntheticRunner(block_bytes=1, acceptance=AcceptOne()).execute(out)
+    assert result.sampled_token_ids == [[1, 1]]
+
+
+def test_serving_overhead_fit_and_term():
+    from tessera.simulator.serving import fit_serving_overhead
+
+    def duration(profile):  # a stand-in simulation: 10 s of runner plus 400 seqs-steps of streaming
+        return 10.0 + 400 * profile["serving_s_per_seq"]
+
+    assert fit_serving_overhead({}, duration, 12.0) == pytest.approx(0.005, rel=1e-6)
+    assert fit_serving_overhead({}, duration, 9.0) == 0.0  # already slower than the server
+    profile = _profile([0.0] * len(FEATURES))
+    model = ProfiledCostModel({**profile, "serving_s_per_seq": 0.002})
+    assert model.step_time(BatchShape(num_decode_tokens=5, num_seqs=5)) == pytest.approx(0.01)
+
+
+def test_engine_flags_round_trip_through_the_cli():
+    from tessera.config import EngineArgs
+    from tessera.entrypoints.cli import build_parser, engine_args_from
+    from tessera.simulator.serving import engine_flags
+
+    args = EngineArgs(dtype="bfloat16", enable_chunked_prefill=True, max_num_batched_tokens=256,
+                      num_gpu_blocks_override=160, preemption_mode="recompute")
+    flags = engine_flags(args)
+    assert "--enable-chunked-prefill" in flags and "--model" not in flags
+    parsed = engine_args_from(build_parser().parse_args(["serve", *flags]))
+    assert parsed == args
