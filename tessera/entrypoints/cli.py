@@ -105,6 +105,12 @@ def _add_serve(subparsers) -> None:
                         help='CORS origins as a JSON list, e.g. \'["*"]\' (default: CORS off)')
     server.add_argument("--root-path", default="",
                         help="path prefix when served behind a reverse proxy")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto": parse the model\'s own tool calls '
+                             "(needs --tool-call-parser)")
+    server.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                        help="the model's tool-call format: hermes = <tool_call>{json}"
+                             "</tool_call> (Hermes 2 Pro/3, Qwen2.5, Qwen3)")
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
 
@@ -130,6 +136,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model_tag is not None and args.model not in (None, args.model_tag):
         args.parser.error(f"the model is given twice: {args.model_tag!r} and --model "
                           f"{args.model!r}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        args.parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.enable_log_requests and args.disable_log_requests:
         args.parser.error("--enable-log-requests and --disable-log-requests contradict")
     origins = args.allowed_origins
@@ -163,7 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
                api_key=args.api_key, log_level=args.log_level, chat_template=chat_template,
                uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
                log_requests=args.enable_log_requests, allowed_origins=origins,
-               root_path=args.root_path)
+               root_path=args.root_path, tool_call_parser=args.tool_call_parser)
     return 0
 
 

@@ -79,17 +79,19 @@ class _ApiKeyMiddleware:
 def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               api_key: str | None = None, chat_template: str | None = None, *,
               sampling_defaults: dict | None = None, log_requests: bool = False,
-              allowed_origins: list[str] | None = None, root_path: str = "") -> FastAPI:
+              allowed_origins: list[str] | None = None, root_path: str = "",
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app over `engine`. The app's lifespan starts and stops the engine thread.
 
     `chat_template` (a Jinja template's text) replaces the model's own; `sampling_defaults` (the
     model's generation config) fill what requests leave unset; `allowed_origins` turns on CORS
-    for those origins ("*": any); `root_path` is the prefix a reverse proxy serves us under."""
+    for those origins ("*": any); `root_path` is the prefix a reverse proxy serves us under;
+    `tool_call_parser` (tessera/entrypoints/openai/tool_parsers.py) enables tool_choice "auto"."""
     model_name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine.get_metrics)
     engine.on_finished.append(metrics.observe_finished)
     common = {"chat_template": chat_template, "sampling_defaults": sampling_defaults,
-              "log_requests": log_requests}
+              "log_requests": log_requests, "tool_call_parser": tool_call_parser}
     completions = OpenAIServingCompletion(engine, model_name, **common)
     chat = OpenAIServingChat(engine, model_name, **common)
     tokens = OpenAIServingTokenization(engine, model_name, **common)

@@ -35,6 +35,7 @@ from tessera.entrypoints.openai.serving_engine import (
     top_logprob,
 )
 from tessera.entrypoints.openai.structured import (
+    AutoToolCallStream,
     ToolCallStream,
     constraint_field,
     forces_tool_calls,
@@ -42,6 +43,7 @@ from tessera.entrypoints.openai.structured import (
     tool_calls_of,
     tool_finish_reason,
 )
+from tessera.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tessera.outputs import CompletionOutput
 from tessera.tokenizer import apply_chat_template
 
@@ -79,10 +81,20 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
+    def _parses_tools(self, req: ChatCompletionRequest) -> bool:
+        """Whether the model's own tool calls are parsed from its text ("auto")."""
+        return (self.tool_call_parser is not None and bool(req.tools)
+                and req.tool_choice in (None, "auto"))
+
     def _choice(self, req: ChatCompletionRequest, o: CompletionOutput) -> ChatChoice:
-        calls = tool_calls_of(req, o.text)
-        message = (ChatMessageOut(content=o.text) if calls is None
-                   else ChatMessageOut(content=None, tool_calls=calls))
+        if self._parses_tools(req):
+            content, parsed = TOOL_PARSERS[self.tool_call_parser].extract(o.text)
+            calls = parsed or None
+            message = ChatMessageOut(content=content, tool_calls=parsed)
+        else:
+            calls = tool_calls_of(req, o.text)
+            message = (ChatMessageOut(content=o.text) if calls is None
+                       else ChatMessageOut(content=None, tool_calls=calls))
         return ChatChoice(index=o.index, message=message, logprobs=self._logprobs(req, o),
                           finish_reason=tool_finish_reason(req, o.finish_reason, calls),
                           stop_reason=o.stop_reason)
@@ -140,8 +152,12 @@ class OpenAIServingChat(OpenAIServing):
 
         done = [False] * req.n
         num_generated = 0
-        tool_streams = ([ToolCallStream(req) for _ in range(req.n)]
-                        if forces_tool_calls(req) else None)
+        tool_streams = None
+        if forces_tool_calls(req):
+            tool_streams = [ToolCallStream(req) for _ in range(req.n)]
+        elif self._parses_tools(req):
+            tool_streams = [AutoToolCallStream(TOOL_PARSERS[self.tool_call_parser]())
+                            for _ in range(req.n)]
         try:
             async with self.abort_on_disconnect(raw_request, request_ids):
                 streams = await self.start(base_id, [token_ids], params, req.priority or 0)

@@ -35,13 +35,15 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
                  chat_template: str | None = None, sampling_defaults: dict | None = None,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.chat_template = chat_template  # --chat-template: replaces the model's
         # --generation-config: the model's defaults for fields a request leaves unset
         self.sampling_defaults = dict(sampling_defaults or {})
         self.log_requests = log_requests  # --enable-log-requests
+        # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" is parsed
+        self.tool_call_parser = tool_call_parser
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -108,7 +110,7 @@ class OpenAIServing:
         args.update({name: getattr(req, name) for name in fields if getattr(req, name) is not None})
         args.update({k: v for k, v in kw.items() if v is not None})
         args["max_tokens"] = max_tokens
-        args["structured_outputs"] = structured_outputs_of(req)
+        args["structured_outputs"] = structured_outputs_of(req, self.tool_call_parser is not None)
         # a stream forwards what is new; a whole answer needs only the final output
         args["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         try:

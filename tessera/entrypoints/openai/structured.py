@@ -32,8 +32,10 @@ from tessera.sampling.structured_outputs import StructuredOutputsParams
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's one constraint, or None; a 400 naming the field when it is malformed."""
+def structured_outputs_of(req: _SamplingRequest, auto_tools: bool = False
+                          ) -> StructuredOutputsParams | None:
+    """The request's one constraint, or None; a 400 naming the field when it is malformed.
+    `auto_tools`: the server parses the model's own tool calls (`tool_choice: "auto"`)."""
     found: list[tuple[str, dict[str, Any]]] = []
     rf = req.response_format
     if rf is not None and rf.type != "text":
@@ -54,7 +56,7 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
         if value is not None:
             found.append((name, {key: value}))
     if isinstance(req, ChatCompletionRequest):
-        tools = tool_constraint(req)
+        tools = tool_constraint(req, auto_tools)
         if tools is not None:
             found.append(("tool_choice", tools))
     if not found:
@@ -69,8 +71,10 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
         raise bad_request(f"{field_name}: {e}", field_name) from None
 
 
-def tool_constraint(req: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The constraint `tools` + `tool_choice` put on the output (None: unconstrained)."""
+def tool_constraint(req: ChatCompletionRequest, auto_tools: bool = False
+                    ) -> dict[str, Any] | None:
+    """The constraint `tools` + `tool_choice` put on the output (None: unconstrained, which
+    "auto" is when the server parses the model's own tool-call format)."""
     choice = req.tool_choice
     if not req.tools:
         if choice is not None and choice != "none":
@@ -79,9 +83,12 @@ def tool_constraint(req: ChatCompletionRequest) -> dict[str, Any] | None:
     if choice == "none":
         return None
     if choice is None or choice == "auto":
-        raise bad_request('tool_choice "auto" needs a parser for the model\'s own tool-call '
-                          'format, which this server does not have: use "required" or a named '
-                          "function", "tool_choice")
+        if auto_tools:
+            return None
+        raise bad_request('tool_choice "auto" (the default with tools) needs a parser for the '
+                          "model's own tool-call format: start the server with "
+                          "--enable-auto-tool-choice --tool-call-parser hermes, or send "
+                          'tool_choice "required" or a named function', "tool_choice")
     if isinstance(choice, NamedToolChoice):
         tool = next((t for t in req.tools if t.function.name == choice.function.name), None)
         if tool is None:
@@ -205,3 +212,19 @@ def _arguments(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+class AutoToolCallStream:
+    """`ToolCallStream`'s interface over a model-format parser (tool_choice "auto"): content
+    streams as it comes, each call once it is complete."""
+
+    def __init__(self, parser: Any) -> None:
+        self.parser = parser
+        self.calls: list[ToolCallOut] | None = None
+
+    def feed(self, new_text: str, finished: bool) -> ChatDelta | None:
+        delta = self.parser.feed(new_text, finished)
+        if delta is not None and delta.tool_calls:
+            self.calls = (self.calls or []) + [
+                ToolCallOut(id=c.id, function=c.function) for c in delta.tool_calls]
+        return delta
