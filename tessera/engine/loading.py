@@ -18,6 +18,7 @@ from tessera.model.config import ModelArchConfig
 from tessera.model.default_model import resolve_model_path
 from tessera.model.loader import load_model
 from tessera.model.registry import get_model_class
+from tessera.sampling.grammar import GrammarBackend
 from tessera.tokenizer import load_tokenizer
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
 from tessera.worker.model_runner import ModelRunner
@@ -89,8 +90,10 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     eos = tuple(arch.eos_token_ids)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
+    # one compile cache for both sides: the engine validates a constraint, the runner applies it
+    grammar_backend = GrammarBackend(tokenizer, arch.vocab_size, eos)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos,
-                         speculative_config=config.speculative)
+                         speculative_config=config.speculative, grammar_backend=grammar_backend)
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
         time.perf_counter() - start, os.path.basename(path), config.model.dtype,
@@ -107,4 +110,5 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         eos_token_ids=eos,
         vocab_size=arch.vocab_size,
         model_name=os.path.basename(path.rstrip("/")),
+        grammar_backend=grammar_backend,
     )

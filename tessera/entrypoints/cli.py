@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
 import signal
 import sys
 import types
@@ -61,8 +63,10 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """The EngineArgs of parsed flags (fields without a flag keep their defaults)."""
-    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()
-                         if hasattr(ns, name)})
+    args = {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+    if getattr(ns, "model_tag", None) is not None:  # `tessera serve MODEL`
+        args["model"] = ns.model_tag
+    return EngineArgs(**args)
 
 
 def _port(value: str) -> int:
@@ -75,6 +79,8 @@ def _port(value: str) -> int:
 def _add_serve(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                               description="Serve a model over an OpenAI-compatible HTTP API.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (the same as --model)")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: %(default)s, loopback only)")
@@ -84,15 +90,70 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--served-model-name", default=None,
                         help="model id reported by /v1/models and expected in requests "
                              "(default: the engine's model name)")
-    server.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template's text) replacing "
+                             "the model's own")
+    levels = ["critical", "error", "warning", "info", "debug", "trace"]
+    server.add_argument("--log-level", default="info", choices=levels[:-1])
+    server.add_argument("--uvicorn-log-level", default=None, choices=levels,
+                        help="uvicorn's own log level (default: --log-level)")
+    server.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request's id, prompt length and sampling parameters")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="do not log requests (the default; vLLM's older spelling)")
+    server.add_argument("--generation-config", default="auto",
+                        help="sampling defaults: 'auto' reads the model's generation_config.json "
+                             "(HF directories), 'vllm' ignores it, or a directory holding one "
+                             "(default: %(default)s)")
+    server.add_argument("--allowed-origins", default=None, type=json.loads,
+                        help='CORS origins as a JSON list, e.g. \'["*"]\' (default: CORS off)')
+    server.add_argument("--root-path", default="",
+                        help="path prefix when served behind a reverse proxy")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto": parse the model\'s own tool calls '
+                             "(needs --tool-call-parser)")
+    server.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                        help="the model's tool-call format: hermes = <tool_call>{json}"
+                             "</tool_call> (Hermes 2 Pro/3, Qwen2.5, Qwen3)")
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a path to a template file, or the template itself (as vLLM takes it)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:  # neither a file nor Jinja: a mistyped path
+        raise ValueError(f"--chat-template: {value!r} is not a file and not a Jinja template")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.entrypoints.openai.generation_config import load_sampling_defaults
     from tessera.entrypoints.openai.server import run_server
+    from tessera.model.default_model import resolve_model_path
+
+    if args.model_tag is not None and args.model not in (None, args.model_tag):
+        args.parser.error(f"the model is given twice: {args.model_tag!r} and --model "
+                          f"{args.model!r}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        args.parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
+    if args.enable_log_requests and args.disable_log_requests:
+        args.parser.error("--enable-log-requests and --disable-log-requests contradict")
+    origins = args.allowed_origins
+    if origins is not None and not (isinstance(origins, list)
+                                    and all(isinstance(o, str) for o in origins)):
+        args.parser.error("--allowed-origins must be a JSON list of strings")
+    try:
+        chat_template = read_chat_template(args.chat_template)
+        sampling_defaults = load_sampling_defaults(
+            args.generation_config, resolve_model_path(args.model_tag or args.model))
+    except (ValueError, OSError) as e:
+        args.parser.error(str(e))
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -111,7 +172,10 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     run_server(engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
-               api_key=args.api_key, log_level=args.log_level)
+               api_key=args.api_key, log_level=args.log_level, chat_template=chat_template,
+               uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
+               log_requests=args.enable_log_requests, allowed_origins=origins,
+               root_path=args.root_path, tool_call_parser=args.tool_call_parser)
     return 0
 
 

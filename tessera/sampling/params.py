@@ -14,13 +14,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.sampling.structured_outputs import StructuredOutputsParams
+
 # Below this temperature a request is greedy: dividing logits by ~0 only overflows.
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI documents no limit; vLLM's is the vocab)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_key(key: Any) -> Any:
+    """OpenAI sends logit_bias keys as strings of token ids (JSON objects have string keys)."""
+    if isinstance(key, str) and key.isdigit() and len(key) <= 19:
+        return int(key)
+    return key
 
 
 def _is_real(x: Any) -> bool:
@@ -49,6 +59,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # what each RequestOutput carries: everything so far, only what is new, or only the final one
     output_kind: RequestOutputKind = field(default_factory=lambda: RequestOutputKind.CUMULATIVE)
+    # a JSON schema, regex, choice or grammar the output must match (also accepts a dict)
+    structured_outputs: StructuredOutputsParams | None = None
+    # token id -> added to its logit before sampling (OpenAI: [-100, 100]); also accepts str keys
+    logit_bias: dict[int, float] | None = None
+    # only these token ids may be sampled (vLLM's extra)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         # normalise the forms vLLM accepts before validating
@@ -62,6 +78,12 @@ class SamplingParams:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, list | tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -103,6 +125,28 @@ class SamplingParams:
             value = getattr(self, name)
             need(value is None or _is_int(value), name, "an int or None")
             need(value is None or 0 <= value <= MAX_LOGPROBS, name, f"in [0, {MAX_LOGPROBS}]")
+        need(self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "a StructuredOutputsParams or a dict")
+        need(self.logit_bias is None or (
+            isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
+            and all(_is_int(k) and k >= 0 and _is_real(v) and -100 <= v <= 100
+                    for k, v in self.logit_bias.items())),
+            "logit_bias", f"a map of at most {MAX_LOGIT_BIAS} token ids (>= 0) to biases in "
+                          "[-100, 100]")
+        need(self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids", "a non-empty list of non-negative token ids")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids this request names exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {vocab_size})")
 
     @property
     def is_greedy(self) -> bool:
@@ -113,14 +157,22 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
     @property
+    def has_token_mask(self) -> bool:
+        """Whether the sampler edits this row's logits beyond penalties (bias, allow-list)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
     def clone(self) -> SamplingParams:
         """An independent copy (its lists are not shared)."""
-        return SamplingParams(**{**self.__dict__, "stop": list(self.stop),
-                                 "stop_token_ids": list(self.stop_token_ids)})
+        return SamplingParams(**{
+            **self.__dict__, "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
+            "logit_bias": None if self.logit_bias is None else dict(self.logit_bias),
+            "allowed_token_ids": (None if self.allowed_token_ids is None
+                                  else list(self.allowed_token_ids))})
 
 
 class RequestOutputKind(enum.Enum):

@@ -6,7 +6,9 @@ applied to all rows at once, in this order (vLLM's):
     raw logits (upcast to float32)                       ─┬─▶ logprobs (raw distribution)
       → repetition penalty (prompt + output tokens)       │
       → frequency and presence penalties (output tokens)  │
+      → logit_bias, allowed_token_ids                     │
       → min_tokens: EOS and stop_token_ids masked         │
+      → grammar mask (structured outputs, xgrammar)       │
       → greedy rows: argmax                               │
       → random rows: × 1/temperature → softmax → top-k → top-p → min-p
                      → inverse-CDF draw with one U[0, 1) per sample
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.sampling.grammar import GrammarState, apply_grammar_masks
 from tessera.sampling.params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -49,6 +52,8 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # masked (with params.stop_token_ids) while len(output_token_ids) < params.min_tokens
     eos_token_ids: tuple[int, ...] = ()
+    # the sequence's place in its structured-output grammar (None: unconstrained)
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -139,10 +144,12 @@ class Sampler:
 
     @staticmethod
     def _penalize(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Penalties and min_tokens masks; returns `raw` itself when no row needs either."""
+        """Penalties, biases and masks; returns `raw` itself when no row needs any."""
         num_rows, vocab = raw.shape
         device = raw.device
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        biased = [i for i, r in enumerate(rows) if r.params.has_token_mask]
+        constrained = any(r.grammar is not None for r in rows)
         mask_rows: list[int] = []
         mask_cols: list[int] = []
         for i, r in enumerate(rows):
@@ -151,7 +158,7 @@ class Sampler:
                 cols = [t for t in banned if 0 <= t < vocab]
                 mask_rows += [i] * len(cols)
                 mask_cols += cols
-        if not pen and not mask_rows:
+        if not pen and not mask_rows and not biased and not constrained:
             return raw
         logits = raw.clone()
         if pen:
@@ -159,13 +166,32 @@ class Sampler:
             # an extreme penalty (e.g. repetition_penalty=1e-300) must not make inf and then NaN
             # probabilities; this bound survives division by the smallest temperature in float32
             logits.clamp_(min=-_LOGIT_BOUND, max=_LOGIT_BOUND)
+        for i in biased:
+            _apply_bias(logits[i], rows[i].params)
         if mask_rows:
             logits[torch.tensor(mask_rows, device=device),
                    torch.tensor(mask_cols, device=device)] = _NEG_INF
+        if constrained:
+            apply_grammar_masks(logits, [r.grammar for r in rows], rows[0].eos_token_ids)
         return logits
 
 
 _LOGIT_BOUND = 1e30
+
+
+def _apply_bias(row: torch.Tensor, params: SamplingParams) -> None:
+    """logit_bias (added, as OpenAI) and allowed_token_ids (all others -inf), in place; row [V]."""
+    vocab = row.shape[0]
+    if params.allowed_token_ids is not None:
+        keep = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long,
+                            device=row.device)
+        kept = row[keep].clone()
+        row.fill_(_NEG_INF)
+        row[keep] = kept
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if t < vocab]
+        row[torch.tensor(ids, dtype=torch.long, device=row.device)] += torch.tensor(
+            [params.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:

@@ -4,7 +4,9 @@ The scheduler sends a request whole once (`NewRequestData`) and then only diffs
 (`CachedRequestData`); this is where they are applied. The runner reads token ids, block tables
 and seeded generators from here and never from a scheduler object, so it could live in another
 process. A request resent whole (resumed after preemption) keeps its generator: a seeded request
-draws the same numbers however often it was preempted.
+draws the same numbers however often it was preempted. A request with structured outputs has a
+grammar matcher here, advanced by the tokens the scheduler accepted (the diffs), and rebuilt by
+replaying its output when the request is resent whole.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.core.scheduler_output import SchedulerOutput
+from tessera.sampling.grammar import GrammarBackend, GrammarState
 from tessera.sampling.params import SamplingParams
 from tessera.utils import token_range
 
@@ -27,6 +30,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -37,8 +41,10 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, grammar_backend: GrammarBackend | None = None
+                 ) -> None:
         self.device = device
+        self.grammar_backend = grammar_backend
         self.requests: dict[str, CachedRequestState] = {}
 
     def __len__(self) -> int:
@@ -62,15 +68,25 @@ class InputBatch:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
+                grammar=self._grammar(new.sampling_params, new.output_token_ids),
             )
         for diff in out.scheduled_cached_reqs:
             state = self.requests[diff.req_id]
             state.output_token_ids.extend(diff.new_token_ids)
+            if state.grammar is not None:
+                state.grammar.accept(diff.new_token_ids)
             if diff.replace_block_ids:
                 state.block_ids = list(diff.new_block_ids)
             else:
                 state.block_ids.extend(diff.new_block_ids)
             state.num_computed_tokens = diff.num_computed_tokens
+
+    def _grammar(self, params: SamplingParams, output_token_ids: list[int]
+                 ) -> GrammarState | None:
+        if params.structured_outputs is None:
+            return None
+        assert self.grammar_backend is not None, "structured outputs need a grammar backend"
+        return self.grammar_backend.matcher(params.structured_outputs, output_token_ids)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -26,6 +26,7 @@ from tessera.attention import SeqSpan, is_decode, select_attention_backend
 from tessera.config import SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
+from tessera.sampling.grammar import GrammarBackend
 from tessera.sampling.rejection_sampler import num_accepted, rewind_generator
 from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
@@ -63,6 +64,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         attention_backend: str | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        grammar_backend: GrammarBackend | None = None,
     ):
         self.model = model
         self.speculative_config = speculative_config
@@ -84,7 +86,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.requests = InputBatch(device)
+        self.requests = InputBatch(device, grammar_backend)
         # chosen once (the C++ kernel is built, or loaded from its cache, here at start-up)
         self.attn_backend = select_attention_backend(
             device, cache_engine.spec.dtype, block_size, name=attention_backend
@@ -208,6 +210,7 @@ class ModelRunner:
                         num_samples=num_samples.get(req_id, 1),
                         generator=state.generator,
                         eos_token_ids=self.eos_token_ids,
+                        grammar=state.grammar,  # never with drafts: see _propose
                     )
                 )
         samples = self.sampler(logits, rows).samples
@@ -253,10 +256,12 @@ class ModelRunner:
         propose = self.proposer.propose
         proposals = []
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids, strict=True):
-            if num_samples.get(req_id, 1) != 1:
+            state = self.requests[req_id]
+            # a grammar would have to be advanced through each draft to mask the positions after
+            # it (and rolled back on rejection); constrained requests decode one token a step
+            if num_samples.get(req_id, 1) != 1 or state.grammar is not None:
                 proposals.append([])
                 continue
-            state = self.requests[req_id]
             proposals.append(propose(state.prompt_token_ids + state.output_token_ids + tokens))
         result.spec_token_ids = proposals
         self.proposer_seconds += time.perf_counter() - t0

@@ -151,3 +151,25 @@ def test_sweep_reports_a_server_that_dies(tmp_path):
                        "--result-dir", str(tmp_path), "--disable-tqdm")
     with pytest.raises(RuntimeError, match="exited with 3(.|\n)*bad flag"):
         sweep(args, [SampleRequest("a b c d", 4, 4)], WordTokenizer())
+
+
+def test_vllm_spellings(tmp_path):
+    """`--dataset-name`, `--backend` and `--save-result` (with --result-dir/--result-filename)
+    mean what they mean in vLLM's `bench serve`."""
+    from tessera.bench.serve import config_from_args, result_path
+
+    args = _bench_args("serve", "--dataset-name", "random", "--backend", "openai-chat",
+                       "--save-result", "--result-dir", str(tmp_path), "--label", "x",
+                       "--request-rate", "2")
+    assert args.dataset == "random"
+    assert config_from_args(args).endpoint == "/v1/chat/completions"
+    path = result_path(args)
+    assert path.startswith(str(tmp_path / "x-2.0qps-")) and path.endswith(".json")
+    args = _bench_args("serve", "--save-result", "--result-dir", str(tmp_path),
+                       "--result-filename", "r.json")
+    assert result_path(args) == str(tmp_path / "r.json")
+    assert result_path(_bench_args("serve")) is None
+    assert config_from_args(_bench_args("serve", "--backend", "vllm")).endpoint == "/v1/completions"
+    with pytest.raises(ValueError, match="--backend"):
+        config_from_args(_bench_args("serve", "--backend", "openai",
+                                     "--endpoint", "/v1/chat/completions"))

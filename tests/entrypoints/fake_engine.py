@@ -40,8 +40,11 @@ class FakeTokenizer:
         return [chr(t) for t in token_ids]
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True,
-                            return_dict=False):
+                            return_dict=False, tools=None, chat_template=None,
+                            continue_final_message=False):
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if continue_final_message:
+            text = text.removesuffix("\n")
         text += "<assistant>" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
 

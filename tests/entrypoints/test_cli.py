@@ -45,7 +45,7 @@ def test_flags_parse_into_engine_args():
 
 @pytest.mark.parametrize("argv", [
     ["--preemption-mode", "never"], ["--block-size", "big"], ["--port", "70000"],
-    ["--enable-prefix-caching", "yes"],
+    ["model.gguf", "--enable-prefix-caching", "yes"],  # a bool takes no value
 ])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -137,7 +137,7 @@ def test_chat_default_max_tokens_fills_context(client):
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "n": 9}, 400, "--max-num-seqs"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "hi", "suffix": "x"}, 400, "unsupported parameter: 'suffix'"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "infill"),
     ({"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream=true"),
     ({"prompt": ""}, 400, "prompt: String should have at least 1 character"),

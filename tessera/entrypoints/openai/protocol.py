@@ -31,6 +31,29 @@ class StreamOptions(_Request):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute in pydantic, hence the alias
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingRequest(_Request):
     """Fields common to both POST endpoints: OpenAI's, then vLLM's extras."""
 
@@ -54,6 +77,24 @@ class _SamplingRequest(_Request):
     priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1,
                                  description="lower runs first under --scheduling-policy priority; "
                                              "must be 0 under fcfs")
+    # token-level steering (OpenAI's logit_bias; vLLM's extras)
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # sent by SDKs and agent frameworks; they change nothing on a self-hosted server
+    store: bool | None = Field(None, description="accepted; nothing is stored")
+    metadata: dict[str, str] | None = Field(None, description="accepted; not used")
+    service_tier: str | None = Field(None, description="accepted; there is one tier")
 
 
 _Text = Annotated[str, Field(min_length=1)]
@@ -67,6 +108,8 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
+    suffix: str | None = Field(None, description="refused: the model has no infill mode")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep the last N tokens")
 
 
 class TextPart(_Request):
@@ -74,10 +117,23 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call this answers
 
     def text(self) -> str:
         if self.content is None:
@@ -87,12 +143,43 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: what is left of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted; calls are parsed as "
+                                                                "the model emits them")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="accepted; the default model has no reasoning mode")
+    # vLLM's chat extras
+    chat_template: str | None = Field(None, description="a Jinja template replacing the model's")
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -142,9 +229,25 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(_Response):
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCallOut
+
+
+class DeltaToolCall(ToolCallOut):
+    index: int = 0
+
+
 class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -167,6 +270,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):
@@ -218,3 +322,39 @@ def dump_chunk(chunk: BaseModel) -> str:
     if data.get("usage") is None:
         data.pop("usage", None)
     return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+# -- /tokenize and /detokenize (vLLM's shapes) ---------------------------------------------------
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app()` wires routes to an `AsyncLLMEngine`, and
 `run_server()` serves it with uvicorn until SIGINT/SIGTERM.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true), /health,
-/version, /metrics. With an API key, every /v1 route wants `Authorization: Bearer KEY`; /health,
+Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true), /tokenize,
+/detokenize, /health, /version, /metrics. With an API key, every /v1 route wants `Authorization: Bearer KEY`; /health,
 /metrics and /version stay open for probes and scrapers.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from tessera.engine.async_engine import AsyncLLMEngine
@@ -31,12 +32,18 @@ from tessera.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from tessera.entrypoints.openai.serving_chat import OpenAIServingChat
 from tessera.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tessera.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +77,24 @@ class _ApiKeyMiddleware:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
-              api_key: str | None = None) -> FastAPI:
-    """The FastAPI app over `engine`. The app's lifespan starts and stops the engine thread."""
+              api_key: str | None = None, chat_template: str | None = None, *,
+              sampling_defaults: dict | None = None, log_requests: bool = False,
+              allowed_origins: list[str] | None = None, root_path: str = "",
+              tool_call_parser: str | None = None) -> FastAPI:
+    """The FastAPI app over `engine`. The app's lifespan starts and stops the engine thread.
+
+    `chat_template` (a Jinja template's text) replaces the model's own; `sampling_defaults` (the
+    model's generation config) fill what requests leave unset; `allowed_origins` turns on CORS
+    for those origins ("*": any); `root_path` is the prefix a reverse proxy serves us under;
+    `tool_call_parser` (tessera/entrypoints/openai/tool_parsers.py) enables tool_choice "auto"."""
     model_name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine.get_metrics)
     engine.on_finished.append(metrics.observe_finished)
-    completions = OpenAIServingCompletion(engine, model_name)
-    chat = OpenAIServingChat(engine, model_name)
+    common = {"chat_template": chat_template, "sampling_defaults": sampling_defaults,
+              "log_requests": log_requests, "tool_call_parser": tool_call_parser}
+    completions = OpenAIServingCompletion(engine, model_name, **common)
+    chat = OpenAIServingChat(engine, model_name, **common)
+    tokens = OpenAIServingTokenization(engine, model_name, **common)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,8 +103,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="Tessera", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="Tessera", version=_version(), lifespan=lifespan, root_path=root_path)
     install_error_handlers(app)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     app.state.engine = engine
@@ -118,6 +139,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               responses={200: _SSE_OR_JSON, **_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
+        return await tokens.tokenize(body, chat)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await tokens.detokenize(body)
 
     return app
 
@@ -163,10 +192,13 @@ class _Server(uvicorn.Server):
 
 def run_server(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
-               log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM; returns normally (exit status 0) after a clean shutdown."""
-    app = build_app(engine, served_model_name, api_key)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=10, lifespan="on")
+               log_level: str = "info", chat_template: str | None = None,
+               uvicorn_log_level: str | None = None, **app_options) -> None:
+    """Serve until SIGINT/SIGTERM; returns normally (exit status 0) after a clean shutdown.
+    `app_options` go to `build_app`; uvicorn logs at `uvicorn_log_level` (default: log_level)."""
+    app = build_app(engine, served_model_name, api_key, chat_template, **app_options)
+    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level or log_level,
+                            timeout_graceful_shutdown=10, lifespan="on",
+                            root_path=app_options.get("root_path", ""))
     server = _Server(config, on_exit=engine.abort_all)
     asyncio.run(server.serve())

@@ -34,6 +34,16 @@ from tessera.entrypoints.openai.serving_engine import (
     top_entries,
     top_logprob,
 )
+from tessera.entrypoints.openai.structured import (
+    AutoToolCallStream,
+    ToolCallStream,
+    constraint_field,
+    forces_tool_calls,
+    message_dict,
+    tool_calls_of,
+    tool_finish_reason,
+)
+from tessera.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tessera.outputs import CompletionOutput
 from tessera.tokenizer import apply_chat_template
 
@@ -53,6 +63,7 @@ class OpenAIServingChat(OpenAIServing):
                                              req.max_completion_tokens or req.max_tokens)
         params = self.sampling_params(
             req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        await self.check_constraint(params, constraint_field(req))
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(self._stream(req, raw_request, base_id, token_ids, params),
@@ -62,12 +73,7 @@ class OpenAIServingChat(OpenAIServing):
         if finals is None:
             return self.aborted_response()
         final = finals[0]
-        choices = [
-            ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
-                       logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
-                       stop_reason=o.stop_reason)
-            for o in sorted(final.outputs, key=lambda o: o.index)
-        ]
+        choices = [self._choice(req, o) for o in sorted(final.outputs, key=lambda o: o.index)]
         num_generated = sum(len(o.token_ids) for o in final.outputs)
         usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=num_generated,
                           total_tokens=len(token_ids) + num_generated)
@@ -75,19 +81,48 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
+    def _parses_tools(self, req: ChatCompletionRequest) -> bool:
+        """Whether the model's own tool calls are parsed from its text ("auto")."""
+        return (self.tool_call_parser is not None and bool(req.tools)
+                and req.tool_choice in (None, "auto"))
+
+    def _choice(self, req: ChatCompletionRequest, o: CompletionOutput) -> ChatChoice:
+        if self._parses_tools(req):
+            content, parsed = TOOL_PARSERS[self.tool_call_parser].extract(o.text)
+            calls = parsed or None
+            message = ChatMessageOut(content=content, tool_calls=parsed)
+        else:
+            calls = tool_calls_of(req, o.text)
+            message = (ChatMessageOut(content=o.text) if calls is None
+                       else ChatMessageOut(content=None, tool_calls=calls))
+        return ChatChoice(index=o.index, message=message, logprobs=self._logprobs(req, o),
+                          finish_reason=tool_finish_reason(req, o.finish_reason, calls),
+                          stop_reason=o.stop_reason)
+
     def render(self, req: ChatCompletionRequest) -> list[int]:
-        """Prompt token ids: the chat template over the messages, with the generation prompt."""
-        conversation = []
-        for m in req.messages:
-            # templates know system/user/assistant; OpenAI's newer `developer` is a system turn
-            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name is not None:
-                message["name"] = m.name
-            conversation.append(message)
+        """Prompt token ids: the chat template over the messages (and tools), with the
+        generation prompt unless the request continues its final message."""
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the "
+                              "assistant's", "continue_final_message")
+        # vLLM's rule: the two contradict; an explicit add_generation_prompt=true is refused
+        if (req.continue_final_message and req.add_generation_prompt
+                and "add_generation_prompt" in req.model_fields_set):
+            raise bad_request("continue_final_message and add_generation_prompt cannot both "
+                              "be true", "continue_final_message")
+        conversation = [message_dict(m) for m in req.messages]
+        tools = ([t.function.model_dump(exclude_none=True) for t in req.tools]
+                 if req.tools and req.tool_choice != "none" else None)
         try:
-            token_ids = apply_chat_template(self.tokenizer, conversation)
+            token_ids = apply_chat_template(
+                self.tokenizer, conversation, tools=tools,
+                chat_template=req.chat_template or self.chat_template,
+                add_generation_prompt=req.add_generation_prompt is not False,
+                continue_final_message=bool(req.continue_final_message))
         except Exception as e:  # no template, or jinja refusing (e.g. roles must alternate)
-            raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+            param = "chat_template" if req.chat_template else "messages"
+            raise bad_request(f"could not apply the chat template: {type(e).__name__}: "
+                              f"{str(e)[:200]}", param) from None
         if not token_ids:
             raise bad_request("messages render to an empty prompt", "messages")
         return token_ids
@@ -117,6 +152,12 @@ class OpenAIServingChat(OpenAIServing):
 
         done = [False] * req.n
         num_generated = 0
+        tool_streams = None
+        if forces_tool_calls(req):
+            tool_streams = [ToolCallStream(req) for _ in range(req.n)]
+        elif self._parses_tools(req):
+            tool_streams = [AutoToolCallStream(TOOL_PARSERS[self.tool_call_parser]())
+                            for _ in range(req.n)]
         try:
             async with self.abort_on_disconnect(raw_request, request_ids):
                 streams = await self.start(base_id, [token_ids], params, req.priority or 0)
@@ -129,14 +170,22 @@ class OpenAIServingChat(OpenAIServing):
                         if done[o.index]:
                             continue
                         num_generated += len(o.token_ids)
-                        if o.text or o.token_ids:
+                        finish_reason = o.finish_reason
+                        if tool_streams is not None:
+                            delta = tool_streams[o.index].feed(o.text, o.finished)
+                            if delta is not None:
+                                yield chunk([ChatStreamChoice(index=o.index, delta=delta)])
+                            if o.finished:
+                                finish_reason = tool_finish_reason(
+                                    req, o.finish_reason, tool_streams[o.index].calls)
+                        elif o.text or o.token_ids:
                             yield chunk([ChatStreamChoice(
                                 index=o.index, delta=ChatDelta(content=o.text),
                                 logprobs=self._logprobs(req, o))])
                         if o.finished:
                             done[o.index] = True
                             yield chunk([ChatStreamChoice(index=o.index, delta=ChatDelta(),
-                                                          finish_reason=o.finish_reason)])
+                                                          finish_reason=finish_reason)])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], UsageInfo(prompt_tokens=len(token_ids),
                                           completion_tokens=num_generated,

@@ -28,6 +28,7 @@ from tessera.entrypoints.openai.serving_engine import (
     stream_error_event,
     top_entries,
 )
+from tessera.entrypoints.openai.structured import constraint_field
 from tessera.outputs import CompletionOutput, RequestOutput
 
 
@@ -41,15 +42,24 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
         self.check_priority(req.priority)
+        if req.suffix is not None:
+            raise bad_request("suffix needs a model with an infill (fill-in-the-middle) mode, and "
+                              "this model has none", "suffix")
         if self.tokenizer is None:
             self._check_without_tokenizer(req)
         prompts = self._prompts(req.prompt)
+        if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N prompt tokens
+            for p in prompts:
+                if len(p.token_ids) > req.truncate_prompt_tokens:
+                    p.token_ids = p.token_ids[-req.truncate_prompt_tokens:]
+                    p.text = None  # echo returns what the model saw
         for p in prompts:
             self.resolve_max_tokens(len(p.token_ids), req.max_tokens)
         params = self.sampling_params(
             req, max_tokens=req.max_tokens, logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if req.echo else None,
         )
+        await self.check_constraint(params, constraint_field(req))
         base_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(self._stream(req, raw_request, base_id, prompts, params),

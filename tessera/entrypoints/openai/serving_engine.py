@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Iterator
 
@@ -21,18 +22,28 @@ from tessera.engine.async_engine import (
 )
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from tessera.entrypoints.openai.protocol import TopLogprob, _SamplingRequest
+from tessera.entrypoints.openai.structured import structured_outputs_of
 from tessera.inputs import InvalidTokenIdError, check_token_ids
 from tessera.outputs import RequestOutput
 from tessera.sampling.params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
 _DONE = object()
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
+                 chat_template: str | None = None, sampling_defaults: dict | None = None,
+                 log_requests: bool = False, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.chat_template = chat_template  # --chat-template: replaces the model's
+        # --generation-config: the model's defaults for fields a request leaves unset
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.log_requests = log_requests  # --enable-log-requests
+        # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" is parsed
+        self.tool_call_parser = tool_call_parser
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -65,8 +76,12 @@ class OpenAIServing:
                               f"[0, {self.vocab_size})", param) from None
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """The request's max_tokens, checked against max_model_len (default: what is left)."""
+        """The request's max_tokens, checked against max_model_len (default: the model's
+        max_new_tokens when its generation config has one, else what is left)."""
         limit = self.max_model_len
+        if max_tokens is None and "max_tokens" in self.sampling_defaults:
+            max_tokens = min(self.sampling_defaults["max_tokens"], limit - num_prompt_tokens)
+            max_tokens = max(max_tokens, 1)
         if max_tokens is None:
             if num_prompt_tokens >= limit:
                 raise bad_request(f"this model's maximum context length is {limit} tokens, but "
@@ -88,16 +103,32 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         fields = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "min_tokens")
-        args = {name: getattr(req, name) for name in fields if getattr(req, name) is not None}
+                  "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "min_tokens",
+                  "logit_bias", "stop_token_ids", "allowed_token_ids",
+                  "include_stop_str_in_output", "skip_special_tokens")
+        args = {k: v for k, v in self.sampling_defaults.items() if k != "max_tokens"}
+        args.update({name: getattr(req, name) for name in fields if getattr(req, name) is not None})
         args.update({k: v for k, v in kw.items() if v is not None})
         args["max_tokens"] = max_tokens
+        args["structured_outputs"] = structured_outputs_of(req, self.tool_call_parser is not None)
         # a stream forwards what is new; a whole answer needs only the final output
         args["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         try:
-            return SamplingParams(**args)
+            params = SamplingParams(**args)
+            params.check_vocab(self.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+        return params
+
+    async def check_constraint(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar (cached) off the event loop: an invalid schema, regex
+        or grammar is a 400 naming `param`, before any stream starts."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.engine.check_constraints(params)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
 
     # -- running ------------------------------------------------------------------------------
 
@@ -105,6 +136,9 @@ class OpenAIServing:
                     priority: int) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt; if any is refused, abort the others."""
         streams: list[AsyncIterator[RequestOutput]] = []
+        if self.log_requests:
+            logger.info("request %s: %d prompt(s) of %s tokens, %s", base_id, len(prompts),
+                        [len(p) for p in prompts], params)
         try:
             for i, token_ids in enumerate(prompts):
                 sp = params if len(prompts) == 1 else params.clone()
