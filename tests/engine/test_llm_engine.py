@@ -199,3 +199,17 @@ def test_messages_pickle_into_another_process(which):
         if proc.is_alive():
             proc.kill()
     assert back == message and type(back) is type(message)
+
+
+def test_limits_that_need_the_model_are_checked_when_added():
+    engine = make_engine(max_logprobs=5)
+    with pytest.raises(ValueError, match=r"^logprobs must be at most 5"):
+        engine.add_request("a", "hi", SamplingParams(logprobs=6))
+    with pytest.raises(ValueError, match=r"^prompt_logprobs must be at most 5"):
+        engine.add_request("b", "hi", SamplingParams(prompt_logprobs=6))
+    engine.add_request("c", "hi", SamplingParams(logprobs=5, top_k=2**31 - 1, temperature=1.0))
+    # a top_k above the vocabulary is off; clamped, so no wider integer reaches the runner
+    assert engine.scheduler._groups["c"].sampling_params.top_k == VOCAB
+    assert run(engine)["c"].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="--max-logprobs"):
+        EngineArgs(max_logprobs=-1).create_engine_config()
