@@ -76,6 +76,7 @@ class AsyncLLMEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.config.model.max_model_len
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
+        self.max_logprobs: int = getattr(engine.config.model, "max_logprobs", 20)
         self.scheduling_policy = engine.config.scheduler.scheduling_policy
         # the server tokenizes on the event loop with this copy; the engine thread keeps the original
         self.tokenizer = copy.deepcopy(engine.tokenizer)

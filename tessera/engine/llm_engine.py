@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
-from tessera.core.scheduler import Scheduler
 from tessera.core.runner_output import ModelRunnerOutput
+from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.engine.step_recovery import find_culprits

@@ -222,7 +222,7 @@ class ErrorInfo(_Response):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None
 
 
 class ErrorResponse(_Response):

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tessera.engine.async_engine import EngineError, RequestAbortedError
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request
@@ -27,6 +27,7 @@ from tessera.entrypoints.openai.protocol import (
     dump_chunk,
 )
 from tessera.entrypoints.openai.serving_engine import (
+    EngineStreamingResponse,
     OpenAIServing,
     check_output,
     merge_streams,
@@ -35,7 +36,6 @@ from tessera.entrypoints.openai.serving_engine import (
     top_logprob,
 )
 from tessera.outputs import CompletionOutput
-from tessera.tokenizer import apply_chat_template
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -48,15 +48,19 @@ class OpenAIServingChat(OpenAIServing):
                               "prompts", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        token_ids = self.render(req)
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
+        token_ids = await self.render(req)
         max_tokens = self.resolve_max_tokens(len(token_ids),
                                              req.max_completion_tokens or req.max_tokens)
         params = self.sampling_params(
             req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(self._stream(req, raw_request, base_id, token_ids, params),
-                                     media_type="text/event-stream")
+            # started before the response: a refusal is still an HTTP error, not a 200 + event
+            streams = await self.start(base_id, [token_ids], params, req.priority or 0)
+            return EngineStreamingResponse(
+                self._stream(req, raw_request, base_id, token_ids, streams), self.engine,
+                [f"{base_id}-0"])
         finals = await self.run_to_completion(raw_request, base_id, [token_ids], params,
                                               req.priority or 0)
         if finals is None:
@@ -75,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=usage)
         return Response(body.model_dump_json(), media_type="application/json")
 
-    def render(self, req: ChatCompletionRequest) -> list[int]:
+    async def render(self, req: ChatCompletionRequest) -> list[int]:
         """Prompt token ids: the chat template over the messages, with the generation prompt."""
         conversation = []
         for m in req.messages:
@@ -84,10 +88,8 @@ class OpenAIServingChat(OpenAIServing):
             if m.name is not None:
                 message["name"] = m.name
             conversation.append(message)
-        try:
-            token_ids = apply_chat_template(self.tokenizer, conversation)
-        except Exception as e:  # no template, or jinja refusing (e.g. roles must alternate)
-            raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+        # checked, then rendered off the event loop; a template's refusal is a 400
+        token_ids = await self.preprocessor.render_chat(conversation)
         if not token_ids:
             raise bad_request("messages render to an empty prompt", "messages")
         return token_ids
@@ -106,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _stream(self, req: ChatCompletionRequest, raw_request: Request, base_id: str,
-                      token_ids: list[int], params) -> AsyncIterator[str]:
+                      token_ids: list[int], streams) -> AsyncIterator[str]:
         created = int(time.time())
         request_ids = [f"{base_id}-0"]
 
@@ -119,7 +121,6 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = 0
         try:
             async with self.abort_on_disconnect(raw_request, request_ids):
-                streams = await self.start(base_id, [token_ids], params, req.priority or 0)
                 yield chunk([ChatStreamChoice(index=j, delta=ChatDelta(role="assistant",
                                                                        content=""))
                              for j in range(req.n)])
