@@ -28,10 +28,9 @@ import time
 
 import httpx
 import pytest
+from entrypoints.conftest import ServerProcess, free_port
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
-from entrypoints.conftest import ServerProcess, free_port
 
 VICTIMS = [
     "The capital of France is",
@@ -303,7 +302,7 @@ def test_sigterm_with_requests_in_flight(server, expected):
     assert code == 0 and elapsed < 15, (code, elapsed)
     *streams, plain = outs
     for out in streams:  # every stream ended (cut short), none hung
-        assert isinstance(out, tuple) or isinstance(out, httpx.HTTPError), out
+        assert isinstance(out, tuple | httpx.HTTPError), out
     assert isinstance(plain, httpx.Response | httpx.HTTPError)
     if isinstance(plain, httpx.Response):
         assert plain.status_code in (200, 503)
