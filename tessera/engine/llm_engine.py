@@ -24,6 +24,7 @@ from tessera.inputs import check_token_ids
 from tessera.outputs import RequestMetrics, RequestOutput
 from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
+from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(
             request_id=request_id,
@@ -122,6 +124,25 @@ class LLMEngine:
         if params.top_k > self.vocab_size:
             params = dataclasses.replace(params, top_k=self.vocab_size)
         return params
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """n > 1: the cache must hold all n sequences at their longest, each whole (a recompute
+        prefills every sequence again, without sharing), or the request could be admitted, run,
+        and be rejected later with its work thrown away. (One sequence always fits: the engine
+        refuses to start with a cache smaller than one max_model_len request.)"""
+        if params.n == 1:
+            return
+        max_len = self.config.model.max_model_len
+        longest = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
+        bm = self.scheduler.block_manager
+        usable = bm.num_gpu_blocks - bm.watermark_blocks
+        need = params.n * cdiv(longest, bm.block_size)
+        if need > usable:
+            most = max(usable // cdiv(longest, bm.block_size), 1)
+            raise ValueError(
+                f"n must be at most {most} for this prompt and max_tokens: {params.n} sequences "
+                f"of up to {longest} tokens need up to {need} KV blocks, more than the "
+                f"{usable} the cache holds; lower n or max_tokens")
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

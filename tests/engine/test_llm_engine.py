@@ -213,3 +213,12 @@ def test_limits_that_need_the_model_are_checked_when_added():
     assert run(engine)["c"].outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="--max-logprobs"):
         EngineArgs(max_logprobs=-1).create_engine_config()
+
+
+def test_n_that_could_outgrow_the_cache_is_refused_when_added():
+    # 16 blocks of 4 tokens; 4 sequences of up to 11 + 5 = 16 tokens need 4 x 4 blocks: fits
+    engine = make_engine(FakeExecutor(num_gpu_blocks=16))
+    engine.add_request("ok", "hello world", SamplingParams(n=4, max_tokens=5, temperature=1.0))
+    with pytest.raises(ValueError, match=r"^n must be at most 4 .* lower n or max_tokens"):
+        engine.add_request("big", "hello world", SamplingParams(n=5, max_tokens=5, temperature=1))
+    assert len(run(engine)["ok"].outputs) == 4
