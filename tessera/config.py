@@ -42,12 +42,16 @@ class ModelConfig:
     dtype: str = "float32"
     max_model_len: int = 2048
     seed: int = 0
+    # most alternatives per token a request may ask for (logprobs, prompt_logprobs, top_logprobs)
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
 
 
 @dataclass(frozen=True)
@@ -251,6 +255,10 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 16}',
         json=True,
     )
+    max_logprobs: int = _arg(
+        20, "most log-probability alternatives per token a request may ask for (logprobs, "
+            "prompt_logprobs, top_logprobs)"
+    )
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
         """Resolve defaults against the model's context limit and validate the combination."""
@@ -276,7 +284,8 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             model=ModelConfig(
-                model=self.model, dtype=self.dtype, max_model_len=max_model_len, seed=self.seed
+                model=self.model, dtype=self.dtype, max_model_len=max_model_len, seed=self.seed,
+                max_logprobs=self.max_logprobs,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -49,4 +49,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # why the request was rejected (e.g. prompt longer than max_model_len); outputs are then empty
     error: str | None = None
+    # the engine failed while running this request (error says so): not the client's mistake.
+    # Only this request was stopped; the others in its step went on (engine/step_recovery.py)
+    failed: bool = False
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache

@@ -1,11 +1,13 @@
 """Why a request can never run: checked when it reaches the head of the waiting queue, so that it is
-rejected at once with a reason instead of waiting forever."""
+rejected at once with a reason instead of waiting forever; and the configuration rule that keeps
+such rejections from stranding work: the cache holds at least one request of max_model_len."""
 
 from __future__ import annotations
 
-from tessera.config import SchedulerConfig
+from tessera.config import GiB, SchedulerConfig
 from tessera.core.block_manager import BlockManager
 from tessera.sequence import SequenceGroup, SequenceStatus
+from tessera.utils import cdiv
 
 
 def reject_reason(group: SequenceGroup, cfg: SchedulerConfig) -> str | None:
@@ -36,4 +38,33 @@ def never_fits_reason(group: SequenceGroup, bm: BlockManager) -> str:
         f"request needs {bm.num_required_blocks(group)} KV blocks ({num_tokens} tokens, block "
         f"size {bm.block_size}), more than the {bm.num_gpu_blocks} device blocks less the "
         f"watermark of {bm.watermark_blocks}"
+    )
+
+
+def check_cache_holds_max_model_len(
+    num_gpu_blocks: int, block_size: int, watermark: float, max_model_len: int,
+    block_bytes: int | None = None, overridden: bool = False,
+) -> None:
+    """Refuse a configuration whose device KV pool cannot hold one request of `max_model_len`
+    tokens (vLLM refuses it too): such a request would be admitted, run, and be rejected only
+    when it outgrows the pool (or after a recompute), its work thrown away. ValueError with the
+    numbers and the fix."""
+    watermark_blocks = int(watermark * num_gpu_blocks)
+    usable = num_gpu_blocks - watermark_blocks
+    needed = cdiv(max_model_len, block_size)
+    if needed <= usable:
+        return
+    fits = max(usable, 0) * block_size
+    size = ""
+    if block_bytes is not None:
+        have = num_gpu_blocks * block_bytes / GiB
+        want = (needed + watermark_blocks) * block_bytes / GiB
+        size = f" ({have:.3g} GiB; {want:.3g} GiB would do)"
+    raise_flag = "--num-gpu-blocks-override" if overridden else "--kv-cache-space"
+    raise ValueError(
+        f"the KV cache cannot hold one request of --max-model-len {max_model_len} tokens: it "
+        f"needs {needed} blocks of {block_size} tokens, but the cache has {num_gpu_blocks} "
+        f"blocks{size}, of which {usable} are usable ({watermark_blocks} kept free as the "
+        f"watermark), room for {fits} tokens. Raise {raise_flag} or lower --max-model-len "
+        f"(to at most {fits})"
     )

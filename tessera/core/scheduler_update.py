@@ -148,6 +148,33 @@ class UpdateFromOutput:
             per_pos.extend([0] * (num_drafts - len(per_pos)))
         for j in range(num_accepted):
             per_pos[j] += 1
+    # a step that raised (engine/step_recovery.py)
+
+    def resend_whole(self, scheduler_output: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:
+        """The part of a failed step's `scheduler_output` that concerns `req_ids`, each request
+        sent whole (the runner's copy may hold half-applied diffs; a whole one replaces it). No
+        cache operations and no finished ids: the runner applied those before the forward pass
+        that failed. Writes no progress."""
+        sub = SchedulerOutput()
+        table = self.block_manager.get_block_table
+        for req_id in req_ids:
+            group, seq = self._live[req_id]
+            self._runner.preempted(seq)  # marks it to be described whole
+            self._runner.describe(group, seq, table(seq), sub)
+            n = scheduler_output.num_scheduled_tokens[req_id]
+            sub.num_scheduled_tokens[req_id] = n
+            sub.total_num_scheduled_tokens += n
+            if req_id in scheduler_output.num_samples:
+                sub.num_samples[req_id] = scheduler_output.num_samples[req_id]
+            if req_id in scheduler_output.scheduled_spec_decode_tokens:
+                sub.scheduled_spec_decode_tokens[req_id] = (
+                    scheduler_output.scheduled_spec_decode_tokens[req_id])
+        return sub
+
+    def request_id_of(self, req_id: str) -> str | None:
+        """The request a stream (req_id) belongs to, while it is unfinished."""
+        entry = self._live.get(req_id)
+        return None if entry is None else entry[0].request_id
 
     @staticmethod
     def _output_of(

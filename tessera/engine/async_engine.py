@@ -8,8 +8,13 @@ cross over without pickling. The engine is not thread-safe, so the rule is:
     engine thread ──(loop.call_soon_threadsafe(list of RequestOutput))──▶ per-request asyncio.Queue
 
 Only the engine thread touches the `LLMEngine`. When it has no work it sleeps on a
-`threading.Event` (set by every command), so an idle server burns no CPU. An exception from
-`engine.step()` fails the requests in flight with `EngineError` and the loop keeps serving.
+`threading.Event` (set by every command), so an idle server burns no CPU.
+
+Failures: a step that fails because of one request fails only that request (the engine finds it,
+tessera/engine/step_recovery.py; its stream gets `EngineError`). Should `engine.step()` itself
+raise (a bug outside the forward pass), the requests in flight fail with `EngineError` and the
+loop keeps serving. Error messages name what failed, never the internal exception's text (that
+goes to the log).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class AsyncLLMEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.config.model.max_model_len
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
+        self.max_logprobs: int = getattr(engine.config.model, "max_logprobs", 20)
         self.scheduling_policy = engine.config.scheduler.scheduling_policy
         # the server tokenizes on the event loop with this copy; the engine thread keeps the original
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -248,7 +254,8 @@ class AsyncLLMEngine:
                 # whatever broke (a step, a bad request, our own bookkeeping), the loop lives on
                 logger.exception("engine step failed; failing the %d requests in flight",
                                  len(self._in_engine))
-                self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+                self._fail_all(EngineError(f"the engine step failed ({type(e).__name__}); see "
+                                           "the server log"))
         self._fail_all(RequestAbortedError("the server is shutting down"))
         with contextlib.suppress(Exception):
             self._metrics = dict(self.engine.get_metrics())
@@ -261,6 +268,9 @@ class AsyncLLMEngine:
                 continue  # aborted while the step ran
             if out.finished:
                 self._in_engine.discard(out.request_id)
+            if out.failed:  # this request alone broke the step; the others went on
+                items.append((out.request_id, EngineError(out.error or "engine failure")))
+                continue
             items.append((out.request_id, out))
         self._metrics = dict(self.engine.get_metrics())
         if items:
@@ -293,7 +303,8 @@ class AsyncLLMEngine:
             # ValueError is the client's fault; anything else is ours but must not kill the loop
             if not isinstance(e, ValueError):
                 logger.exception("add_request(%s) failed", cmd.request_id)
-                e = EngineError(f"could not add the request: {type(e).__name__}: {e}")
+                e = EngineError(f"could not add the request ({type(e).__name__}); see the "
+                                "server log")
             self._resolve(cmd.accepted, e)
             return
         self._in_engine.add(cmd.request_id)

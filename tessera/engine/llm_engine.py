@@ -7,20 +7,25 @@ Synchronous and single-threaded: `AsyncLLMEngine` drives it from a background th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
+from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
+from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.output_processor import OutputProcessor, RequestState
+from tessera.engine.step_recovery import find_culprits
 from tessera.executor.abstract import Executor
 from tessera.inputs import check_token_ids
-from tessera.outputs import RequestOutput
+from tessera.outputs import RequestMetrics, RequestOutput
 from tessera.sampling.grammar import GrammarBackend
 from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
+from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +94,14 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Bad input raises ValueError; a prompt that can never fit is not an
         error here: it comes back from `step()` finished, with `error` set."""
-        params = sampling_params or SamplingParams()
+        params = self._check_params(sampling_params or SamplingParams())
         if self.tokenizer is None and params.stop:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.check_constraints(params)
         text, token_ids = self._tokenize(prompt)
+        self._check_fits(len(token_ids), params)
         arrival = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(
             request_id=request_id,
@@ -116,6 +122,38 @@ class LLMEngine:
         params.check_vocab(self.vocab_size)
         if params.structured_outputs is not None:
             self.grammar_backend.compile(params.structured_outputs)
+    def _check_params(self, params: SamplingParams) -> SamplingParams:
+        """The limits that need the model (SamplingParams checked the rest): logprobs by
+        --max-logprobs; a top_k above the vocabulary is off, so it is clamped to it (vLLM's rule),
+        and no wider integer reaches the sampler."""
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be at most {limit} (the server's --max-logprobs), "
+                                 f"got {value}")
+        if params.top_k > self.vocab_size:
+            params = dataclasses.replace(params, top_k=self.vocab_size)
+        return params
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """n > 1: the cache must hold all n sequences at their longest, each whole (a recompute
+        prefills every sequence again, without sharing), or the request could be admitted, run,
+        and be rejected later with its work thrown away. (One sequence always fits: the engine
+        refuses to start with a cache smaller than one max_model_len request.)"""
+        if params.n == 1:
+            return
+        max_len = self.config.model.max_model_len
+        longest = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
+        bm = self.scheduler.block_manager
+        usable = bm.num_gpu_blocks - bm.watermark_blocks
+        need = params.n * cdiv(longest, bm.block_size)
+        if need > usable:
+            most = max(usable // cdiv(longest, bm.block_size), 1)
+            raise ValueError(
+                f"n must be at most {most} for this prompt and max_tokens: {params.n} sequences "
+                f"of up to {longest} tokens need up to {need} KV blocks, more than the "
+                f"{usable} the cache holds; lower n or max_tokens")
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -153,15 +191,52 @@ class LLMEngine:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         t1 = time.perf_counter()
-        runner_output = self.executor.execute_model(scheduler_output)
+        failed: list[RequestOutput] = []
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as e:
+            runner_output, failed = self._recover(scheduler_output, e)
         t2 = time.perf_counter()
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stop_string_matches = self.output_processor.process(core_outputs)
         self.scheduler.finish_seqs(stop_string_matches)
+        outputs += failed
         self.step_times.record(
             t1 - t0, t2 - t1, time.perf_counter() - t2, scheduler_output.total_num_scheduled_tokens
         )
         return outputs
+
+    def _recover(
+        self, scheduler_output: SchedulerOutput, error: Exception
+    ) -> tuple[ModelRunnerOutput, list[RequestOutput]]:
+        """The step raised: find the request(s) that make it fail and fail only those; the
+        others' results come from re-runs (see engine/step_recovery.py)."""
+        logger.error("engine step failed (%s: %s); re-running its %d requests in halves to find "
+                     "the culprit", type(error).__name__, error,
+                     len(scheduler_output.num_scheduled_tokens), exc_info=error)
+        runner_output, culprits = find_culprits(
+            scheduler_output, self.scheduler.resend_whole, self.executor.execute_model)
+        failed: dict[str, BaseException] = {}
+        for req_id, e in culprits.items():
+            request_id = self.scheduler.request_id_of(req_id)
+            if request_id is not None:
+                failed.setdefault(request_id, e)
+        outputs = []
+        for request_id, e in failed.items():
+            logger.error("request %s fails the engine step on its own (%s: %s): it is stopped, "
+                         "the others go on", request_id, type(e).__name__, e, exc_info=e)
+            state = self.output_processor.requests.get(request_id)
+            if state is not None:
+                outputs.append(RequestOutput(
+                    request_id=request_id, prompt=state.prompt,
+                    prompt_token_ids=state.prompt_token_ids, outputs=[], finished=True,
+                    metrics=state.metrics or RequestMetrics(arrival_time=state.arrival_time),
+                    error=f"the engine failed while running this request ({type(e).__name__}); "
+                          "it was stopped so that the other requests could go on",
+                    failed=True,
+                ))
+        self.abort_request(list(failed))
+        return runner_output, outputs
 
     # ---- helpers for front ends --------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict]) -> list[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import EngineArgs, default_num_threads
+from tessera.core.admission import check_cache_holds_max_model_len
 from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.model.config import ModelArchConfig
 from tessera.model.default_model import resolve_model_path
@@ -85,6 +86,11 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
             f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
             f"{spec.block_bytes} bytes: raise it"
         )
+    check_cache_holds_max_model_len(
+        num_gpu_blocks, config.cache.block_size, config.cache.watermark,
+        config.model.max_model_len, spec.block_bytes,
+        overridden=config.cache.num_gpu_blocks_override is not None,
+    )
     num_cpu_blocks = spec.num_blocks_for(config.cache.swap_space)
     cache_engine = CacheEngine(spec, num_gpu_blocks, num_cpu_blocks, device)
     eos = tuple(arch.eos_token_ids)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from tessera.bench import add_bench_parser
 from tessera.config import EngineArgs, flag_name
+from tessera.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from tessera.simulator import add_simulate_parser
 
 
@@ -69,6 +70,13 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**args)
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def _port(value: str) -> int:
     port = int(value)
     if not 0 <= port <= 65535:
@@ -86,7 +94,12 @@ def _add_serve(subparsers) -> None:
                         help="address to bind (default: %(default)s, loopback only)")
     server.add_argument("--port", type=_port, default=8000, help="TCP port (default: %(default)s)")
     server.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes")
+                        help="require 'Authorization: Bearer KEY' on every route but /health, "
+                             "/metrics and /version (the OpenAPI docs need it too)")
+    server.add_argument("--max-request-body-bytes", type=_positive_int,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies are refused with 413 before they are "
+                             "parsed (default: %(default)s)")
     server.add_argument("--served-model-name", default=None,
                         help="model id reported by /v1/models and expected in requests "
                              "(default: the engine's model name)")
@@ -134,7 +147,7 @@ def read_chat_template(value: str | None) -> str | None:
 def _serve(args: argparse.Namespace) -> int:
     from tessera.engine.async_engine import AsyncLLMEngine
     from tessera.entrypoints.openai.generation_config import load_sampling_defaults
-    from tessera.entrypoints.openai.server import run_server
+    from tessera.entrypoints.openai.server import bind_socket, run_server
     from tessera.model.default_model import resolve_model_path
 
     if args.model_tag is not None and args.model not in (None, args.model_tag):
@@ -157,6 +170,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the port first: a busy one fails now, not after the model has loaded
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"tessera serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
     # SIGINT/SIGTERM while the model loads: a clean exit too (the server handles them later)
     def interrupted(sig, frame):
         raise KeyboardInterrupt
@@ -165,8 +185,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
     except ValueError as e:  # a bad flag combination, named by the config's validation
+        sock.close()
         args.parser.error(str(e))
     except KeyboardInterrupt:
+        sock.close()
         logging.getLogger(__name__).info("interrupted while loading the model")
         return 0
     finally:
@@ -175,7 +197,8 @@ def _serve(args: argparse.Namespace) -> int:
                api_key=args.api_key, log_level=args.log_level, chat_template=chat_template,
                uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
                log_requests=args.enable_log_requests, allowed_origins=origins,
-               root_path=args.root_path, tool_call_parser=args.tool_call_parser)
+               root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
+               max_request_body_bytes=args.max_request_body_bytes)
     return 0
 
 

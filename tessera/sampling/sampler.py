@@ -80,6 +80,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # logits: [num_rows, vocab], any float dtype, on any device
+        # A step that raises is re-run without its culprit (engine/step_recovery.py); the seeded
+        # rows must then draw the numbers they would have drawn, so their generators rewind.
+        saved = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+        try:
+            return self._sample_rows(logits, rows)
+        except BaseException:
+            for gen, state in saved:
+                gen.set_state(state)
+            raise
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         num_rows, vocab = logits.shape
         assert num_rows == len(rows), f"{num_rows} logit rows for {len(rows)} sampling rows"
         if not rows:

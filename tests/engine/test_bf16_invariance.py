@@ -35,7 +35,8 @@ def make_bf16_llm(default_model_path):
     bundle = load_bundle(EngineArgs(dtype="bfloat16", max_model_len=1024))
 
     def make(**engine_args):
-        args = EngineArgs(dtype="bfloat16", max_model_len=1024, **engine_args)
+        engine_args.setdefault("max_model_len", 1024)
+        args = EngineArgs(dtype="bfloat16", **engine_args)
         return LLM.from_engine(LLMEngine.from_engine_args(args, bundle=bundle))
 
     return make
@@ -55,7 +56,8 @@ def test_bf16_greedy_is_invariant(make_bf16_llm):
     run(cached)
     assert run(cached) == base  # the second run hits the cache
     assert cached.get_metrics()["tessera:prefix_cache_hits_total"] > 0
-    small = make_bf16_llm(num_gpu_blocks_override=40, preemption_mode="recompute")
+    small = make_bf16_llm(num_gpu_blocks_override=40, max_model_len=640,
+                          preemption_mode="recompute")
     assert run(small) == base
     assert small.get_metrics()["tessera:num_preemptions_total"] > 0
     assert run(make_bf16_llm(), prompts[3:4]) == base[3:4]

@@ -65,7 +65,9 @@ def _assert_same(hf_model, prompts, baseline, got, label):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_does_not_change_greedy(make_llm, hf_model, prompts, baseline, mode):
-    llm = make_llm(num_gpu_blocks_override=40, preemption_mode=mode, swap_space=0.5)
+    # 40 blocks of 16 hold 640 tokens: the engine refuses a max_model_len the cache cannot hold
+    llm = make_llm(num_gpu_blocks_override=40, max_model_len=640, preemption_mode=mode,
+                   swap_space=0.5)
     got = _run(llm, prompts)
     assert llm.get_metrics()["tessera:num_preemptions_total"] > 0
     _assert_same(hf_model, prompts, baseline, got, f"preempt-{mode}")

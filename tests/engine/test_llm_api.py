@@ -94,11 +94,15 @@ def test_logprobs_match_reference_log_softmax(llm, hf_model):
         assert set(top3) <= set(lp)
 
 
-def test_bad_sampling_params_name_the_field():
+def test_bad_sampling_params_name_the_field(llm):
     for kwargs, field in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"),
-                          ({"logprobs": 21}, "logprobs"), ({"max_tokens": 0}, "max_tokens")]:
+                          ({"logprobs": 2**31}, "logprobs"), ({"max_tokens": 0}, "max_tokens"),
+                          ({"seed": 2**64}, "seed"), ({"top_k": 2**70}, "top_k")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
+    # past --max-logprobs (default 20): refused by the engine, as vLLM does
+    with pytest.raises(ValueError, match=r"^logprobs must be at most 20"):
+        llm.generate("Hello", SamplingParams(logprobs=21), use_tqdm=False)
 
 
 def test_prompt_too_long_fails_alone(llm):

@@ -199,3 +199,26 @@ def test_messages_pickle_into_another_process(which):
         if proc.is_alive():
             proc.kill()
     assert back == message and type(back) is type(message)
+
+
+def test_limits_that_need_the_model_are_checked_when_added():
+    engine = make_engine(max_logprobs=5)
+    with pytest.raises(ValueError, match=r"^logprobs must be at most 5"):
+        engine.add_request("a", "hi", SamplingParams(logprobs=6))
+    with pytest.raises(ValueError, match=r"^prompt_logprobs must be at most 5"):
+        engine.add_request("b", "hi", SamplingParams(prompt_logprobs=6))
+    engine.add_request("c", "hi", SamplingParams(logprobs=5, top_k=2**31 - 1, temperature=1.0))
+    # a top_k above the vocabulary is off; clamped, so no wider integer reaches the runner
+    assert engine.scheduler._groups["c"].sampling_params.top_k == VOCAB
+    assert run(engine)["c"].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="--max-logprobs"):
+        EngineArgs(max_logprobs=-1).create_engine_config()
+
+
+def test_n_that_could_outgrow_the_cache_is_refused_when_added():
+    # 16 blocks of 4 tokens; 4 sequences of up to 11 + 5 = 16 tokens need 4 x 4 blocks: fits
+    engine = make_engine(FakeExecutor(num_gpu_blocks=16))
+    engine.add_request("ok", "hello world", SamplingParams(n=4, max_tokens=5, temperature=1.0))
+    with pytest.raises(ValueError, match=r"^n must be at most 4 .* lower n or max_tokens"):
+        engine.add_request("big", "hello world", SamplingParams(n=5, max_tokens=5, temperature=1))
+    assert len(run(engine)["ok"].outputs) == 4

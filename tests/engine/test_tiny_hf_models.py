@@ -42,12 +42,14 @@ def test_tiny_checkpoint_matches_hf(tiny_checkpoint):
     prompts = [[1, 5, 9, 33], list(range(10, 60)), [7] * 13, list(range(100, 300, 3))]
     expected = [_hf_greedy(model, p, 12) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    for engine_args in ({}, {"num_gpu_blocks_override": 24, "block_size": 4}):
-        llm = LLM(model=path, max_model_len=256, **engine_args)
+    # 24 blocks of 4 hold 96 tokens, so max_model_len 96 (the engine refuses more)
+    for engine_args in ({"max_model_len": 256},
+                        {"num_gpu_blocks_override": 24, "block_size": 4, "max_model_len": 96}):
+        llm = LLM(model=path, **engine_args)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected, engine_args
         assert all(o.outputs[0].text == "" for o in outs)  # no tokenizer, no text
-        if engine_args:
+        if "num_gpu_blocks_override" in engine_args:
             assert llm.get_metrics()["tessera:num_preemptions_total"] > 0
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate("a string prompt needs a tokenizer", params, use_tqdm=False)

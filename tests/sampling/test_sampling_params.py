@@ -63,14 +63,41 @@ def test_valid_edges_accepted():
     ({"max_tokens": "8"}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": 2**31}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 2**40}, "prompt_logprobs"),
+    ({"n": 257}, "n"),
+    ({"n": 2**70}, "n"),
+    ({"temperature": 1e308}, "temperature"),
+    ({"temperature": 2**1100}, "temperature"),
+    ({"top_p": float("inf")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": 1180591620717411303424}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"presence_penalty": float("-inf")}, "presence_penalty"),
+    ({"repetition_penalty": 11}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"stop": ["s"] * 17}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"min_tokens": 2**31, "max_tokens": None}, "min_tokens"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} must"):
         SamplingParams(**kwargs)
+
+
+def test_full_64_bit_seed_range_and_long_values_cut_short():
+    for seed in (-(2**63), -1, 0, 2**63, 2**64 - 1):
+        assert SamplingParams(seed=seed).seed == seed
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=["x" * 100_000])
+    assert len(str(e.value)) < 300  # a client's long value is not echoed back whole
 
 
 def test_message_shows_value():

@@ -13,10 +13,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tessera.sampling.params import MAX_LOGPROBS
+from tessera.sampling.params import (
+    INT32_MAX,
+    MAX_ABS_PENALTY,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STR_LEN,
+    MAX_STOP_STRINGS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
-# torch seeds a generator from a 64-bit value; anything wider would fail inside the engine
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# prompts in one /v1/completions request (each becomes an engine request with n sequences)
+MAX_PROMPTS_PER_REQUEST = 64
+# characters of one chat message or text part; the prompt's own bound (max_model_len tokens)
+# is checked before tokenization, in the serving code
+MAX_TEXT_CHARS = 4 * 2**20
 
 
 class _Request(BaseModel):
@@ -52,28 +64,30 @@ class StructuredOutputsRequest(_Request):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+_StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STR_LEN)]
 
 
 class _SamplingRequest(_Request):
     """Fields common to both POST endpoints: OpenAI's, then vLLM's extras."""
 
     model: str | None = Field(None, description="the served model name; default: the only one")
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="end-user id; accepted, not used")
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX,
+                              description="-1 or 0: off; above the vocabulary size: off")
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool | None = False
-    min_tokens: int | None = Field(0, ge=0)
+    min_tokens: int | None = Field(0, ge=0, le=INT32_MAX)
     priority: int | None = Field(0, ge=-(2**31), le=2**31 - 1,
                                  description="lower runs first under --scheduling-policy priority; "
                                              "must be 0 under fcfs")
@@ -98,15 +112,16 @@ class _SamplingRequest(_Request):
 
 
 _Text = Annotated[str, Field(min_length=1)]
-_TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-Prompt = _Text | Annotated[list[_Text], Field(min_length=1)] | _TokenIds | Annotated[
-    list[_TokenIds], Field(min_length=1)]
+_TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+_Many = Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)
+Prompt = _Text | Annotated[list[_Text], _Many] | _TokenIds | Annotated[list[_TokenIds], _Many]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt = Field(description="a string, strings, token ids, or lists of token ids")
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX,
+                                 description="at most the server's --max-logprobs (default 20)")
     echo: bool | None = False
     suffix: str | None = Field(None, description="refused: the model has no infill mode")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep the last N tokens")
@@ -114,7 +129,7 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
 class FunctionCall(_Request):
@@ -130,8 +145,8 @@ class ToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Annotated[str, Field(max_length=MAX_TEXT_CHARS)] | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call this answers
 
@@ -165,11 +180,14 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="default: what is left of the context")
-    max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
+                                   description="default: what is left of the context")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
+                                              description="same as max_tokens")
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX,
+                                     description="at most the server's --max-logprobs (default 20)")
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="accepted; calls are parsed as "
@@ -306,7 +324,7 @@ class ErrorInfo(_Response):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None
 
 
 class ErrorResponse(_Response):

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tessera.engine.async_engine import EngineError, RequestAbortedError
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request
@@ -27,6 +27,7 @@ from tessera.entrypoints.openai.protocol import (
     dump_chunk,
 )
 from tessera.entrypoints.openai.serving_engine import (
+    EngineStreamingResponse,
     OpenAIServing,
     check_output,
     merge_streams,
@@ -45,7 +46,6 @@ from tessera.entrypoints.openai.structured import (
 )
 from tessera.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tessera.outputs import CompletionOutput
-from tessera.tokenizer import apply_chat_template
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -58,7 +58,8 @@ class OpenAIServingChat(OpenAIServing):
                               "prompts", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        token_ids = self.render(req)
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
+        token_ids = await self.render(req)
         max_tokens = self.resolve_max_tokens(len(token_ids),
                                              req.max_completion_tokens or req.max_tokens)
         params = self.sampling_params(
@@ -66,8 +67,11 @@ class OpenAIServingChat(OpenAIServing):
         await self.check_constraint(params, constraint_field(req))
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(self._stream(req, raw_request, base_id, token_ids, params),
-                                     media_type="text/event-stream")
+            # started before the response: a refusal is still an HTTP error, not a 200 + event
+            streams = await self.start(base_id, [token_ids], params, req.priority or 0)
+            return EngineStreamingResponse(
+                self._stream(req, raw_request, base_id, token_ids, streams), self.engine,
+                [f"{base_id}-0"])
         finals = await self.run_to_completion(raw_request, base_id, [token_ids], params,
                                               req.priority or 0)
         if finals is None:
@@ -99,9 +103,10 @@ class OpenAIServingChat(OpenAIServing):
                           finish_reason=tool_finish_reason(req, o.finish_reason, calls),
                           stop_reason=o.stop_reason)
 
-    def render(self, req: ChatCompletionRequest) -> list[int]:
+    async def render(self, req: ChatCompletionRequest) -> list[int]:
         """Prompt token ids: the chat template over the messages (and tools), with the
-        generation prompt unless the request continues its final message."""
+        generation prompt unless the request continues its final message. Checked, then
+        rendered off the event loop; a template's refusal is a 400."""
         if req.continue_final_message and req.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs the last message to be the "
                               "assistant's", "continue_final_message")
@@ -113,16 +118,11 @@ class OpenAIServingChat(OpenAIServing):
         conversation = [message_dict(m) for m in req.messages]
         tools = ([t.function.model_dump(exclude_none=True) for t in req.tools]
                  if req.tools and req.tool_choice != "none" else None)
-        try:
-            token_ids = apply_chat_template(
-                self.tokenizer, conversation, tools=tools,
-                chat_template=req.chat_template or self.chat_template,
-                add_generation_prompt=req.add_generation_prompt is not False,
-                continue_final_message=bool(req.continue_final_message))
-        except Exception as e:  # no template, or jinja refusing (e.g. roles must alternate)
-            param = "chat_template" if req.chat_template else "messages"
-            raise bad_request(f"could not apply the chat template: {type(e).__name__}: "
-                              f"{str(e)[:200]}", param) from None
+        token_ids = await self.preprocessor.render_chat(
+            conversation, "chat_template" if req.chat_template else "messages", tools=tools,
+            chat_template=req.chat_template or self.chat_template,
+            add_generation_prompt=req.add_generation_prompt is not False,
+            continue_final_message=bool(req.continue_final_message))
         if not token_ids:
             raise bad_request("messages render to an empty prompt", "messages")
         return token_ids
@@ -141,7 +141,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _stream(self, req: ChatCompletionRequest, raw_request: Request, base_id: str,
-                      token_ids: list[int], params) -> AsyncIterator[str]:
+                      token_ids: list[int], streams) -> AsyncIterator[str]:
         created = int(time.time())
         request_ids = [f"{base_id}-0"]
 
@@ -160,7 +160,6 @@ class OpenAIServingChat(OpenAIServing):
                             for _ in range(req.n)]
         try:
             async with self.abort_on_disconnect(raw_request, request_ids):
-                streams = await self.start(base_id, [token_ids], params, req.priority or 0)
                 yield chunk([ChatStreamChoice(index=j, delta=ChatDelta(role="assistant",
                                                                        content=""))
                              for j in range(req.n)])

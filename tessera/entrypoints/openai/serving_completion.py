@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tessera.engine.async_engine import EngineError, RequestAbortedError
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request
@@ -21,6 +21,7 @@ from tessera.entrypoints.openai.protocol import (
     dump_chunk,
 )
 from tessera.entrypoints.openai.serving_engine import (
+    EngineStreamingResponse,
     OpenAIServing,
     check_output,
     clamp_logprob,
@@ -47,7 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
                               "this model has none", "suffix")
         if self.tokenizer is None:
             self._check_without_tokenizer(req)
-        prompts = self._prompts(req.prompt)
+        self.check_logprobs(req.logprobs, "logprobs")
+        prompts = await self._prompts(req.prompt)
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N prompt tokens
             for p in prompts:
                 if len(p.token_ids) > req.truncate_prompt_tokens:
@@ -62,8 +64,13 @@ class OpenAIServingCompletion(OpenAIServing):
         await self.check_constraint(params, constraint_field(req))
         base_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(self._stream(req, raw_request, base_id, prompts, params),
-                                     media_type="text/event-stream")
+            # started before the response: a refusal is still an HTTP error, not a 200 + event
+            streams = await self.start(base_id, [p.token_ids for p in prompts], params,
+                                       req.priority or 0)
+            request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+            return EngineStreamingResponse(
+                self._stream(req, raw_request, base_id, prompts, streams), self.engine,
+                request_ids)
         finals = await self.run_to_completion(raw_request, base_id, [p.token_ids for p in prompts],
                                               params, req.priority or 0)
         if finals is None:
@@ -97,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("stop requires a tokenizer (stop strings match text), and this "
                               "model has none", "stop")
 
-    def _prompts(self, prompt: str | list) -> list[_Prompt]:
+    async def _prompts(self, prompt: str | list) -> list[_Prompt]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -105,10 +112,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if isinstance(prompt[0], int):
             prompt = [prompt]
         prompts = []
+        for i, p in enumerate(prompt):  # every text checked before any is tokenized
+            if isinstance(p, str):
+                self.preprocessor.check_text(p, "prompt" if len(prompt) == 1 else f"prompt.{i}")
         for i, p in enumerate(prompt):
             param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
             if isinstance(p, str):
-                token_ids = self.tokenizer.encode(p)
+                token_ids = await self.preprocessor.encode(p, param)
                 if not token_ids:
                     raise bad_request(f"{param} must not be empty", param)
                 prompts.append(_Prompt(p, token_ids))
@@ -159,7 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 {self.tokenizer.decode([t]): lp for t, lp in top_entries(alternatives, k)})
 
     async def _stream(self, req: CompletionRequest, raw_request: Request, base_id: str,
-                      prompts: list[_Prompt], params) -> AsyncIterator[str]:
+                      prompts: list[_Prompt], streams) -> AsyncIterator[str]:
         created = int(time.time())
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         started: set[int] = set()  # choice indexes that sent their first chunk
@@ -167,8 +177,6 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageInfo(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         try:
             async with self.abort_on_disconnect(raw_request, request_ids):
-                streams = await self.start(base_id, [p.token_ids for p in prompts], params,
-                                           req.priority or 0)
                 async for i, out in merge_streams(streams):  # DELTA outputs: only what is new
                     check_output(out)
                     choices = []

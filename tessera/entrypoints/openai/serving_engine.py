@@ -11,7 +11,7 @@ import math
 from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from tessera.config import SchedulingPolicy
 from tessera.engine.async_engine import (
@@ -21,6 +21,7 @@ from tessera.engine.async_engine import (
     RequestAbortedError,
 )
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from tessera.entrypoints.openai.preprocess import Preprocessor
 from tessera.entrypoints.openai.protocol import TopLogprob, _SamplingRequest
 from tessera.entrypoints.openai.structured import structured_outputs_of
 from tessera.inputs import InvalidTokenIdError, check_token_ids
@@ -34,8 +35,9 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
-                 chat_template: str | None = None, sampling_defaults: dict | None = None,
-                 log_requests: bool = False, tool_call_parser: str | None = None) -> None:
+                 preprocessor: Preprocessor, chat_template: str | None = None,
+                 sampling_defaults: dict | None = None, log_requests: bool = False,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.chat_template = chat_template  # --chat-template: replaces the model's
@@ -45,7 +47,9 @@ class OpenAIServing:
         # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" is parsed
         self.tool_call_parser = tool_call_parser
         self.tokenizer = engine.tokenizer
+        self.preprocessor = preprocessor  # tokenizes off the event loop, after the cheap checks
         self.max_model_len = engine.max_model_len
+        self.max_logprobs = engine.max_logprobs
         self.vocab_size = engine.vocab_size
         # AsyncLLMEngine does not surface the policy; the wrapped engine's config is its one home
         self.scheduling_policy: SchedulingPolicy = engine.scheduling_policy
@@ -94,6 +98,12 @@ class OpenAIServing:
                 "shorten the prompt or lower max_tokens", "max_tokens")
         return max_tokens
 
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        """As vLLM: at most --max-logprobs alternatives per token."""
+        if value is not None and value > self.max_logprobs:
+            raise bad_request(f"{param} ({value}) exceeds the server's --max-logprobs "
+                              f"({self.max_logprobs})", param)
+
     def sampling_params(self, req: _SamplingRequest, max_tokens: int | None,
                         **kw) -> SamplingParams:
         """SamplingParams from the request; unset fields keep SamplingParams' defaults."""
@@ -116,7 +126,7 @@ class OpenAIServing:
         try:
             params = SamplingParams(**args)
             params.check_vocab(self.vocab_size)
-        except ValueError as e:
+        except ValueError as e:  # SamplingParams' messages start with the field's name
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
         return params
 
@@ -147,8 +157,8 @@ class OpenAIServing:
         except BaseException as e:
             # a stream not yet iterated has no running `finally`: abort by id
             self.engine.abort([f"{base_id}-{i}" for i in range(len(streams))])
-            if isinstance(e, ValueError):
-                raise bad_request(str(e)) from None
+            if isinstance(e, ValueError):  # the engine's own checks (they name the field)
+                raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
             if isinstance(e, EngineShutdownError):
                 raise OpenAIError(503, str(e), code="service_unavailable") from None
             if isinstance(e, EngineError):
@@ -248,14 +258,34 @@ def check_output(out: RequestOutput) -> None:
 
 
 def stream_error_event(e: BaseException) -> str:
-    """The SSE event for an error that ends a stream."""
+    """The SSE event for an error that ends a stream after its first chunk (one refused before
+    that is an HTTP error instead: the engine requests are started before the response is)."""
     if isinstance(e, OpenAIError):
         body = error_body(e.status, e.message, type=e.type, param=e.param, code=e.code)
     elif isinstance(e, RequestAbortedError):
         body = error_body(503, str(e), code="aborted")
-    else:
+    elif isinstance(e, EngineError):  # our messages, written for clients
         body = error_body(500, str(e))
+    else:
+        body = error_body(500, f"internal error ({type(e).__name__})")
     return f"data: {json.dumps(body)}\n\n"
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response over engine requests that were started before it: whatever becomes of the
+    response (finished, failed, the client gone before the first byte), its requests are aborted
+    when it ends, so none keeps running for nobody."""
+
+    def __init__(self, content, engine: AsyncLLMEngine, request_ids: list[str]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._engine = engine
+        self._request_ids = request_ids
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine.abort(self._request_ids)
 
 
 def clamp_logprob(value: float) -> float:

@@ -31,10 +31,10 @@ class OpenAIServingTokenization(OpenAIServing):
                 messages=req.messages, tools=req.tools, tool_choice=None,
                 chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message)
-            token_ids = chat.render(as_chat)
+            token_ids = await chat.render(as_chat)
         else:
-            token_ids = self.tokenizer.encode(req.prompt,
-                                              add_special_tokens=req.add_special_tokens)
+            token_ids = await self.preprocessor.encode(req.prompt, "prompt",
+                                                       req.add_special_tokens)
         strs = (self.tokenizer.convert_ids_to_tokens(token_ids) if req.return_token_strs
                 else None)
         body = TokenizeResponse(count=len(token_ids), max_model_len=self.max_model_len,
