@@ -70,10 +70,13 @@ def merge_outputs(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
     """One output for disjoint sets of requests (rows concatenated in order)."""
     merged = ModelRunnerOutput()
     with_logprobs = any(o.logprobs for o in outputs)
+    with_drafts = any(o.spec_token_ids for o in outputs)
     for o in outputs:
         merged.req_ids += o.req_ids
         merged.sampled_token_ids += o.sampled_token_ids
         if with_logprobs:
             merged.logprobs += o.logprobs or [[] for _ in o.req_ids]
+        if with_drafts:  # speculative decoding: a half without proposals proposes nothing
+            merged.spec_token_ids += o.spec_token_ids or [[] for _ in o.req_ids]
         merged.prompt_logprobs.update(o.prompt_logprobs)
     return merged
