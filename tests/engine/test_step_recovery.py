@@ -88,3 +88,19 @@ def test_transient_fault_fails_nobody_and_a_broken_step_fails_everyone(
     outs = llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
     assert len(outs) == 2 and all(o.failed for o in outs)
     assert llm.get_metrics()["tessera:kv_cache_usage_perc"] == 0.0
+
+
+def test_merge_outputs_keeps_rows_aligned():
+    """Halves re-run apart merge into one output whose per-row lists (tokens, logprobs, drafts)
+    stay aligned with req_ids, also when only one half has logprobs or drafts."""
+    from tessera.core.runner_output import ModelRunnerOutput
+    from tessera.engine.step_recovery import merge_outputs
+
+    a = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[1]], logprobs=[[{1: -0.5}]],
+                          spec_token_ids=[[7, 8]])
+    b = ModelRunnerOutput(req_ids=["b", "c"], sampled_token_ids=[[2], [3, 4]])
+    m = merge_outputs([a, b])
+    assert m.req_ids == ["a", "b", "c"] and m.sampled_token_ids == [[1], [2], [3, 4]]
+    assert m.logprobs == [[{1: -0.5}], [], []]
+    assert m.spec_token_ids == [[7, 8], [], []]
+    assert merge_outputs([b]).spec_token_ids == []
