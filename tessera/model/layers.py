@@ -43,6 +43,13 @@ class Linear:
         elif pack and _mkldnn_linear_ok(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight this layer holds and streams per call."""
+        t = self.kernel.panels if self.kernel is not None else self.packed if self.packed is not None else self.weight
+        assert t is not None
+        return t.numel() * t.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x)
@@ -92,6 +99,11 @@ class Embedding:
     def __init__(self, weight: torch.Tensor | QuantPart, dtype: torch.dtype):
         self.weight = weight
         self.dtype = dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        w = self.weight
+        return w.packed.numel() if isinstance(w, QuantPart) else w.numel() * w.element_size()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
