@@ -42,8 +42,11 @@ _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 PANEL = 48  # output features per panel: kPanel in linear_tiles.h
 # Row count from which a panel is dequantized once into a dense panel and the dense tiles run
 # over it (same result, bit for bit); below it each block is dequantized in registers for every
-# row. Measured with benchmarks/linear.py --quant (see the table in its docstring).
-DENSE_MIN_ROWS = 16
+# row. Measured on 30 layers of the default model's Q4_1 shapes (ms, registers / dense panel):
+#   fp32: M=8 17.5 / 28.7, M=16 29.9 / 37.6, M=32 ~50 / ~47, M=64 100 / 65, M=512 869 / 624
+#   bf16: M=8 33.6 / 48.7, M=16 78.9 / 60.5, M=32 134 / 109, M=64 180 / 127, M=512 1360 / 977
+# (on two cores shared with other jobs: differences under ~15% are noise).
+DENSE_MIN_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,7 @@ class QuantLinear:
         self.out_features = sum(p.n for p in parts)
         module = _module() if quant_kernel_supported(dtype, device) else None
         self._kernel = None if module is None else module.quant_linear_out
+        self._dense_min_rows = DENSE_MIN_ROWS.get(dtype, 0)
         if self._kernel is None:
             logger.warning(
                 "quantized linear: no C++ kernel for %s on %s; dequantizing on every call (slow)",
@@ -214,7 +218,7 @@ class QuantLinear:
         col = 0
         for p in self.parts:
             out = y if len(self.parts) == 1 else y[:, col : col + p.n]
-            self._kernel(x2, p.packed, p.fmt.kernel_id, p.n, p.bias, out, DENSE_MIN_ROWS)
+            self._kernel(x2, p.packed, p.fmt.kernel_id, p.n, p.bias, out, self._dense_min_rows)
             col += p.n
         return y.view(*lead, self.out_features)
 

@@ -74,7 +74,7 @@ def test_kernel_matches_float64_matmul(qtype, dtype):
         ref_w = w.dequantize()
         bias = torch.randn(n) if i % 2 else None
         lin = ql.QuantLinear([w.pack(None if bias is None else ql.pad_bias(bias.to(dtype)))], dtype, CPU)
-        for m in (1, 5, ql.DENSE_MIN_ROWS + 3):
+        for m in (1, 5, ql.DENSE_MIN_ROWS[dtype] + 3):
             # a strided x: rows of a wider buffer
             x = torch.randn(m, k + 16).to(dtype)[:, 3 : 3 + k]
             y = lin(x)
@@ -96,7 +96,8 @@ def test_kernel_equals_dense_kernel_and_rows_are_independent(qtype, dtype):
     dense = PackedLinearWeight(w.dequantize().to(dtype))
     x = torch.randn(70, k).to(dtype)
     alone = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])
-    for m in (1, 4, 8, 9, ql.DENSE_MIN_ROWS - 1, ql.DENSE_MIN_ROWS, 40, 70):
+    edge = ql.DENSE_MIN_ROWS[dtype]
+    for m in (1, 4, 8, 9, edge - 1, edge, 40, 70):
         y = lin(x[:m])
         assert torch.equal(y, dense(x[:m])), f"differs from the dense kernel at M={m}"
         assert torch.equal(y, alone[:m]), f"a row depends on its batch at M={m}"
