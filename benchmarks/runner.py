@@ -5,6 +5,13 @@ achieved GFLOP/s against a matmul peak measured here. Ratios are what carry acro
 
     python benchmarks/runner.py [--dtype bfloat16] [--batches 1,16,64] [--skip-hf]
     python benchmarks/runner.py --profile 64 [--dtype bfloat16]   # where a decode step's time goes
+    python benchmarks/runner.py --quantization none   # today's dequantized weights (default: gguf)
+    python benchmarks/runner.py --compare-quantization   # GGUF-quantized vs bf16 vs fp32, one run
+
+`--compare-quantization` runs the same workloads on the default model with its Q4_1/Q8_0 weights
+kept quantized (fp32 and bf16 activations) and dequantized to bf16 and fp32, and prints tok/s,
+the weight bytes each token streams (all linear weights once per step, divided by the batch) and
+the GB/s of weights that reaches.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from tessera.config import default_num_threads
+from tessera.kernels.quant_linear import QuantLinear
 from tessera.model.default_model import resolve_model_path
+from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.llama import LlamaForCausalLM
 from tessera.model.loader import load_model
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -47,6 +56,7 @@ def attn_flops(cfg, num_queries: int, context: float) -> float:
 class Ours:
     def __init__(self, cfg, weights, dtype, block_size=16, num_blocks=1300):
         self.model = LlamaForCausalLM(cfg, weights, dtype, torch.device("cpu"), 2048)
+        self.weight_bytes = self.model.weight_bytes()
         spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
         self.cache = CacheEngine(spec, num_blocks, 0, torch.device("cpu"))
         self.runner = ModelRunner(self.model, self.cache, block_size, torch.device("cpu"))
@@ -131,6 +141,7 @@ def profile_decode(engine: Ours, batch: int, ctx: int, steps: int = 8) -> None:
 
     patches = [
         (layers.Linear, "__call__", "linear"),
+        (QuantLinear, "__call__", "linear"),
         (layers.RMSNorm, "__call__", "rms_norm"),
         (layers.RMSNorm, "add_and_norm", "add+rms_norm"),
         (layers.SiluAndMul, "__call__", "silu*up"),
@@ -161,9 +172,38 @@ def profile_decode(engine: Ours, batch: int, ctx: int, steps: int = 8) -> None:
     print(f"  {'rest (embed, lm-head sampling, metadata, python)':<24}{rest / steps / 1e3:>8.2f} ms  {100 * rest / step_us:>5.1f}%")
 
 
+COMPARED = [("gguf", "float32"), ("gguf", "bfloat16"), ("none", "bfloat16"), ("none", "float32")]
+
+
+def compare_quantization(batches, ctx, steps, prefill_len) -> None:
+    """Quantized against dequantized weights, every workload, one process (same machine state)."""
+    path = resolve_model_path(None)
+    rows: dict[str, dict[str, tuple[float, float]]] = {}
+    for quantization, dtype in COMPARED:
+        cfg, weights = load_model(path, quantization)
+        ours = Ours(cfg, weights, getattr(torch, dtype))
+        del weights
+        name = f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"
+        res = run(ours, cfg, batches, ctx, steps, prefill_len)
+        mb = ours.weight_bytes
+        print(f"{name}: linear weights {mb['linear'] / 1e6:.1f} MB, separate embedding {mb['embedding'] / 1e6:.1f} MB", flush=True)
+        rows[name] = {k: (tps, mb["linear"]) for k, (tps, _) in res.items()}
+        del ours
+    base = "dense/bfloat16"
+    print(f"{'workload':<12}{'weights':<16}{'tok/s':>9}{'MB/token':>10}{'GB/s':>7}{'vs bf16':>9}")
+    for key in rows[base]:
+        per_step = prefill_len if key == "prefill" else int(key.split("@")[1])
+        for name, res in rows.items():
+            tps, wbytes = res[key]
+            print(f"{key:<12}{name:<16}{tps:>9.1f}{wbytes / per_step / 1e6:>10.2f}"
+                  f"{tps / per_step * wbytes / 1e9:>7.1f}{tps / rows[base][key][0]:>8.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default="gguf", choices=["none", "gguf"])
+    ap.add_argument("--compare-quantization", action="store_true")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
@@ -174,7 +214,10 @@ def main() -> None:
     torch.set_num_threads(default_num_threads())
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
-    cfg, weights = load_model(resolve_model_path(None))
+    if args.compare_quantization:
+        compare_quantization(batches, args.ctx, args.steps, args.prefill_len)
+        return
+    cfg, weights = load_model(resolve_model_path(None), args.quantization)
     if args.profile:
         profile_decode(Ours(cfg, weights, dtype), args.profile, args.ctx)
         return
@@ -182,7 +225,8 @@ def main() -> None:
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} matmul peak {peak:.0f} GFLOP/s")
     results = {"tessera": run(Ours(cfg, weights, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)}
     if not args.skip_hf:
-        results["hf"] = run(HF(cfg, weights, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)
+        dense = {k: v.dequantize() if isinstance(v, QuantizedTensor) else v for k, v in weights.items()}
+        results["hf"] = run(HF(cfg, dense, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)
     print(f"{'workload':<14}{'tessera tok/s':>14}{'GFLOP/s':>9}{'% peak':>8}" + (f"{'HF tok/s':>10}{'ratio':>8}" if "hf" in results else ""))
     for key, (tps, gf) in results["tessera"].items():
         line = f"{key:<14}{tps:>14.1f}{gf:>9.1f}{100 * gf / peak:>7.0f}%"

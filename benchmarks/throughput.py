@@ -2,6 +2,8 @@
 16-256 tokens with ignore_eos), Tessera against HF transformers static batching in the same run.
 
     python benchmarks/throughput.py [--dtype bfloat16] [--num-requests 64] [--skip-hf] [--hf-batch 16]
+    python benchmarks/throughput.py --quantization none   # dequantized weights (default: gguf)
+    python benchmarks/throughput.py --compare-quantization   # W1: quantized vs bf16 vs fp32, one run
 
 `--num-requests` above 64 draws W1 again with seeds 1, 2, ... (the first 64 stay W1 itself).
 Prints how many requests ran, useful output tok/s for both, the ratio, and where Tessera's step
@@ -68,6 +70,19 @@ def run_hf(prompts, out_lens, dtype: str, batch_size: int) -> tuple[float, int]:
     return time.perf_counter() - start, sum(out_lens)
 
 
+def compare_quantization(prompts, out_lens, engine_args) -> None:
+    """W1 with the GGUF's quantized weights (fp32 and bf16 activations) against the same weights
+    dequantized to bf16 and fp32, in one process; output tok/s and the ratio to bf16."""
+    results = {}
+    for quantization, dtype in [("gguf", "float32"), ("gguf", "bfloat16"), ("none", "bfloat16"), ("none", "float32")]:
+        elapsed, tokens, llm = run_tessera(prompts, out_lens, dtype, quantization=quantization, **engine_args)
+        results[f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"] = tokens / elapsed
+        del llm
+    base = results["dense/bfloat16"]
+    for name, tps in results.items():
+        print(f"W1 {name:<16}{tps:>8.1f} output tok/s{tps / base:>7.2f}x bf16")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -76,12 +91,19 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--quantization", default="gguf", choices=["none", "gguf"])
+    ap.add_argument("--compare-quantization", action="store_true")
     args = ap.parse_args()
     prompts, out_lens = workload(args.num_requests)
     num = len(prompts)
+    engine_args = {
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    if args.compare_quantization:
+        compare_quantization(prompts, out_lens, engine_args)
+        return
     elapsed, tokens, llm = run_tessera(
-        prompts, out_lens, args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        prompts, out_lens, args.dtype, quantization=args.quantization, **engine_args
     )
     ours = tokens / elapsed
     st = llm.llm_engine.step_times

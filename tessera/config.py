@@ -44,10 +44,15 @@ class ModelConfig:
     seed: int = 0
     # most alternatives per token a request may ask for (logprobs, prompt_logprobs, top_logprobs)
     max_logprobs: int = 20
+    # "gguf": a GGUF's weights stay in their quantized blocks where a kernel serves the type
+    # (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), dequantized elsewhere; "none": all dequantized at load
+    quantization: str = "gguf"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in ("none", "gguf"):
+            raise ValueError(f"--quantization must be none or gguf, got {self.quantization!r}")
         if self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.max_logprobs < 0:
@@ -225,6 +230,12 @@ class EngineArgs:
         None, "GGUF file or HF directory (config.json + *.safetensors); default: SmolLM2-135M-Instruct"
     )
     dtype: str = _arg("float32", "compute dtype", choices=["float32", "bfloat16"])
+    quantization: str = _arg(
+        "gguf",
+        "gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as they are and run "
+        "them with the quantized kernels, dequantizing other types; none: dequantize all at load",
+        choices=["none", "gguf"],
+    )
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda:0")
     seed: int = _arg(0, "seed for sampling requests that do not give their own")
     max_model_len: int | None = _arg(
@@ -285,7 +296,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=max_model_len, seed=self.seed,
-                max_logprobs=self.max_logprobs,
+                max_logprobs=self.max_logprobs, quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -39,22 +39,24 @@ class ModelBundle:
     dtype: str
     device: str
     max_positions: int
+    quantization: str = "gguf"
 
 
 def load_bundle(args: EngineArgs) -> ModelBundle:
     # fail on bad flags before spending seconds on the weights; checks that need the model's own
     # context limit (an unset --max-model-len) wait for it
-    dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config()
+    early = dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config()
     path = resolve_model_path(args.model)
-    arch, weights = load_model(path)
+    arch, weights = load_model(path, early.model.quantization)
     config = args.create_engine_config(arch.max_position_embeddings)
     torch.set_num_threads(default_num_threads())
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
     model = model_cls(arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len)
+    del weights  # the model holds its own (packed) copies; the file's blocks go now
     return ModelBundle(
         path, arch, model, load_tokenizer(path), config.model.dtype, config.device.device,
-        config.model.max_model_len,
+        config.model.max_model_len, config.model.quantization,
     )
 
 
@@ -64,10 +66,13 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     bundle = bundle or load_bundle(args)
     arch, path = bundle.arch, bundle.path
     config = args.create_engine_config(arch.max_position_embeddings)
-    if (config.model.dtype, config.device.device) != (bundle.dtype, bundle.device) or (
+    loaded = (bundle.dtype, bundle.device, bundle.quantization)
+    if (config.model.dtype, config.device.device, config.model.quantization) != loaded or (
         config.model.max_model_len > bundle.max_positions
     ):
-        raise ValueError("the model bundle was loaded with another dtype, device or max_model_len")
+        raise ValueError(
+            "the model bundle was loaded with another dtype, device, quantization or max_model_len"
+        )
     torch.manual_seed(config.model.seed)
     device = torch.device(config.device.device)
     dtype = getattr(torch, config.model.dtype)

@@ -67,14 +67,16 @@ _DONE = "key.json"
 _built: dict[str, ModuleType | None] = {}
 
 
-def load_extension(name: str, source: Path) -> ModuleType | None:
-    """The compiled module for `source` (built once per key), or None if it cannot be built."""
+def load_extension(name: str, source: Path, depends: Sequence[Path] = ()) -> ModuleType | None:
+    """The compiled module for `source` (built once per key), or None if it cannot be built.
+
+    `depends`: headers the source includes; their bytes join the key, so editing one rebuilds."""
     if name in _built:
         return _built[name]
     module = None
     if not os.environ.get("TESSERA_DISABLE_CPP_KERNELS"):
         try:
-            module = _load_cached(name, source)
+            module = _load_cached(name, source, depends)
         except Exception as e:  # compiler, ninja or header problems: run on the torch path instead
             logger.warning("C++ kernel %s unavailable, using the torch fallback: %s", name, e)
     _built[name] = module
@@ -124,8 +126,10 @@ def _cache_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
-def _load_cached(name: str, source: Path) -> ModuleType:
-    inputs = _key_inputs(source.read_bytes(), CFLAGS, LDFLAGS)
+def _load_cached(name: str, source: Path, depends: Sequence[Path] = ()) -> ModuleType:
+    # headers are appended to the source bytes: a changed header is a changed build
+    text = source.read_bytes() + b"".join(b"\0" + dep.read_bytes() for dep in depends)
+    inputs = _key_inputs(text, CFLAGS, LDFLAGS)
     ext_name = f"{name}_{_digest(inputs)}"  # a valid module name: the .cpp's PyInit_ uses it
     build_dir = _cache_root() / ext_name
     if (build_dir / _DONE).exists():

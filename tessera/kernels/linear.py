@@ -30,10 +30,11 @@ import torch
 from tessera.kernels.build import load_extension
 
 _SOURCE = Path(__file__).with_name("linear.cpp")
+TILES_HEADER = Path(__file__).with_name("linear_tiles.h")  # the panel layout, shared with quant_linear
 
 
 def _module() -> ModuleType | None:
-    return load_extension("tessera_linear", _SOURCE)
+    return load_extension("tessera_linear", _SOURCE, depends=(TILES_HEADER,))
 
 
 def linear_kernel_supported(weight: torch.Tensor) -> bool:

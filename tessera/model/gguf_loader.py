@@ -2,7 +2,10 @@
 
 Three things differ from an HF checkpoint and are undone here:
 - names: `blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight` (see `_NAME_MAP`);
-- quantisation: every tensor is dequantised to float32 with `gguf.quants.dequantize`;
+- quantisation: with `quantization="none"` every tensor is dequantised to float32 with
+  `gguf.quants.dequantize`; with "gguf", 2-D weights of a type our kernel serves (Q4_0, Q4_1, Q8_0,
+  Q4_K, Q6_K) stay in their blocks as `QuantizedTensor`s (tessera/model/gguf_quant.py), the rest
+  is dequantised;
 - llama.cpp's converter permutes the rows of Llama's Q and K weights so that its interleaved RoPE
   (pairs (2j, 2j+1)) equals HF's rotate_half RoPE (pairs (j, j + head_dim/2)); `_unpermute_rows`
   puts them back. Qwen2 uses NEOX-style RoPE in llama.cpp and is stored unpermuted.
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 
 from tessera.model.config import ModelArchConfig
+from tessera.model.gguf_quant import KERNEL_FORMATS, QuantizedTensor
 from tessera.model.registry import GGUF_ARCHITECTURES, has_qkv_bias
 
 logger = logging.getLogger(__name__)
@@ -52,15 +56,26 @@ _PLAIN_TYPES = {
 }
 
 
-def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
-    """Config from the GGUF metadata and float32 HF-named, HF-laid-out weights."""
+QUANTIZATION_CHOICES = ("none", "gguf")
+
+
+def load_gguf(
+    path: str, quantization: str = "none"
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor | QuantizedTensor]]:
+    """Config from the GGUF metadata and HF-named, HF-laid-out weights: float32 tensors, and with
+    quantization="gguf" `QuantizedTensor`s for the weights a quantized kernel serves."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of none, gguf, got {quantization!r}")
     reader = gguf.GGUFReader(path, "r")
-    arrays = {t.name: dequantize_tensor(t) for t in reader.tensors}
+    arrays: dict[str, np.ndarray | QuantizedTensor] = {
+        t.name: _keep_quantized(t) if quantization == "gguf" and _kernel_serves(t) else dequantize_tensor(t)
+        for t in reader.tensors
+    }
     rope_freqs = arrays.pop("rope_freqs.weight", None)
     config = _read_config(reader, path, arrays, rope_freqs)
     _, permuted = GGUF_ARCHITECTURES[_field(reader, "general.architecture")]
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for gguf_name, array in arrays.items():
         name = _hf_name(gguf_name)
         if name is None:
@@ -70,8 +85,11 @@ def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
             num_heads = (
                 config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             )
-            array = _unpermute_rows(array, num_heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+            array = _unpermute(array, num_heads)
+        if isinstance(array, QuantizedTensor):
+            weights[name] = array
+        else:
+            weights[name] = torch.from_numpy(np.ascontiguousarray(array))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return config, weights
@@ -87,6 +105,24 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     # F32 comes back as a view of the read-only memmap: copy so torch owns writable memory.
     array = np.array(array, dtype=np.float32, copy=True)
     return array.reshape(shape)
+
+
+def _kernel_serves(tensor: gguf.ReaderTensor) -> bool:
+    return tensor.tensor_type in KERNEL_FORMATS and len(tensor.shape) == 2
+
+
+def _keep_quantized(tensor: gguf.ReaderTensor) -> QuantizedTensor:
+    """The tensor's blocks, copied out of the file's mmap (so the mapping closes after loading)."""
+    shape = torch.Size(int(d) for d in reversed(tensor.shape))
+    return QuantizedTensor(tensor.tensor_type, np.array(tensor.data, copy=True), shape)
+
+
+def _unpermute(w: np.ndarray | QuantizedTensor, num_heads: int) -> np.ndarray | QuantizedTensor:
+    """`_unpermute_rows` on float rows or on rows of blocks (a row's blocks move with it)."""
+    if isinstance(w, QuantizedTensor):
+        rows = _unpermute_rows(w.data, num_heads)
+        return QuantizedTensor(w.qtype, np.ascontiguousarray(rows), w.shape)
+    return _unpermute_rows(w, num_heads)
 
 
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -114,7 +150,10 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
 
 
 def _read_config(
-    reader: gguf.GGUFReader, path: str, arrays: dict[str, np.ndarray], rope_freqs: np.ndarray | None
+    reader: gguf.GGUFReader,
+    path: str,
+    arrays: dict[str, np.ndarray | QuantizedTensor],
+    rope_freqs: np.ndarray | QuantizedTensor | None,
 ) -> ModelArchConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:

@@ -10,6 +10,10 @@ import torch.nn.functional as F
 
 from tessera.kernels.fused import fused_ops_for
 from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
+from tessera.kernels.quant_linear import QuantLinear, QuantPart, dequantize_rows, pad_bias
+from tessera.model.gguf_quant import QuantizedTensor
+
+Weight = torch.Tensor | QuantizedTensor  # a loaded weight: dense (HF layout) or GGUF blocks
 
 
 def _mkldnn_linear_ok(weight: torch.Tensor) -> bool:
@@ -39,12 +43,73 @@ class Linear:
         elif pack and _mkldnn_linear_ok(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight this layer holds and streams per call."""
+        t = self.kernel.panels if self.kernel is not None else self.packed if self.packed is not None else self.weight
+        assert t is not None
+        return t.numel() * t.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def make_linear(
+    parts: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> Linear | QuantLinear:
+    """One linear over `parts` stacked along the output features (fused q|k|v, gate|up).
+
+    All parts quantized: a QuantLinear on their blocks (each part keeps its own GGUF type).
+    Otherwise dense: quantized parts are dequantized (gguf's float32 values) and cast to `dtype`.
+    """
+    if all(isinstance(p, QuantizedTensor) for p in parts):
+        packed: list[QuantPart] = []
+        row = 0
+        for p in parts:
+            assert isinstance(p, QuantizedTensor)
+            n = p.shape[0]
+            # the bias is rounded to the compute dtype first, as the dense path's is
+            b = None if bias is None else pad_bias(bias[row : row + n].to(dtype))
+            packed.append(p.pack(b))
+            row += n
+        return QuantLinear([_to_device(q, device) for q in packed], dtype, device)
+    dense = [_dense(p, dtype, device) for p in parts]
+    weight = dense[0] if len(dense) == 1 else torch.cat(dense)
+    return Linear(weight, None if bias is None else bias.to(device=device, dtype=dtype))
+
+
+def _dense(w: Weight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = w.dequantize() if isinstance(w, QuantizedTensor) else w
+    return t.to(device=device, dtype=dtype)
+
+
+def _to_device(part: QuantPart, device: torch.device) -> QuantPart:
+    bias = None if part.bias is None else part.bias.to(device)
+    return QuantPart(part.fmt, part.packed.to(device), part.n, part.k, bias)
+
+
+class Embedding:
+    """Token ids [T] -> rows [T, hidden] in the compute dtype. A quantized table is looked up in
+    the packed blocks it shares with a tied lm_head (one copy of the weights)."""
+
+    def __init__(self, weight: torch.Tensor | QuantPart, dtype: torch.dtype):
+        self.weight = weight
+        self.dtype = dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        w = self.weight
+        return w.packed.numel() if isinstance(w, QuantPart) else w.numel() * w.element_size()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if isinstance(w, QuantPart):
+            return dequantize_rows(w.fmt, w.packed, w.k, ids).to(self.dtype)
+        return F.embedding(ids, w)
 
 
 class RMSNorm:

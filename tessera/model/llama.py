@@ -8,30 +8,53 @@ and the per-op dispatch overhead is what bounds batch-1 decode on CPU.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tessera.attention import AttentionMetadata
+from tessera.kernels.quant_linear import QuantLinear
 from tessera.model.config import ModelArchConfig
-from tessera.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from tessera.model.gguf_quant import QuantizedTensor
+from tessera.model.layers import (
+    Embedding,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    Weight,
+    make_linear,
+)
 
 
 class LlamaLayer:
-    def __init__(self, cfg: ModelArchConfig, w: dict[str, torch.Tensor], prefix: str):
-        def get(name: str) -> torch.Tensor:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        w: dict[str, Weight],
+        prefix: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        def get(name: str) -> Weight:
             return w[f"{prefix}.{name}"]
 
+        def dense(name: str) -> torch.Tensor:
+            t = get(name)
+            assert isinstance(t, torch.Tensor), f"{name} is never quantized"
+            return t
+
+        def linear(names: list[str], bias: torch.Tensor | None = None):
+            return make_linear([get(n) for n in names], bias, dtype, device)
+
         attn = "self_attn"
-        qkv = torch.cat([get(f"{attn}.q_proj.weight"), get(f"{attn}.k_proj.weight"), get(f"{attn}.v_proj.weight")])
         qkv_bias = None
         if cfg.attention_bias:
-            qkv_bias = torch.cat([get(f"{attn}.q_proj.bias"), get(f"{attn}.k_proj.bias"), get(f"{attn}.v_proj.bias")])
-        self.wqkv = Linear(qkv, qkv_bias)  # fused q/k/v: one matmul
-        self.wo = Linear(get(f"{attn}.o_proj.weight"))
-        self.w13 = Linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]))  # gate|up
-        self.w2 = Linear(get("mlp.down_proj.weight"))
-        self.input_norm = RMSNorm(get("input_layernorm.weight"), cfg.rms_norm_eps)
-        self.post_attn_norm = RMSNorm(get("post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        self.act = SiluAndMul(qkv.device, qkv.dtype)
+            qkv_bias = torch.cat([dense(f"{attn}.{p}_proj.bias") for p in "qkv"])
+        # fused q/k/v and gate|up: one matmul each
+        self.wqkv = linear([f"{attn}.{p}_proj.weight" for p in "qkv"], qkv_bias)
+        self.wo = linear([f"{attn}.o_proj.weight"])
+        self.w13 = linear(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+        self.w2 = linear(["mlp.down_proj.weight"])
+        self.input_norm = RMSNorm(dense("input_layernorm.weight"), cfg.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(dense("post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        self.act = SiluAndMul(device, dtype)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -62,8 +85,9 @@ class LlamaLayer:
 
 
 class LlamaForCausalLM:
-    """Weights arrive in HF names (see tessera/model/loader.py) as float32; they are cast to the
-    compute dtype, fused, and moved to the device here."""
+    """Weights arrive in HF names (see tessera/model/loader.py) as float32 tensors, or as GGUF
+    blocks (`QuantizedTensor`, --quantization gguf); they are cast to the compute dtype (or
+    packed for the quantized kernel), fused, and moved to the device here."""
 
     def __init__(
         self,
@@ -76,15 +100,37 @@ class LlamaForCausalLM:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]  # [vocab, hidden]
-        self.layers = [LlamaLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)]
-        self.norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps)
-        lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head = Linear(lm_head)
+        w: dict[str, Weight] = {
+            name: t if isinstance(t, QuantizedTensor) else t.to(device=device, dtype=dtype)
+            for name, t in weights.items()
+        }
+        self.layers = [
+            LlamaLayer(cfg, w, f"model.layers.{i}", dtype, device) for i in range(cfg.num_hidden_layers)
+        ]
+        norm = w["model.norm.weight"]
+        assert isinstance(norm, torch.Tensor)
+        self.norm = RMSNorm(norm, cfg.rms_norm_eps)
+        embed = w["model.embed_tokens.weight"]  # [vocab, hidden]
+        head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = make_linear([head], None, dtype, device)
+        if isinstance(embed, QuantizedTensor) and cfg.tie_word_embeddings:
+            assert isinstance(self.lm_head, QuantLinear)
+            self.embed = Embedding(self.lm_head.parts[0], dtype)  # one packed copy for both
+        elif isinstance(embed, QuantizedTensor):
+            self.embed = Embedding(_to_part(embed, device), dtype)
+        else:
+            self.embed = Embedding(embed, dtype)
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device
         )
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident bytes of weights by kind: "linear" (streamed once per step: every layer's
+        projections and the lm_head) and "embedding" (0 when it shares the lm_head's copy)."""
+        linears = [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
+        linear = sum(lin.weight_bytes for lin in [*linears, self.lm_head])
+        shared = isinstance(self.lm_head, QuantLinear) and self.embed.weight is self.lm_head.parts[0]
+        return {"linear": linear, "embedding": 0 if shared else self.embed.weight_bytes}
 
     @torch.inference_mode()
     def forward(
@@ -96,7 +142,7 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] (normed); logits are computed separately, only
         where the runner samples."""
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed(input_ids)
         cos, sin = self.rope.lookup(positions)  # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = layer(h, self.rope, cos, sin, k_cache, v_cache, meta)
@@ -106,3 +152,9 @@ class LlamaForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> float32 logits [n, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def _to_part(w: QuantizedTensor, device: torch.device):
+    part = w.pack()
+    part.packed = part.packed.to(device)
+    return part

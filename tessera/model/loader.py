@@ -14,21 +14,26 @@ import os
 import torch
 
 from tessera.model.config import ModelArchConfig
+from tessera.model.gguf_quant import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
 
-def load_model(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+def load_model(
+    path: str, quantization: str = "none"
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor | QuantizedTensor]]:
     """Read config and weights from a `.gguf` file or an HF directory (config.json + safetensors).
 
     Weights are float32 CPU tensors with HF names; `lm_head.weight` is present only when the
-    embeddings are untied. Raises ValueError for a path that is neither, or an unsupported model.
+    embeddings are untied. With quantization="gguf", GGUF weights of a type a quantized kernel
+    serves come as `QuantizedTensor`s (HF directories have none: the flag changes nothing there).
+    Raises ValueError for a path that is neither, or an unsupported model.
     """
     path = os.path.expanduser(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         from tessera.model.gguf_loader import load_gguf
 
-        config, weights = load_gguf(path)
+        config, weights = load_gguf(path, quantization)
     elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         from tessera.model.hf_loader import load_hf_dir
 
@@ -44,7 +49,9 @@ def load_model(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     return config, weights
 
 
-def check_weights(config: ModelArchConfig, weights: dict[str, torch.Tensor], path: str) -> None:
+def check_weights(
+    config: ModelArchConfig, weights: dict[str, torch.Tensor | QuantizedTensor], path: str
+) -> None:
     """ValueError unless `weights` holds exactly the expected names, with the expected shapes."""
     expected = config.weight_shapes()
     missing = [n for n in expected if n not in weights]

@@ -48,7 +48,9 @@ class CacheEngine:
             shape[:2] + (num_gpu_blocks,) + shape[3:], dtype=spec.dtype, device=device
         )
         pin = device.type == "cuda"
-        self.cpu_cache = torch.zeros(
+        # empty, not zeros: a swap block is read only after swap_out wrote it, and untouched pages
+        # are not resident, so an idle engine does not hold its whole --swap-space in RAM
+        self.cpu_cache = torch.empty(
             shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=spec.dtype, device="cpu", pin_memory=pin
         )
 

@@ -1,0 +1,84 @@
+"""The quantized linear kernel (Q4_1 blocks) against the dense kernel on the same weights, same run.
+
+30 layers of the default model's four linear shapes, random weights quantized to Q4_1 by gguf; for
+each row count, the dense fp32/bf16 kernel on the dequantized weights and the quantized kernel
+with each way through a panel forced (registers: dense_min_rows 0; dense panel: 1). Prints ms per
+pass over the 30 layers and GB/s of weight bytes streamed. This is what DENSE_MIN_ROWS in
+tessera/kernels/quant_linear.py is chosen from.
+
+    python benchmarks/quant_linear.py [--rows 1,8,16,32,64,512] [--dtype float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import gguf
+import numpy as np
+import torch
+
+from tessera.config import default_num_threads
+from tessera.kernels import quant_linear as ql
+from tessera.kernels.linear import PackedLinearWeight
+from tessera.model.gguf_quant import QuantizedTensor
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate|up, down
+LAYERS = 30
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+
+
+def seconds(layers, xs, reps: int) -> float:
+    def once():
+        for layer in layers:
+            for lin, x in zip(layer, xs, strict=True):
+                lin(x)
+
+    once()
+    t = time.perf_counter()
+    for _ in range(reps):
+        once()
+    return (time.perf_counter() - t) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8,16,32,64,512")
+    ap.add_argument("--dtype", default="float32,bfloat16")
+    args = ap.parse_args()
+    torch.set_num_threads(default_num_threads())
+    rng = np.random.default_rng(0)
+    weights = [
+        [
+            QuantizedTensor(Q4_1, gguf.quants.quantize((rng.standard_normal(s) * 0.05).astype(np.float32), Q4_1), torch.Size(s))
+            for s in SHAPES
+        ]
+        for _ in range(LAYERS)
+    ]
+    print(f"{'dtype':<10}{'rows':>6}{'dense ms':>10}{'GB/s':>7}{'q regs ms':>11}{'GB/s':>7}{'q dense-panel ms':>18}{'GB/s':>7}")
+    for name in args.dtype.split(","):
+        dtype = getattr(torch, name)
+        if not ql.quant_kernel_supported(dtype, torch.device("cpu")):
+            print(f"{name}: quantized kernel unavailable here")
+            continue
+        quant = [[ql.QuantLinear([w.pack()], dtype, torch.device("cpu")) for w in layer] for layer in weights]
+        dense = [[PackedLinearWeight(w.dequantize().to(dtype)) for w in layer] for layer in weights]
+        q_bytes = sum(lin.weight_bytes for layer in quant for lin in layer)
+        d_bytes = sum(lin.panels.numel() * lin.panels.element_size() for layer in dense for lin in layer)
+        for rows in (int(r) for r in args.rows.split(",")):
+            xs = [torch.randn(rows, k).to(dtype) for _, k in SHAPES]
+            reps = max(2, 64 // rows)
+            td = seconds(dense, xs, reps)
+            times = []
+            for min_rows in (0, 1):  # registers always, dense panel always
+                for layer in quant:
+                    for lin in layer:
+                        lin._dense_min_rows = min_rows
+                times.append(seconds(quant, xs, reps))
+            print(f"{name:<10}{rows:>6}{td * 1e3:>10.2f}{d_bytes / td / 1e9:>7.1f}"
+                  f"{times[0] * 1e3:>11.2f}{q_bytes / times[0] / 1e9:>7.1f}"
+                  f"{times[1] * 1e3:>18.2f}{q_bytes / times[1] / 1e9:>7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

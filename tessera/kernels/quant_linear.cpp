@@ -1,0 +1,370 @@
+// Linear layers on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x fp32 or bf16.
+//
+// Why: batch-1 decode is bound by the bytes of weight it streams. Q4_1 is 5 bits a weight against
+// 16 for bf16, so the kernel streams the quantized blocks and dequantizes them in registers.
+//
+// Exactness. The dequantized value of every weight is computed here exactly as gguf's reference
+// does (q * d + m, where q * d is exact in fp32, so one fma rounds once, as its mul + add does),
+// then rounded to bf16 for bf16 inputs. Those values are fed, in the same K order and with the
+// same instructions, to the accumulators of the dense tiles in linear_tiles.h. So the result
+// equals the dense kernel on gguf-dequantized weights bit for bit, whatever M is: a row does not
+// depend on the rows batched with it, and --quantization gguf gives the tokens of --quantization
+// none.
+//
+// Layout (packed once at load by quant_linear.py): panels of kPanel (48) output features, each a
+// run of records, one per block of `kBlock` K-positions:
+//
+//   record = codes [kBlock/2][48] bytes (4-bit: low nibble k = 2j, high nibble k = 2j + 1)
+//                | [kBlock][48] int8 (8-bit)
+//            scales [48] (fp16 or fp32), mins [48] (4-bit formats only)
+//
+// so a panel streams as one contiguous pass, 16 outputs a vector, like the dense panels.
+//
+// Two ways through a panel, with the same result:
+// - registers (few rows): each block is dequantized in registers and used by every row at once;
+// - dense (many rows, prefill): the panel is dequantized once into an L2-resident fp32/bf16 dense
+//   panel and the dense tiles run over it, at the dense matmul's rate.
+// The row count where "dense" starts is chosen by measurement (quant_linear.py, benchmarks/linear.py).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "linear_tiles.h"
+
+namespace {
+
+using namespace tessera_tiles;
+
+// Kernel format ids, shared with quant_linear.py's QuantFormat.kernel_id.
+enum FormatId : int64_t { kQ4Half = 0, kQ4Float = 1, kQ8Half = 2, kQ8Float16 = 3 };
+
+template <int Bits, int Block, typename ScaleT, bool HasMin>
+struct Fmt {
+  static constexpr int kBits = Bits;
+  static constexpr int kBlock = Block;
+  static constexpr bool kHasMin = HasMin;
+  using Scale = ScaleT;
+  static constexpr int64_t kCodeBytes = (Bits == 4 ? Block / 2 : Block) * kPanel;
+  static constexpr int64_t kScaleBytes = kPanel * static_cast<int64_t>(sizeof(ScaleT));
+  static constexpr int64_t kRecord = kCodeBytes + kScaleBytes * (HasMin ? 2 : 1);
+};
+using Q4Half = Fmt<4, 32, at::Half, true>;     // Q4_0 (m = -8 d), Q4_1
+using Q4Float = Fmt<4, 32, float, true>;       // Q4_K (d * sc, -dmin * m per 32)
+using Q8Half = Fmt<8, 32, at::Half, false>;    // Q8_0
+using Q8Float16 = Fmt<8, 16, float, false>;    // Q6_K (d * sc per 16, codes q - 32)
+
+int64_t record_bytes(int64_t fmt) {
+  switch (fmt) {
+    case kQ4Half: return Q4Half::kRecord;
+    case kQ4Float: return Q4Float::kRecord;
+    case kQ8Half: return Q8Half::kRecord;
+    case kQ8Float16: return Q8Float16::kRecord;
+  }
+  TORCH_CHECK(false, "unknown quant format id ", fmt);
+}
+
+int64_t block_size(int64_t fmt) { return (fmt == kQ8Float16) ? 16 : 32; }
+
+#if defined(__AVX512F__)
+
+template <typename S>
+inline __m512 load_scales(const uint8_t* p, int v) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + 16 * v);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + v));
+  }
+}
+
+// The fp32 weights of K-positions 2j (w0) and 2j + 1 (w1) of a block, outputs 16v..16v+15.
+template <typename F>
+inline void dequant_pair(const uint8_t* rec, int j, int v, __m512 sc, __m512 mn, __m512& w0,
+                         __m512& w1) {
+  if constexpr (F::kBits == 4) {
+    const __m512i b = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * kPanel + 16 * v)));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    w0 = _mm512_fmadd_ps(lo, sc, mn);  // q * d is exact: one rounding, as gguf's q * d + m
+    w1 = _mm512_fmadd_ps(hi, sc, mn);
+  } else {
+    const uint8_t* c = rec + 2 * j * kPanel + 16 * v;
+    const __m512i b0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    const __m512i b1 =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kPanel)));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(b0), sc);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(b1), sc);
+  }
+}
+
+template <typename F>
+inline void block_scales(const uint8_t* rec, __m512* sc, __m512* mn) {
+  const uint8_t* sp = rec + F::kCodeBytes;
+  for (int v = 0; v < kVecs; ++v) {
+    sc[v] = load_scales<typename F::Scale>(sp, v);
+    mn[v] = F::kHasMin ? load_scales<typename F::Scale>(sp + F::kScaleBytes, v) : _mm512_setzero_ps();
+  }
+}
+
+// R rows of x, packed [K][R] (linear_tiles.h pack_rows), against one quantized panel; the same
+// accumulation as tile_f32 on the dequantized panel.
+template <typename F, int R>
+void qtile_f32(const float* x, const uint8_t* panel, int64_t K, float* y, int64_t ldy,
+               int64_t n_valid, const float* bias) {
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t num_blocks = K / F::kBlock;
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const uint8_t* rec = panel + blk * F::kRecord;
+    __m512 sc[kVecs], mn[kVecs];
+    block_scales<F>(rec, sc, mn);
+    const float* xb = x + blk * F::kBlock * R;
+    for (int j = 0; j < F::kBlock / 2; ++j) {
+      __m512 w0[kVecs], w1[kVecs];
+      for (int v = 0; v < kVecs; ++v) dequant_pair<F>(rec, j, v, sc[v], mn[v], w0[v], w1[v]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(xb[(2 * j) * R + r]);
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w0[v], acc[r][v]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(xb[(2 * j + 1) * R + r]);
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w1[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
+}
+
+// One panel dequantized into the dense fp32 layout [K][kPanel] (for many rows).
+template <typename F>
+void dequant_panel_f32(const uint8_t* panel, int64_t K, float* out) {
+  for (int64_t blk = 0; blk < K / F::kBlock; ++blk) {
+    const uint8_t* rec = panel + blk * F::kRecord;
+    __m512 sc[kVecs], mn[kVecs];
+    block_scales<F>(rec, sc, mn);
+    for (int j = 0; j < F::kBlock / 2; ++j) {
+      float* o = out + (blk * F::kBlock + 2 * j) * kPanel;
+      for (int v = 0; v < kVecs; ++v) {
+        __m512 w0, w1;
+        dequant_pair<F>(rec, j, v, sc[v], mn[v], w0, w1);
+        _mm512_storeu_ps(o + 16 * v, w0);
+        _mm512_storeu_ps(o + kPanel + 16 * v, w1);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// (w0, w1) fp32 -> bf16 pairs per output lane: the operand layout of vdpbf16ps and of the dense
+// bf16 panels ([K/2][kPanel][2]). Rounds to nearest even, as torch's fp32 -> bf16 cast.
+inline __m512i bf16_pairs(__m512 w0, __m512 w1) {
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+}
+
+template <typename F, int R>
+void qtile_bf16(const at::BFloat16* x, const uint8_t* panel, int64_t K, at::BFloat16* y,
+                int64_t ldy, int64_t n_valid, const float* bias) {
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t num_blocks = K / F::kBlock;
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const uint8_t* rec = panel + blk * F::kRecord;
+    __m512 sc[kVecs], mn[kVecs];
+    block_scales<F>(rec, sc, mn);
+    for (int j = 0; j < F::kBlock / 2; ++j) {
+      __m512bh wv[kVecs];
+      for (int v = 0; v < kVecs; ++v) {
+        __m512 w0, w1;
+        dequant_pair<F>(rec, j, v, sc[v], mn[v], w0, w1);
+        wv[v] = (__m512bh)bf16_pairs(w0, w1);
+      }
+      const int64_t k2 = blk * (F::kBlock / 2) + j;
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + (k2 * R + r) * 2, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
+}
+
+template <typename F>
+void dequant_panel_bf16(const uint8_t* panel, int64_t K, at::BFloat16* out) {
+  for (int64_t blk = 0; blk < K / F::kBlock; ++blk) {
+    const uint8_t* rec = panel + blk * F::kRecord;
+    __m512 sc[kVecs], mn[kVecs];
+    block_scales<F>(rec, sc, mn);
+    for (int j = 0; j < F::kBlock / 2; ++j) {
+      at::BFloat16* o = out + (blk * (F::kBlock / 2) + j) * 2 * kPanel;
+      for (int v = 0; v < kVecs; ++v) {
+        __m512 w0, w1;
+        dequant_pair<F>(rec, j, v, sc[v], mn[v], w0, w1);
+        _mm512_storeu_si512(o + 32 * v, bf16_pairs(w0, w1));
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
+template <typename F>
+struct QF32Tile {
+  template <int R>
+  static constexpr auto fn = qtile_f32<F, R>;
+};
+#if defined(__AVX512BF16__)
+template <typename F>
+struct QBf16Tile {
+  template <int R>
+  static constexpr auto fn = qtile_bf16<F, R>;
+};
+#endif
+
+// x [M, K] against every panel; see the header for the two ways through a panel.
+template <typename F, typename T>
+void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t num_panels,
+         int64_t N, T* y, int64_t ldy, const float* bias, int64_t dense_min_rows) {
+  constexpr bool kF32 = std::is_same_v<T, float>;
+  constexpr int P = kF32 ? 1 : 2;
+  using Fn = void (*)(const T*, const uint8_t*, int64_t, T*, int64_t, int64_t, const float*);
+  using DenseFn = void (*)(const T*, const T*, int64_t, T*, int64_t, int64_t, const float*);
+  static const auto qtiles = [] {
+    if constexpr (kF32) return make_tiles<Fn, QF32Tile<F>>();
+#if defined(__AVX512BF16__)
+    else return make_tiles<Fn, QBf16Tile<F>>();
+#endif
+  }();
+  static const auto dense_tiles = [] {
+    if constexpr (kF32) return make_tiles<DenseFn, F32Tile>();
+#if defined(__AVX512BF16__)
+    else return make_tiles<DenseFn, Bf16Tile>();
+#endif
+  }();
+  std::vector<T> xp_store;
+  const T* xp = x;
+  if (M > 1 || ldx != K) {  // M == 1 with a contiguous row is already in the packed layout
+    xp_store.resize(M * K);
+    pack_rows<T, P>(x, ldx, M, K, xp_store.data());
+    xp = xp_store.data();
+  }
+  const bool dense = dense_min_rows > 0 && M >= dense_min_rows;
+  const int64_t rows_per_block = std::min(M, kRowsPerBlock);
+  const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
+  const int64_t units = num_row_blocks * num_panels;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> buf(dense ? K * kPanel : 0);
+    int64_t buf_panel = -1;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
+      const int64_t m0 = rb * rows_per_block;
+      const int64_t rows = std::min(rows_per_block, M - m0);
+      const int64_t n0 = p * kPanel;
+      const uint8_t* panel = packed + p * (K / F::kBlock) * F::kRecord;
+      T* y0 = y + m0 * ldy + n0;
+      const float* b0 = bias ? bias + n0 : nullptr;
+      if (!dense) {
+        for (int64_t m = 0; m < rows; m += kMaxRows) {
+          const int64_t r = std::min<int64_t>(kMaxRows, rows - m);
+          qtiles[r](xp + (m0 + m) * K, panel, K, y0 + m * ldy, ldy, N - n0, b0);
+        }
+        continue;
+      }
+      if (buf_panel != p) {  // units are panel-major: a thread dequantizes each panel once
+        if constexpr (kF32) dequant_panel_f32<F>(panel, K, buf.data());
+#if defined(__AVX512BF16__)
+        else dequant_panel_bf16<F>(panel, K, buf.data());
+#endif
+        buf_panel = p;
+      }
+      rows_against_panel(xp + m0 * K, rows, buf.data(), K, y0, ldy, N - n0, b0,
+                         dense_tiles.data());
+    }
+  });
+}
+
+template <typename T>
+void dispatch(int64_t fmt, const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
+              int64_t num_panels, int64_t N, T* y, int64_t ldy, const float* bias,
+              int64_t dense_min_rows) {
+  switch (fmt) {
+    case kQ4Half: return run<Q4Half, T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
+    case kQ4Float: return run<Q4Float, T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
+    case kQ8Half: return run<Q8Half, T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
+    case kQ8Float16: return run<Q8Float16, T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
+  }
+  TORCH_CHECK(false, "unknown quant format id ", fmt);
+}
+
+#endif  // __AVX512F__
+
+}  // namespace
+
+// Which activation dtypes this build serves ("float32", "bfloat16"); empty without AVX-512.
+std::vector<std::string> supported_dtypes() {
+  std::vector<std::string> out;
+#if defined(__AVX512F__)
+  out.push_back("float32");
+#if defined(__AVX512BF16__)
+  out.push_back("bfloat16");
+#endif
+#endif
+  return out;
+}
+
+int64_t packed_record_bytes(int64_t fmt) { return record_bytes(fmt); }
+
+// y (an [M, N] view with a contiguous last dim, e.g. a column slice of a fused output) =
+// x [M, K] @ W^T (+ bias). `packed` holds ceil(N / 48) panels of format `fmt`; `bias` is float32
+// padded to the panel width. Rows >= dense_min_rows (when > 0) take the dense-panel way.
+void quant_linear_out(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
+                      c10::optional<torch::Tensor> bias, torch::Tensor y, int64_t dense_min_rows) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with a contiguous last dim");
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && y.size(1) == N,
+              "y must be [M, N] with a contiguous last dim");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "x and y dtypes differ");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % block_size(fmt) == 0, "K (", K, ") is not a multiple of the block size");
+  const int64_t num_panels = round_up(N, kPanel) / kPanel;
+  TORCH_CHECK(packed.numel() == num_panels * (K / block_size(fmt)) * record_bytes(fmt),
+              "packed weight does not match N, K and the format");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() == num_panels * kPanel,
+                "bias must be float32, padded to the panel width");
+    b = bias->data_ptr<float>();
+  }
+  if (M == 0) return;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (x.scalar_type() == torch::kFloat32) {
+    dispatch<float>(fmt, x.data_ptr<float>(), x.stride(0), M, K, w, num_panels, N,
+                    y.data_ptr<float>(), y.stride(0), b, dense_min_rows);
+    return;
+  }
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == torch::kBFloat16) {
+    dispatch<at::BFloat16>(fmt, x.data_ptr<at::BFloat16>(), x.stride(0), M, K, w, num_panels, N,
+                           y.data_ptr<at::BFloat16>(), y.stride(0), b, dense_min_rows);
+    return;
+  }
+#endif
+#endif
+  TORCH_CHECK(false, "quant linear kernel: unsupported dtype or CPU");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported_dtypes", &supported_dtypes, "activation dtypes this build serves");
+  m.def("packed_record_bytes", &packed_record_bytes, "bytes of one block record of a panel");
+  m.def("quant_linear_out", &quant_linear_out, "y = x @ W^T (+ bias) on packed GGUF blocks");
+}

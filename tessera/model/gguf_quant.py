@@ -1,0 +1,139 @@
+"""GGUF tensors kept quantized (`--quantization gguf`): the blocks of the five types our kernel
+serves, decoded into the canonical codes/scales/mins of tessera/kernels/quant_linear.py.
+
+Each decoder reproduces gguf.quants' dequantization exactly: w = code * scale + min, where
+code * scale is exact in float32, so the one rounding happens where gguf's does (the tests compare
+bit for bit). Block layouts (GGML's, per row, K-positions along the row):
+
+    Q4_0  [d f16][16 B: low nibbles k 0..15, high nibbles k 16..31]      w = d (q - 8)
+    Q4_1  [d f16][m f16][16 B as Q4_0]                                   w = d q + m
+    Q8_0  [d f16][32 x int8]                                             w = d q
+    Q4_K  256 per block: [d f16][dmin f16][12 B: 8 x 6-bit sc, m][128 B: per 64, low nibbles
+          the first 32, high nibbles the next 32]                       w = d sc_j q - dmin m_j
+    Q6_K  256 per block: [128 B low 4 bits][64 B high 2 bits][16 x int8 sc][d f16]
+                                                                         w = d sc_j (q - 32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from tessera.kernels.quant_linear import (
+    Q4_FLOAT,
+    Q4_HALF,
+    Q8_FLOAT16,
+    Q8_HALF,
+    QuantFormat,
+    QuantPart,
+    pack_quantized,
+)
+
+T = gguf.GGMLQuantizationType
+# The GGUF types a kernel format exists for; others are dequantized at load.
+KERNEL_FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
+    T.Q4_0: Q4_HALF,
+    T.Q4_1: Q4_HALF,
+    T.Q8_0: Q8_HALF,
+    T.Q4_K: Q4_FLOAT,
+    T.Q6_K: Q8_FLOAT16,
+}
+
+Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # codes [N, K], scales, mins [N, K/B]
+
+
+@dataclass
+class QuantizedTensor:
+    """A 2-D GGUF weight [N, K] still in its file's blocks: `data` [N, bytes a row] (rows already
+    in HF order). The loader returns these in place of float tensors for KERNEL_FORMATS types."""
+
+    qtype: gguf.GGMLQuantizationType
+    data: np.ndarray
+    shape: torch.Size
+
+    @property
+    def fmt(self) -> QuantFormat:
+        return KERNEL_FORMATS[self.qtype]
+
+    def dequantize(self) -> torch.Tensor:
+        """gguf's own float32 dequantization [N, K] (the `--quantization none` weights)."""
+        w = gguf.quants.dequantize(self.data, self.qtype)
+        return torch.from_numpy(np.array(w, dtype=np.float32).reshape(tuple(self.shape)))
+
+    def decode(self) -> Decoded:
+        n, k = self.shape
+        return _DECODERS[self.qtype](np.ascontiguousarray(self.data).reshape(n, -1), n, k)
+
+    def pack(self, bias: torch.Tensor | None = None) -> QuantPart:
+        """The kernel's packed copy of this weight (built here; `data` may be dropped after)."""
+        n, k = self.shape
+        return QuantPart(self.fmt, pack_quantized(self.fmt, *self.decode()), n, k, bias)
+
+
+def _blocks(raw: np.ndarray, n: int, block_bytes: int) -> np.ndarray:
+    return raw.reshape(n, -1, block_bytes)  # [N, blocks a row, bytes a block]
+
+
+def _half(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles_split16(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: low nibbles are k 0..15, high nibbles k 16..31."""
+    return np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=-1)
+
+
+def _q4_0(raw: np.ndarray, n: int, k: int) -> Decoded:
+    b = _blocks(raw, n, 18)
+    d = _half(b[..., 0:2])
+    codes = _nibbles_split16(b[..., 2:]).reshape(n, k)
+    return codes, d, (d.astype(np.float32) * np.float32(-8)).astype(np.float16)  # exact in fp16
+
+
+def _q4_1(raw: np.ndarray, n: int, k: int) -> Decoded:
+    b = _blocks(raw, n, 20)
+    return _nibbles_split16(b[..., 4:]).reshape(n, k), _half(b[..., 0:2]), _half(b[..., 2:4])
+
+
+def _q8_0(raw: np.ndarray, n: int, k: int) -> Decoded:
+    b = _blocks(raw, n, 34)
+    return np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k), _half(b[..., 0:2]), None
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int) -> Decoded:
+    b = _blocks(raw, n, 144)
+    d = _half(b[..., 0:2]).astype(np.float32)[..., None]
+    dmin = _half(b[..., 2:4]).astype(np.float32)[..., None]
+    sc, m = _q4_k_scale_min(b[..., 4:16])  # [N, nb, 8] each
+    qs = b[..., 16:].reshape(n, -1, 4, 32)  # per 64 K-positions: 32 bytes
+    codes = np.stack([qs & np.uint8(15), qs >> np.uint8(4)], axis=-2).reshape(n, k)
+    scales = (d * sc.astype(np.float32)).reshape(n, -1)  # exact: 11 x 6 bits
+    mins = -(dmin * m.astype(np.float32)).reshape(n, -1)
+    return codes, scales, mins
+
+
+def _q4_k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 bytes -> 8 six-bit scales and 8 six-bit mins (GGML's get_scale_min_k4)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _q6_k(raw: np.ndarray, n: int, k: int) -> Decoded:
+    b = _blocks(raw, n, 210)
+    ql = b[..., 0:128].reshape(n, -1, 2, 64)  # per 128 K-positions: 64 bytes of low 4 bits
+    qh = b[..., 128:192].reshape(n, -1, 2, 32)  # and 32 bytes of high 2 bits
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)  # [N, nb, 16]
+    d = _half(b[..., 208:210]).astype(np.float32)[..., None]
+    low = np.stack([ql & np.uint8(15), ql >> np.uint8(4)], axis=-2)  # [N, nb, 2, 2, 64]
+    high = np.stack([(qh >> np.uint8(s)) & np.uint8(3) for s in (0, 2, 4, 6)], axis=-2)
+    q = low.reshape(n, -1, 2, 4, 32) | (high.reshape(n, -1, 2, 4, 32) << np.uint8(4))
+    codes = (q.astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    return codes, (d * sc).reshape(n, -1), None  # d * sc exact: 11 x 8 bits
+
+
+_DECODERS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q6_K: _q6_k}

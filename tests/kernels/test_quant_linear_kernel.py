@@ -1,0 +1,128 @@
+"""The quantized linear kernel (tessera/kernels/quant_linear.*) against gguf's own dequantization.
+
+Per GGUF type: the packed copy dequantizes to gguf.quants.dequantize's values bit for bit; the
+kernel's y matches a float64 matmul on those values; it equals the dense kernel on them bit for
+bit (so --quantization gguf cannot change a token); and a row's output is the same alone or in a
+batch of any size, on both ways through a panel (registers below DENSE_MIN_ROWS, dense above).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tessera.kernels import quant_linear as ql
+from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
+from tessera.model.gguf_quant import QuantizedTensor
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+CPU = torch.device("cpu")
+# (N, K): N not a multiple of the 48-wide panel, K multiple of 256 for the K-quants
+SHAPES = [(1, 256), (47, 256), (49, 512), (130, 768)]
+
+
+def random_weight(qtype, n: int, k: int, seed: int = 0) -> QuantizedTensor:
+    """Random weights in `qtype`'s blocks: quantized by gguf where it can, else random block
+    bytes with sane fp16 scales (gguf has no Q4_K/Q6_K quantizer)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+        raw = gguf.quants.quantize(w, qtype)
+    else:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+        for off in (0, 2) if qtype == T.Q4_K else (208,):
+            d = (rng.random((n, k // block, 1)) * 0.002).astype(np.float16)
+            raw[..., off : off + 2] = d.view(np.uint8)
+        raw = raw.reshape(n, -1)
+    return QuantizedTensor(qtype, raw, torch.Size((n, k)))
+
+
+def _kernel_or_skip(dtype):
+    if not ql.quant_kernel_supported(dtype, CPU):
+        pytest.skip(f"quantized kernel for {dtype} not built here")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_weights_dequantize_to_gguf_values(qtype):
+    for n, k in SHAPES:
+        w = random_weight(qtype, n, k)
+        ref = torch.from_numpy(gguf.quants.dequantize(w.data, qtype).reshape(n, k).astype(np.float32))
+        part = w.pack()
+        assert part.packed.numel() == part.fmt.packed_bytes(n, k)
+        assert torch.equal(ql.dequantize_packed(part.fmt, part.packed, n, k), ref)
+        ids = torch.tensor([0, n - 1, n // 2, 0])
+        assert torch.equal(ql.dequantize_rows(part.fmt, part.packed, k, ids), ref[ids])
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.to(x.dtype).double().T
+    return y if bias is None else y + bias.to(x.dtype).double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_matches_float64_matmul(qtype, dtype):
+    _kernel_or_skip(dtype)
+    # relative to |x| @ |W|^T, the scale of a dot product's rounding error; bf16 rounds its output
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, (n, k) in enumerate(SHAPES):
+        w = random_weight(qtype, n, k, seed=i)
+        ref_w = w.dequantize()
+        bias = torch.randn(n) if i % 2 else None
+        lin = ql.QuantLinear([w.pack(None if bias is None else ql.pad_bias(bias.to(dtype)))], dtype, CPU)
+        for m in (1, 5, ql.DENSE_MIN_ROWS[dtype] + 3):
+            # a strided x: rows of a wider buffer
+            x = torch.randn(m, k + 16).to(dtype)[:, 3 : 3 + k]
+            y = lin(x)
+            ref = _reference(x, ref_w, bias)
+            scale = _reference(x.abs(), ref_w.abs(), None if bias is None else bias.abs())
+            assert ((y.double() - ref).abs() / scale).max().item() < tol, (n, k, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_equals_dense_kernel_and_rows_are_independent(qtype, dtype):
+    _kernel_or_skip(dtype)
+    probe = torch.zeros(48, 64, dtype=dtype)
+    if not linear_kernel_supported(probe):
+        pytest.skip("dense kernel not built here")
+    n, k = 100, 512
+    w = random_weight(qtype, n, k, seed=3)
+    lin = ql.QuantLinear([w.pack()], dtype, CPU)
+    dense = PackedLinearWeight(w.dequantize().to(dtype))
+    x = torch.randn(70, k).to(dtype)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])
+    edge = ql.DENSE_MIN_ROWS[dtype]
+    for m in (1, 4, 8, 9, edge - 1, edge, 40, 70):
+        y = lin(x[:m])
+        assert torch.equal(y, dense(x[:m])), f"differs from the dense kernel at M={m}"
+        assert torch.equal(y, alone[:m]), f"a row depends on its batch at M={m}"
+
+
+def test_fused_parts_of_different_types_fill_their_columns():
+    """q|k|v stored in different types (Q4_K_M files mix Q4_K and Q6_K): each part lands in its
+    own columns of one output (a strided view for the kernel), bias included."""
+    dtype = torch.float32
+    _kernel_or_skip(dtype)
+    k = 256
+    ws = [random_weight(t, n, k, seed=i) for i, (t, n) in enumerate([(T.Q4_K, 50), (T.Q6_K, 20), (T.Q8_0, 33)])]
+    biases = [torch.randn(w.shape[0]) for w in ws]
+    lin = ql.QuantLinear([w.pack(ql.pad_bias(b)) for w, b in zip(ws, biases, strict=True)], dtype, CPU)
+    x = torch.randn(7, k)
+    ref = torch.cat([_reference(x, w.dequantize(), b) for w, b in zip(ws, biases, strict=True)], dim=1)
+    y = lin(x)
+    assert y.shape == (7, 103)
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_fallback_matches_kernel_reference():
+    """Without the C++ kernel (another device, no AVX-512) the layer dequantizes with torch."""
+    w = random_weight(T.Q4_1, 60, 256)
+    lin = ql.QuantLinear([w.pack()], torch.float32, CPU)
+    lin._kernel = None  # what a failed build leaves
+    x = torch.randn(3, 256)
+    assert torch.allclose(lin(x).double(), _reference(x, w.dequantize(), None), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,72 @@
+"""The default model with its GGUF weights kept quantized (--quantization gguf, the default) against
+the same weights dequantized to fp32 (--quantization none), whose own reference is HF on the GGUF
+(tests/model/test_llama_vs_hf.py).
+
+With the C++ kernels the quantized linears equal the dense ones on gguf's dequantized weights bit
+for bit, so tokens and logprobs are identical; on the torch fallback only the near-tie rule holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from greedy_reference import check_greedy
+
+from tessera import SamplingParams
+from tessera.kernels.quant_linear import QuantLinear, quant_kernel_supported
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
+
+
+@pytest.fixture(scope="module")
+def dequantized_bundle(default_model_path):
+    from tessera.config import EngineArgs
+    from tessera.engine.loading import load_bundle
+
+    return load_bundle(EngineArgs(max_model_len=1024, quantization="none"))
+
+
+def _llm(bundle, **engine_args):
+    from tessera.config import EngineArgs
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.entrypoints.llm import LLM
+
+    args = EngineArgs(max_model_len=1024, quantization=bundle.quantization, **engine_args)
+    return LLM.from_engine(LLMEngine.from_engine_args(args, bundle=bundle))
+
+
+def test_default_model_keeps_its_gguf_types(model_bundle):
+    model = model_bundle.model
+    assert model_bundle.quantization == "gguf"
+    layer = model.layers[0]
+    for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2):
+        assert isinstance(lin, QuantLinear) and {p.fmt.name for p in lin.parts} == {"q4_half"}
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.parts[0].fmt.name == "q8_half"
+    assert model.embed.weight is model.lm_head.parts[0]  # tied: one packed copy serves both
+
+
+def test_quantized_greedy_equals_dequantized(model_bundle, dequantized_bundle, default_tokenizer, request):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": default_tokenizer.encode(p)} for p in PROMPTS]
+    quant = _llm(model_bundle).generate(prompts, params, use_tqdm=False)
+    dense = _llm(dequantized_bundle).generate(prompts, params, use_tqdm=False)
+    exact = quant_kernel_supported(torch.float32, torch.device("cpu"))
+    for p, q, d in zip(prompts, quant, dense, strict=True):
+        if exact:
+            assert q.outputs[0].token_ids == d.outputs[0].token_ids
+            assert q.outputs[0].logprobs == d.outputs[0].logprobs  # bit for bit
+        else:
+            check_greedy(request.getfixturevalue("hf_model"), p["prompt_token_ids"], d.outputs[0].token_ids, q.outputs[0].token_ids)
+
+
+def test_quantized_weights_take_under_40_percent_of_bf16(model_bundle, dequantized_bundle):
+    quantized = sum(model_bundle.model.weight_bytes().values())
+    bf16 = sum(dequantized_bundle.model.weight_bytes().values()) // 2  # the fp32 model's, halved
+    assert quantized <= 0.4 * bf16, (quantized, bf16)
+
+
+def test_quantization_flag_is_validated():
+    from tessera.config import EngineArgs
+
+    with pytest.raises(ValueError, match="--quantization"):
+        EngineArgs(quantization="awq").create_engine_config()
