@@ -26,7 +26,11 @@ import shlex
 
 from tessera.config import EngineConfig, GiB
 
-_NOT_SIMULATED = ("model", "device")  # engine flags the simulator replaces (see above)
+# engine flags the simulator replaces or does not model: the model and device are the cost
+# model's (--profile / --model-config, --hardware), quantization is in the calibrated profile
+# (`simulate calibrate --quantization ...`), logprob limits change no step's cost, and
+# speculative decoding waits for an acceptance-rate model (the seam in simulator.py)
+_NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", "speculative_config")
 
 
 def add_simulate_parser(subparsers) -> None:
