@@ -89,8 +89,9 @@ def test_greedy_identical_alone(llm_factory, baseline):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_greedy_identical_under_preemption(llm_factory, baseline, mode):
+    # 14 blocks of 8 hold one 112-token request (the engine's start-up rule), not all four
     llm = llm_factory(speculative_config=NGRAM, num_gpu_blocks_override=14, preemption_mode=mode,
-                   block_size=8)
+                      block_size=8, max_model_len=112)
     assert _run(llm) == baseline
     assert llm.get_metrics()["tessera:num_preemptions_total"] > 0
     _speculated(llm)
@@ -202,7 +203,8 @@ def test_bf16_greedy_identical(default_model_path):
 
     def make(**engine_args):
         engine_args.setdefault("num_gpu_blocks_override", 64)
-        args = EngineArgs(dtype="bfloat16", max_model_len=512, **engine_args)
+        engine_args.setdefault("max_model_len", 512)
+        args = EngineArgs(dtype="bfloat16", **engine_args)
         return LLM.from_engine(LLMEngine.from_engine_args(args, bundle=bundle))
 
     base = _run(make())
@@ -210,7 +212,8 @@ def test_bf16_greedy_identical(default_model_path):
     assert _run(llm) == base
     _speculated(llm)
     small = make(speculative_config=NGRAM, num_gpu_blocks_override=14, block_size=8,
-                 preemption_mode="recompute", enable_chunked_prefill=True, max_num_batched_tokens=40)
+                 max_model_len=112, preemption_mode="recompute", enable_chunked_prefill=True,
+                 max_num_batched_tokens=40)
     assert _run(small) == base
     assert small.get_metrics()["tessera:num_preemptions_total"] > 0
     _speculated(small)
