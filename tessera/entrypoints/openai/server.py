@@ -86,7 +86,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     model's generation config) fill what requests leave unset; `allowed_origins` turns on CORS
     for those origins ("*": any); `root_path` is the prefix a reverse proxy serves us under."""
     model_name = served_model_name or engine.model_name
-    metrics = ServerMetrics(engine.get_metrics)
+    metrics = ServerMetrics(engine.get_metrics, model_name, engine.get_stats)
     engine.on_finished.append(metrics.observe_finished)
     common = {"chat_template": chat_template, "sampling_defaults": sampling_defaults,
               "log_requests": log_requests}
