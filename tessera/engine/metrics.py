@@ -19,6 +19,7 @@ from prometheus_client import (
     CollectorRegistry,
     Histogram,
     PlatformCollector,
+    disable_created_metrics,
     ProcessCollector,
     generate_latest,
 )
@@ -126,6 +127,7 @@ class ServerMetrics:
 
     def __init__(self, snapshot: Callable[[], dict[str, float]], model_name: str = "tessera",
                  stats: Callable[[], StatsSnapshot] | None = None) -> None:
+        disable_created_metrics()  # no `*_created` series (process-wide, as vLLM does)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(snapshot, model_name, stats))
         ProcessCollector(registry=self.registry)

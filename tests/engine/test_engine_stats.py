@@ -80,3 +80,13 @@ def test_histogram_buckets_are_upper_bounds():
     for v in (0.5, 1, 1.5, 8, 9):
         h.observe(v)
     assert h.counts == [2, 2, 1] and h.count == 5 and h.sum == 20.0
+
+
+def test_resolved_config_line_names_every_field():
+    from tessera.engine.loading import describe_config
+
+    config = EngineArgs(max_num_seqs=7).create_engine_config(2048)
+    line = describe_config(config)
+    assert "scheduler.max_num_seqs=7" in line
+    assert "model.max_model_len=2048" in line  # resolved from the model's limit
+    assert "cache.block_size=" in line and "device.device=" in line

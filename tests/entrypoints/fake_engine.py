@@ -207,6 +207,7 @@ class FakeEngine:
             "tessera:generation_tokens_total": float(self.generation_tokens),
             "tessera:prefix_cache_hits_total": 0.0,
             "tessera:prefix_cache_queries_total": 0.0,
+            "tessera:prompt_tokens_cached_total": 0.0,
         }
 
     def get_stats(self) -> StatsSnapshot:
