@@ -19,8 +19,8 @@ from prometheus_client import (
     CollectorRegistry,
     Histogram,
     PlatformCollector,
-    disable_created_metrics,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import httpx
 import openai
@@ -14,6 +15,7 @@ import pytest
 from tessera.engine.stat_logger import StatLogger
 
 from .conftest import serve_fake
+from .test_server import open_request
 
 MODEL = 'model_name="fake-model"'
 EVERY_LETTER = [chr(c) for c in range(ord("a"), ord("z") + 1)][:4]  # OpenAI allows 4 stops
@@ -137,3 +139,21 @@ def test_server_logs_the_line_while_busy(caplog):
         client.completions.create(model="fake-model", prompt="hi", max_tokens=3)
     lines = [r.getMessage() for r in caplog.records if r.name == "tessera.engine.stats"]
     assert any("Avg generation throughput" in line and "Running: " in line for line in lines)
+
+
+def test_a_disconnect_counts_as_abort(server):
+    engine = server.engine
+    engine.wait_until(lambda: not engine.requests)
+    before = scrape(server)
+    aborted = engine.num_aborted
+    sock = open_request(server.url, "/v1/completions",
+                        {"prompt": "hi", "max_tokens": 100, "ignore_eos": True})
+    engine.wait_until(lambda: engine.requests)  # it reached the engine
+    sock.close()
+    engine.wait_until(lambda: engine.num_aborted > aborted)
+    key = 'tessera:request_success_total{finished_reason="abort"}'
+    for _ in range(100):
+        if _delta(scrape(server), before, key) == 1:
+            break
+        time.sleep(0.05)
+    assert _delta(scrape(server), before, key) == 1
