@@ -94,7 +94,7 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     grammar_backend = GrammarBackend(tokenizer, arch.vocab_size, eos)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos,
                          grammar_backend=grammar_backend)
-    logger.info("resolved engine configuration: %s", describe_config(config))
+    logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
         time.perf_counter() - start, os.path.basename(path), config.model.dtype,
