@@ -28,13 +28,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Engine-clock timestamps (seconds) for latency histograms."""
+    """Engine-clock timestamps (seconds) for latency histograms, and on the final output the
+    request's generated-token count (summed over its n sequences; a DELTA output's own
+    token_ids hold only the last few)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_generation_tokens: int | None = None
 
 
 @dataclass

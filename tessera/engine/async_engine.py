@@ -30,6 +30,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.engine.stat_logger import StatLogger
+from tessera.engine.stats import StatsSnapshot
 from tessera.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams
 
@@ -87,6 +89,9 @@ class AsyncLLMEngine:
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._in_engine: set[str] = set()  # engine-thread side only
         self._metrics: dict[str, float] = dict(engine.get_metrics())
+        self._stats: StatsSnapshot = engine.get_stats()
+        # vLLM's periodic "Avg prompt throughput ..." line, while there is work
+        self.stat_logger = StatLogger()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._accepting = False
@@ -119,6 +124,10 @@ class AsyncLLMEngine:
     def get_metrics(self) -> dict[str, float]:
         """The engine's counters as of its last step (a snapshot; never blocks on the engine)."""
         return self._metrics
+
+    def get_stats(self) -> StatsSnapshot:
+        """The engine's histograms and labelled counters as of the last step (a copy)."""
+        return self._stats
 
     async def add_request(
         self,
@@ -246,7 +255,7 @@ class AsyncLLMEngine:
                 if not self._drain_commands():
                     break
                 if not self.engine.has_unfinished_requests():
-                    self._metrics = dict(self.engine.get_metrics())
+                    self._take_snapshot()
                     self._wake.wait()
                     continue
                 self._step()
@@ -258,7 +267,7 @@ class AsyncLLMEngine:
                                            "the server log"))
         self._fail_all(RequestAbortedError("the server is shutting down"))
         with contextlib.suppress(Exception):
-            self._metrics = dict(self.engine.get_metrics())
+            self._take_snapshot()
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -272,9 +281,15 @@ class AsyncLLMEngine:
                 items.append((out.request_id, EngineError(out.error or "engine failure")))
                 continue
             items.append((out.request_id, out))
-        self._metrics = dict(self.engine.get_metrics())
+        self._take_snapshot()
         if items:
             self._post(items)
+
+    def _take_snapshot(self) -> None:
+        """What a scrape reads, copied on the engine thread between steps."""
+        self._metrics = dict(self.engine.get_metrics())
+        self._stats = self.engine.get_stats()
+        self.stat_logger.maybe_log(self._metrics, self.engine.has_unfinished_requests())
 
     def _drain_commands(self) -> bool:
         """Apply queued adds and aborts; False once asked to stop."""

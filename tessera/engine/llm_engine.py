@@ -18,6 +18,7 @@ from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.output_processor import OutputProcessor, RequestState
+from tessera.engine.stats import EngineStats, StatsSnapshot
 from tessera.engine.step_recovery import find_culprits
 from tessera.executor.abstract import Executor
 from tessera.inputs import check_token_ids
@@ -75,6 +76,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.step_times = StepTimes()
+        self.stats = EngineStats()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, bundle=None) -> LLMEngine:
@@ -177,6 +179,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.stats.observe_aborted([rid for rid in ids if rid in self.output_processor.requests])
         self.scheduler.abort_seq_group(ids)
         self.output_processor.abort_requests(ids)
 
@@ -200,7 +203,11 @@ class LLMEngine:
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stop_string_matches = self.output_processor.process(core_outputs)
         self.scheduler.finish_seqs(stop_string_matches)
-        outputs += failed
+        self.stats.observe_step(
+            self.clock(), scheduler_output.total_num_scheduled_tokens, outputs,
+            [c.request_id for c in core_outputs if any(d.new_token_ids for d in c.seqs)],
+        )
+        outputs += failed  # the culprits of a step that raised (engine/step_recovery.py)
         self.step_times.record(
             t1 - t0, t2 - t1, time.perf_counter() - t2, scheduler_output.total_num_scheduled_tokens
         )
@@ -260,6 +267,7 @@ class LLMEngine:
             "tessera:generation_tokens_total": float(s.num_generation_tokens_total),
             "tessera:prefix_cache_hits_total": float(bm.num_prefix_cache_hits),
             "tessera:prefix_cache_queries_total": float(bm.num_prefix_cache_queries),
+            "tessera:prompt_tokens_cached_total": float(bm.num_prefix_cache_hits),
         }
         spec = self.config.speculative
         if spec is not None:  # vLLM's names; accepted per draft position as a labelled counter
@@ -272,6 +280,10 @@ class LLMEngine:
                 metrics[f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'] = (
                     float(per_pos[pos]) if pos < len(per_pos) else 0.0)
         return metrics
+
+    def get_stats(self) -> StatsSnapshot:
+        """The histograms and labelled counters only the loop sees (see tessera/engine/stats.py)."""
+        return self.stats.snapshot()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -105,6 +105,7 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     grammar_backend = GrammarBackend(tokenizer, arch.vocab_size, eos)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos,
                          speculative_config=config.speculative, grammar_backend=grammar_backend)
+    logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
         time.perf_counter() - start, os.path.basename(path), config.model.dtype,
@@ -123,3 +124,14 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         model_name=os.path.basename(path.rstrip("/")),
         grammar_backend=grammar_backend,
     )
+
+
+def describe_config(config) -> str:
+    """Every field of the resolved `EngineConfig` (defaults filled in, limits derived from the
+    model) as `section.field=value`, one line: what the engine really runs with."""
+    parts = []
+    for section in dataclasses.fields(config):
+        value = getattr(config, section.name)
+        for f in dataclasses.fields(value):
+            parts.append(f"{section.name}.{f.name}={getattr(value, f.name)!r}")
+    return ", ".join(parts)

@@ -105,8 +105,12 @@ class OutputProcessor:
             )
             if finished:
                 del self.requests[req.request_id]
-                if req.metrics is not None and req.metrics.finished_time is None:
-                    req.metrics = replace(req.metrics, finished_time=self.clock())
+                if req.metrics is not None:
+                    end = req.metrics.finished_time
+                    req.metrics = replace(
+                        req.metrics, finished_time=self.clock() if end is None else end,
+                        num_generation_tokens=sum(len(s.output_token_ids) for s in req.seqs),
+                    )
             output = self._make_output(req, core, finished)
             if output is not None:
                 outputs.append(output)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from tessera.config import SchedulingPolicy
+from tessera.engine.stats import EngineStats, StatsSnapshot
 from tessera.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tessera.sampling.params import RequestOutputKind, SamplingParams
 
@@ -77,6 +78,7 @@ class FakeEngine:
         self.num_aborted = 0
         self.priorities: list[int] = []  # of every accepted request, in order
         self.generation_tokens = 0
+        self.stats = EngineStats()  # the real engine's step/abort statistics, fed by the fake
         self._boom = False
         self._changed = threading.Condition()  # notified after every change of `requests`
 
@@ -115,6 +117,7 @@ class FakeEngine:
             for rid in ids:
                 if self.requests.pop(rid, None) is not None:
                     self.num_aborted += 1
+                    self.stats.observe_aborted([rid])
             self._changed.notify_all()
 
     def has_unfinished_requests(self) -> bool:
@@ -130,7 +133,10 @@ class FakeEngine:
             raise RuntimeError("boom")
         time.sleep(self.step_delay)
         with self._changed:
+            before = [(r, _num_tokens(r)) for r in self.requests.values()]
             results = self._step()
+            grew = [r.request_id for r, n in before if _num_tokens(r) > n]
+            self.stats.observe_step(time.monotonic(), len(grew), results, grew)
             self._changed.notify_all()
         return results
 
@@ -158,9 +164,11 @@ class FakeEngine:
                 prompt_token_ids=req.prompt_token_ids,
                 outputs=outputs, finished=finished,
                 metrics=RequestMetrics(arrival_time=req.arrival_time,
+                                       first_scheduled_time=req.first_token_time - self.step_delay,
                                        first_token_time=req.first_token_time,
                                        last_token_time=now,
-                                       finished_time=now if finished else None),
+                                       finished_time=now if finished else None,
+                                       num_generation_tokens=_num_tokens(req) if finished else None),
                 error=f"prompt is too long ({len(req.prompt_token_ids)} > max_model_len "
                       f"{self.config.model.max_model_len})" if too_long else None,
             ))
@@ -199,10 +207,18 @@ class FakeEngine:
             "tessera:generation_tokens_total": float(self.generation_tokens),
             "tessera:prefix_cache_hits_total": 0.0,
             "tessera:prefix_cache_queries_total": 0.0,
+            "tessera:prompt_tokens_cached_total": 0.0,
         }
+
+    def get_stats(self) -> StatsSnapshot:
+        return self.stats.snapshot()
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages)
+
+
+def _num_tokens(req: _Req) -> int:
+    return sum(len(o.token_ids) for o in req.outputs)
 
 
 def _copy(req: _Req, o: CompletionOutput, delta: bool) -> CompletionOutput:

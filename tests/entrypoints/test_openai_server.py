@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import statistics
 import threading
@@ -46,6 +47,8 @@ def metrics(server) -> dict[str, float]:
     for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("tessera:"):
             name, value = line.rsplit(" ", 1)
+            # every series carries model_name; key the ones with no other label by bare name
+            name = re.sub(r'\{model_name="[^"]*"\}$', "", name)
             values[name] = float(value)
     return values
 

@@ -214,9 +214,12 @@ def test_unknown_route_is_openai_shaped(http):
 
 
 def _metric(http, name: str) -> float:
+    """The value of the series `name` (labels as exposed, less the model_name every series has)."""
     for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        series, _, value = line.rpartition(" ")
+        if series.replace('model_name="fake-model"', "").replace(",}", "}").replace(
+                "{,", "{").removesuffix("{}") == name:
+            return float(value)
     raise AssertionError(f"{name} not exposed")
 
 
@@ -256,7 +259,8 @@ def test_metrics_exposition(client, http):
     text = http.get("/metrics").text
     for name in ("tessera:num_requests_running", "tessera:kv_cache_usage_perc",
                  "tessera:generation_tokens_total", "tessera:prefix_cache_queries_total"):
-        assert any(line.startswith(name + " ") for line in text.splitlines()), name
+        assert any(line.startswith(name + '{model_name="fake-model"} ')
+                   for line in text.splitlines()), name
     assert "# TYPE tessera:num_requests_running gauge" in text
     assert "# TYPE tessera:generation_tokens_total counter" in text
     for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds",

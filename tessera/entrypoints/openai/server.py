@@ -166,7 +166,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     if max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_request_body_bytes}")
     model_name = served_model_name or engine.model_name
-    metrics = ServerMetrics(engine.get_metrics)
+    metrics = ServerMetrics(engine.get_metrics, model_name, engine.get_stats)
     engine.on_finished.append(metrics.observe_finished)
     preprocessor = Preprocessor(engine.tokenizer, engine.max_model_len, engine.vocab_size)
     common = {"chat_template": chat_template, "sampling_defaults": sampling_defaults,
