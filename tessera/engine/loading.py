@@ -132,6 +132,9 @@ def describe_config(config) -> str:
     parts = []
     for section in dataclasses.fields(config):
         value = getattr(config, section.name)
+        if not dataclasses.is_dataclass(value):  # an optional part that is off (speculative)
+            parts.append(f"{section.name}={value!r}")
+            continue
         for f in dataclasses.fields(value):
             parts.append(f"{section.name}.{f.name}={getattr(value, f.name)!r}")
     return ", ".join(parts)

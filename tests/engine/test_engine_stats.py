@@ -3,6 +3,8 @@ finished, one inter-token interval per output token after the first, tokens per 
 
 from __future__ import annotations
 
+import zlib
+
 from test_llm_engine import EOS, VOCAB, CharTokenizer, FakeExecutor
 
 from tessera.config import EngineArgs
@@ -38,8 +40,9 @@ def test_finished_reasons_inter_token_latency_and_iteration_tokens():
     delta = RequestOutputKind.DELTA
     engine.add_request("len4", "hello", SamplingParams(max_tokens=4, output_kind=delta))
     engine.add_request("len6", "world!", SamplingParams(max_tokens=6))
-    every_letter = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    engine.add_request("stop", "stop me", SamplingParams(max_tokens=9, stop=every_letter))
+    # the fake runner's first token for this prompt (test_llm_engine.FakeExecutor's rule)
+    first = chr(97 + zlib.crc32(b"p me") % 26)
+    engine.add_request("stop", "stop me", SamplingParams(max_tokens=9, stop=[first]))
     engine.add_request("gone", "never run", SamplingParams(max_tokens=9))
     engine.abort_request("gone")
     engine.abort_request("unknown")  # not a request: not counted

@@ -13,6 +13,7 @@ METRIC_NAMES = {
     "tessera:kv_cache_usage_perc", "tessera:cpu_cache_usage_perc", "tessera:num_preemptions_total",
     "tessera:prompt_tokens_total", "tessera:generation_tokens_total",
     "tessera:prefix_cache_hits_total", "tessera:prefix_cache_queries_total",
+    "tessera:prompt_tokens_cached_total",
 }
 
 

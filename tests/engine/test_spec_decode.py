@@ -173,10 +173,12 @@ def test_metrics_served_at_prometheus_names(llm_factory):
     llm = llm_factory(speculative_config=NGRAM)
     _run(llm, prompts=PROMPTS[:1])
     text = ServerMetrics(llm.get_metrics).render().decode()
-    for name in ("tessera:spec_decode_num_drafts_total", "tessera:spec_decode_num_draft_tokens_total",
-                 "tessera:spec_decode_num_accepted_tokens_total",
-                 'tessera:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
-                 'tessera:spec_decode_num_accepted_tokens_per_pos_total{position="3"}'):
+    label = 'model_name="tessera"'
+    for name in (f"tessera:spec_decode_num_drafts_total{{{label}}}",
+                 f"tessera:spec_decode_num_draft_tokens_total{{{label}}}",
+                 f"tessera:spec_decode_num_accepted_tokens_total{{{label}}}",
+                 f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}}',
+                 f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="3"}}'):
         assert f"\n{name} " in text, name
     assert "spec_decode" not in ServerMetrics(llm_factory().get_metrics).render().decode()
 
