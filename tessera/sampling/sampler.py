@@ -265,13 +265,17 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     # Sorting the whole vocabulary is slow on CPU (~0.5 s for 64 x 49k), so take the top K
     # candidates and widen K only for rows whose kept prefix might extend past them.
     todo = filtered
+    # each row's probability mass as float32 computed it: a long flat tail makes it fall short
+    # of 1 by more than top_p's rounding, and top-p with top-k off is relative to it
+    row_mass = probs.sum(dim=-1)  # [R]
     for k in (64, 1024, vocab):
         if not todo:
             break
         k = min(k, vocab)
         sub_params = [params[i] for i in todo]
         cand_probs, cand_ids = _rows(probs, todo).topk(k, dim=-1)  # [T, k] sorted descending
-        kept, resolved = _apply_filters(cand_probs, sub_params, vocab)
+        kept, resolved = _apply_filters(cand_probs, sub_params, vocab,
+                                        row_mass[torch.tensor(todo, device=device)])
         done = [j for j, ok in enumerate(resolved.tolist()) if ok]
         if done:
             sel = torch.tensor(done, device=device)
@@ -304,11 +308,12 @@ def _expand(row_ids: list[int], starts: list[int], num_samples: list[int], devic
     return torch.tensor(pos, device=device), torch.tensor(rep, device=device)
 
 
-def _apply_filters(cand: torch.Tensor, params: list[SamplingParams], vocab: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _apply_filters(cand: torch.Tensor, params: list[SamplingParams], vocab: int,
+                   row_mass: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k, then top-p, then min-p (vLLM's order) on each row's top candidates.
 
-    cand: [T, K] probabilities sorted descending, the first K of `vocab`. Returns the candidates
+    cand: [T, K] probabilities sorted descending, the first K of `vocab`; row_mass: [T] each
+    row's total over the whole vocabulary (default 1). Returns the candidates
     with dropped ones zeroed and, per row, whether the kept prefix provably ends inside the K
     candidates and is the one the complete vocabulary would give (always, when K == vocab).
     """
@@ -326,9 +331,10 @@ def _apply_filters(cand: torch.Tensor, params: list[SamplingParams], vocab: int
     # the mass above a tail token can round up to the total and would drop it.
     use_k = top_k <= k  # the top-k mass is the kept candidates' sum
     p_off = top_p >= 1
-    # with top-k off the total is the whole distribution's, 1; with K < top_k < vocab it is not
+    # with top-k off the total is the whole distribution's (row_mass); with K < top_k < vocab it is not
     # known from the candidates, so such a row resolves only once top-p is off or K reaches top_k
-    total = torch.where(use_k, kept.sum(dim=-1), torch.ones_like(top_p))  # [T]
+    whole = row_mass.to(top_p.dtype) if row_mass is not None else torch.ones_like(top_p)
+    total = torch.where(use_k, kept.sum(dim=-1), whole)  # [T]
     total_known = use_k | (top_k == vocab) | p_off
     above = kept.cumsum(dim=-1) - kept
     keep &= (above < (top_p * total)[:, None]) | p_off[:, None]

@@ -194,6 +194,10 @@ class FakeEngine:
         if at_max or len(req.prompt_token_ids) + len(seq.token_ids) >= self.config.model.max_model_len:
             seq.finish_reason = "length"
 
+    def check_constraints(self, params: SamplingParams) -> None:
+        """LLMEngine's pre-admission check; the fake applies no grammar, so it only checks ids."""
+        params.check_vocab(self.vocab_size)
+
     def get_metrics(self) -> dict[str, float]:
         running = len(self._running())
         return {

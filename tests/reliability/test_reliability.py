@@ -262,9 +262,10 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_naming_max_tokens(serv
 # -- disconnects, ports, shutdown ----------------------------------------------------------------
 
 def _metric(url: str, name: str) -> float:
+    """An unlabelled series' value (every series carries `{model_name="..."}`)."""
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
     raise AssertionError(name)
 
 

@@ -113,7 +113,7 @@ def test_filter_on_the_first_candidates_matches_the_full_sort(data):
     ks = {min(k, vocab) for k in (1, 64, 1024, vocab)} | {data.draw(st.integers(1, vocab))}
     for k in sorted(ks):
         cand = probs[:, :k]
-        kept, resolved = _apply_filters(cand, params, vocab)
+        kept, resolved = _apply_filters(cand, params, vocab, probs.sum(dim=-1))
         for i, p in enumerate(params):
             if not resolved[i]:
                 assert k < vocab, "the complete vocabulary must resolve every row"
