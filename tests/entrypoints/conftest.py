@@ -63,6 +63,24 @@ class UvicornThread:
         self.thread.join(timeout=30)
 
 
+def probe_health_while(url: str, request) -> tuple[list[float], object]:
+    """Run `request()` in a thread and probe /health until it returns: (the probes' latencies in
+    seconds, what `request()` returned). Shows whether a request blocks the event loop."""
+    result: list = []
+    with httpx.Client(base_url=url, timeout=30) as probe:
+        assert probe.get("/health").status_code == 200  # connection warm
+        t = threading.Thread(target=lambda: result.append(request()))
+        t.start()
+        latencies = []
+        while t.is_alive() or not latencies:
+            t0 = time.perf_counter()
+            assert probe.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+        t.join()
+    assert result, "the request raised (see the thread's exception)"
+    return latencies, result[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,6 @@ streams are HTTP errors, `code` a string or null, no internal text, auth on the 
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.entrypoints.openai.server import build_app
 
-from .conftest import UvicornThread, serve_fake
+from .conftest import UvicornThread, probe_health_while, serve_fake
 from .fake_engine import FakeEngine
 
 LIMIT = 64 * 1024
@@ -81,22 +80,6 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(server, http
     assert calls  # while a prompt that may fit is
 
 
-def _probe_while(srv_url: str, request) -> tuple[list[float], dict]:
-    """Run `request()` in a thread; probe /health until it returns. (latencies, its result)."""
-    result: dict = {}
-    with httpx.Client(base_url=srv_url, timeout=30) as probe:
-        assert probe.get("/health").status_code == 200  # connection warm
-        t = threading.Thread(target=lambda: result.update(status=request()))
-        t.start()
-        latencies = []
-        while t.is_alive() or not latencies:
-            t0 = time.perf_counter()
-            assert probe.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-        t.join()
-    return latencies, result
-
-
 def test_tokenization_runs_off_the_event_loop(monkeypatch):
     from .fake_engine import FakeTokenizer
 
@@ -109,10 +92,10 @@ def test_tokenization_runs_off_the_event_loop(monkeypatch):
 
     monkeypatch.setattr(FakeTokenizer, "encode", slow_encode)
     with UvicornThread(build_app(AsyncLLMEngine(FakeEngine()))) as srv:
-        latencies, result = _probe_while(srv.url, lambda: httpx.post(
+        latencies, status = probe_health_while(srv.url, lambda: httpx.post(
             srv.url + "/v1/completions", json={"prompt": "slow one", "max_tokens": 2},
             timeout=30).status_code)
-    assert result["status"] == 200 and len(latencies) > 3
+    assert status == 200 and len(latencies) > 3
     assert max(latencies) < 0.1, f"/health took up to {max(latencies) * 1e3:.0f} ms"
 
 
@@ -124,10 +107,10 @@ def test_health_answers_while_a_huge_prompt_is_refused():
     app = build_app(AsyncLLMEngine(engine))
     body = json.dumps({"prompt": "w" * (5 * 2**20), "max_tokens": 4}).encode()
     with UvicornThread(app) as srv:
-        latencies, result = _probe_while(srv.url, lambda: httpx.post(
+        latencies, status = probe_health_while(srv.url, lambda: httpx.post(
             srv.url + "/v1/completions", content=body,
             headers={"content-type": "application/json"}, timeout=60).status_code)
-    assert result["status"] == 413
+    assert status == 413
     assert max(latencies) < 0.1, f"/health took up to {max(latencies) * 1e3:.0f} ms"
 
 

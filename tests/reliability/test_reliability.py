@@ -23,12 +23,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
-from entrypoints.conftest import ServerProcess, free_port
+from entrypoints.conftest import ServerProcess, free_port, probe_health_while
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -200,21 +199,6 @@ def test_the_issues_requests_beside_victims(server, expected, case):
 
 # -- bounded work before admission -------------------------------------------------------------
 
-def _probe_health(url: str, request) -> tuple[list[float], object]:
-    result: list = []
-    with httpx.Client(base_url=url, timeout=30) as probe:
-        probe.get("/health")
-        t = threading.Thread(target=lambda: result.append(request()))
-        t.start()
-        latencies = []
-        while t.is_alive() or not latencies:
-            t0 = time.perf_counter()
-            assert probe.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-        t.join()
-    return latencies, result[0]
-
-
 def _post_raw(url: str, body: bytes) -> int:
     """POST `body` over a plain socket and return the status. A server that refuses a body by
     its Content-Length answers and closes while the client is still sending: an HTTP client
@@ -242,7 +226,7 @@ def _post_raw(url: str, body: bytes) -> int:
 def test_oversized_body_beside_health_probes(server, size, status):
     body = json.dumps({"prompt": "w" * size, "max_tokens": 4}).encode()
     t0 = time.perf_counter()
-    latencies, got = _probe_health(server.url, lambda: _post_raw(server.url, body))
+    latencies, got = probe_health_while(server.url, lambda: _post_raw(server.url, body))
     elapsed = time.perf_counter() - t0
     assert got == status
     print(f"{size} B -> {status} in {elapsed:.2f} s; /health max {max(latencies) * 1e3:.0f} ms "
