@@ -1,4 +1,4 @@
-"""Scheduler cost per step, with a fake runner (no model): µs for `schedule()` +
+"""Scheduler cost per step, with the simulator's synthetic runner (no model): µs for `schedule()` +
 `update_from_output()` (which appends the sampled tokens, applies the stop rules and frees what
 finished), and for the whole fake step (also the fake runner turning the message into its output);
 and the cost of aborting every request of a long waiting queue.
@@ -29,11 +29,10 @@ import statistics
 import time
 
 from tessera.config import CacheConfig, SchedulerConfig
-from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
-from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
+from tessera.simulator.batch import SyntheticRunner
 
 
 def _group(ids, rng: random.Random, max_tokens: int, arrival: float) -> SequenceGroup:
@@ -45,28 +44,6 @@ def _group(ids, rng: random.Random, max_tokens: int, arrival: float) -> Sequence
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         arrival_time=arrival,
     )
-
-
-class _FakeRunner:
-    """Tracks each request's length from the messages alone and samples token 1 wherever a step
-    completes a request (what a model runner answers, minus the model)."""
-
-    def __init__(self) -> None:
-        self.num_tokens: dict[str, int] = {}
-
-    def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        num_tokens = self.num_tokens
-        for req_id in out.finished_req_ids:
-            del num_tokens[req_id]
-        computed = {}
-        for new in out.scheduled_new_reqs:
-            num_tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
-            computed[new.req_id] = new.num_computed_tokens
-        for diff in out.scheduled_cached_reqs:
-            num_tokens[diff.req_id] += len(diff.new_token_ids)
-            computed[diff.req_id] = diff.num_computed_tokens
-        req_ids = [r for r, n in out.num_scheduled_tokens.items() if computed[r] + n == num_tokens[r]]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[1] for _ in req_ids])
 
 
 def run(
@@ -93,7 +70,11 @@ def run(
 
     for i in range(num_running + num_waiting):
         sched.add_seq_group(_group(ids, rng, new_max_tokens(), float(i)))
-    runner = _FakeRunner()
+    synthetic = SyntheticRunner(block_bytes=0)
+
+    def runner(out):
+        return synthetic.execute(out)[1]
+
     while len(sched.running) < num_running:  # fill the batch first
         out = sched.schedule()
         sched.update_from_output(out, runner(out))
