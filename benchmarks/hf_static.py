@@ -68,8 +68,9 @@ def run_static(model, prompts: list[list[int]], out_lens: list[int], batch_size:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tessera.bench.config import add_workload_args
     from tessera.bench.datasets import build_samples
-    from tessera.bench.serve import add_workload_args, load_bench_tokenizer
+    from tessera.bench.serve import load_bench_tokenizer
     from tessera.model.default_model import resolve_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -29,7 +29,7 @@ def _run_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
 
 def add_bench_parser(subparsers) -> None:
     """Register `bench` with its sub-subcommands `serve` and `sweep` (each sets `func`)."""
-    from tessera.bench.serve import add_serve_args
+    from tessera.bench.config import add_serve_args
     from tessera.bench.sweep import add_sweep_args
 
     bench = subparsers.add_parser("bench", help="benchmark an OpenAI-compatible server",

@@ -30,14 +30,9 @@ import time
 
 import httpx
 
+from tessera.bench.config import add_workload_args, config_from_args
 from tessera.bench.report import json_rate, save_json
-from tessera.bench.serve import (
-    _setup_logging,
-    add_workload_args,
-    config_from_args,
-    prepare,
-    run_bench,
-)
+from tessera.bench.serve import _setup_logging, prepare, run_bench
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ _NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", "speculativ
 
 
 def add_simulate_parser(subparsers) -> None:
-    from tessera.bench.serve import add_arrival_args, add_dataset_args
+    from tessera.bench.config import add_arrival_args, add_dataset_args
     from tessera.entrypoints.cli import add_engine_args
     from tessera.simulator.specs import hardware_names, model_config_names
 

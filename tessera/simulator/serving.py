@@ -52,7 +52,8 @@ def real_server_metrics(flags: list[str], samples, rate: float, seed: int,
     """Start `tessera serve` on 127.0.0.1 with `flags`, send `samples` with bench serve
     (ignore_eos: the dataset's output lengths), stop it; bench serve's metrics, with the
     server's preemption count (from /metrics) as `num_preemptions`."""
-    from tessera.bench.serve import BenchConfig, load_bench_tokenizer, run_bench
+    from tessera.bench.config import BenchConfig
+    from tessera.bench.serve import load_bench_tokenizer, run_bench
     from tessera.bench.sweep import ServerProcess, free_port, scrape_counters
 
     port = free_port()

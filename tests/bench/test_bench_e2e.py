@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from tessera.bench import add_bench_parser
+from tessera.bench.config import BenchConfig
 from tessera.bench.datasets import SampleRequest, sample_random
-from tessera.bench.serve import BenchConfig, run_bench
+from tessera.bench.serve import run_bench
 from tessera.bench.sweep import plot_sweep, sweep
 
 from .fake_server import CHAT_TEMPLATE_TOKENS, FakeServer
@@ -156,7 +157,7 @@ def test_sweep_reports_a_server_that_dies(tmp_path):
 def test_vllm_spellings(tmp_path):
     """`--dataset-name`, `--backend` and `--save-result` (with --result-dir/--result-filename)
     mean what they mean in vLLM's `bench serve`."""
-    from tessera.bench.serve import config_from_args, result_path
+    from tessera.bench.config import config_from_args, result_path
 
     args = _bench_args("serve", "--dataset-name", "random", "--backend", "openai-chat",
                        "--save-result", "--result-dir", str(tmp_path), "--label", "x",
