@@ -80,6 +80,8 @@ def test_cors_root_path_and_request_log(caplog):
             "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
         assert "access-control-allow-origin" not in r.headers
         assert "/api/openapi.json" in httpx.get(srv.url + "/docs").text
+        # a proxy that forwards the prefix reaches the same routes
+        assert httpx.get(srv.url + "/api/v1/models").status_code == 200
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200
     assert any("prompt(s)" in rec.message for rec in caplog.records)

@@ -96,6 +96,21 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _RootPathMiddleware:
+    """Pure ASGI: serve under `root_path` behind a reverse proxy, as uvicorn's --root-path does
+    (FastAPI's own `root_path` argument is deprecated). Routes match with or without the
+    prefix, and the docs page links the prefixed openapi.json."""
+
+    def __init__(self, app, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 class _BodyLimitMiddleware:
     """Pure ASGI: a body over `limit` bytes is a 413, decided from Content-Length before reading
     or, for a chunked body, as soon as the bytes received pass the limit. The body is read here
@@ -183,13 +198,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         await engine.shutdown()
         preprocessor.shutdown()
 
-    app = FastAPI(title="Tessera", version=_version(), lifespan=lifespan, root_path=root_path)
+    app = FastAPI(title="Tessera", version=_version(), lifespan=lifespan)
     install_error_handlers(app, {"/v1/completions": CompletionRequest,
                                  "/v1/chat/completions": ChatCompletionRequest})
     # added last runs first: the key is checked before a body is read
     app.add_middleware(_BodyLimitMiddleware, limit=max_request_body_bytes)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    if root_path:
+        app.add_middleware(_RootPathMiddleware, root_path=root_path)
     if allowed_origins:  # outermost: preflights need no key, and errors carry CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
@@ -299,7 +316,6 @@ def run_server(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000
     `app_options` go to `build_app`; uvicorn logs at `uvicorn_log_level` (default: log_level)."""
     app = build_app(engine, served_model_name, api_key, chat_template, **app_options)
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level or log_level,
-                            timeout_graceful_shutdown=10, lifespan="on",
-                            root_path=app_options.get("root_path", ""))
+                            timeout_graceful_shutdown=10, lifespan="on")
     server = _Server(config, on_exit=engine.abort_all)
     asyncio.run(server.serve(sockets=[sock] if sock is not None else None))
