@@ -49,14 +49,16 @@ def _copy_tokenizer(writer, source_path: str) -> None:
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
 
 
-def build(workdir: str, types: list[str]) -> dict[str, str]:
-    """Write (or reuse) one GGUF per type; returns {type: path}."""
+def build(workdir: str, types: list[str], arch: dict | None = None) -> dict[str, str]:
+    """Write (or reuse) one GGUF per type; returns {type: path}. `arch` overrides ARCH's numbers
+    (the script's test builds a tiny one)."""
     import gguf
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tessera.model.default_model import default_model_path
 
+    arch = {**ARCH, **(arch or {})}
     paths = {t: os.path.join(workdir, f"llama-1b-random.{t.upper()}.gguf") for t in types}
     missing = [t for t in types if not os.path.isfile(paths[t])]
     if not missing:
@@ -64,7 +66,7 @@ def build(workdir: str, types: list[str]) -> dict[str, str]:
     os.makedirs(workdir, exist_ok=True)
     start = time.perf_counter()
     torch.manual_seed(0)
-    config = LlamaConfig(**ARCH)
+    config = LlamaConfig(**arch)
     model = LlamaForCausalLM(config).eval()
     state = {k: v.float().numpy() for k, v in model.state_dict().items()}
     del model
@@ -82,14 +84,14 @@ def build(workdir: str, types: list[str]) -> dict[str, str]:
         qtype = getattr(gguf.GGMLQuantizationType, t.upper())
         tmp = paths[t] + ".part"
         writer = gguf.GGUFWriter(tmp, "llama")
-        writer.add_block_count(ARCH["num_hidden_layers"])
-        writer.add_context_length(ARCH["max_position_embeddings"])
-        writer.add_embedding_length(ARCH["hidden_size"])
-        writer.add_feed_forward_length(ARCH["intermediate_size"])
-        writer.add_head_count(ARCH["num_attention_heads"])
-        writer.add_head_count_kv(ARCH["num_key_value_heads"])
-        writer.add_layer_norm_rms_eps(ARCH["rms_norm_eps"])
-        writer.add_rope_freq_base(ARCH["rope_theta"])
+        writer.add_block_count(arch["num_hidden_layers"])
+        writer.add_context_length(arch["max_position_embeddings"])
+        writer.add_embedding_length(arch["hidden_size"])
+        writer.add_feed_forward_length(arch["intermediate_size"])
+        writer.add_head_count(arch["num_attention_heads"])
+        writer.add_head_count_kv(arch["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(arch["rms_norm_eps"])
+        writer.add_rope_freq_base(arch["rope_theta"])
         writer.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{t.upper()}"))
         _copy_tokenizer(writer, default_model_path())
         for hf_name, w in state.items():
@@ -99,7 +101,7 @@ def build(workdir: str, types: list[str]) -> dict[str, str]:
                 _, _, layer, *rest = hf_name.split(".")
                 name = f"blk.{layer}.{layer_names['.'.join(rest[:-1])]}.weight"
             if name.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = ARCH["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
+                heads = arch["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
                 w = _permute_qk(w, heads)
             if w.ndim == 1:
                 writer.add_tensor(name, w)

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/serving_figures.py run fig2     # one figure's measurements
     .venv/bin/python benchmarks/serving_figures.py plot         # PNGs + small JSONs from the results
     .venv/bin/python benchmarks/serving_figures.py print        # just print the exact commands
+    .venv/bin/python benchmarks/serving_figures.py tables       # docs/performance.md's tables
     LLAMA_SERVER_URL=http://127.0.0.1:8080 ... run fig4          # also bench a running llama-server
 
 Each measurement is a plain `tessera bench sweep` (which starts `tessera serve` per setting with
@@ -325,6 +326,55 @@ def plot() -> None:
             print(f"skipped {fn.__name__}: no docs/results/{needs}.json")
 
 
+def tables() -> None:
+    """The markdown tables of docs/performance.md, from docs/results/ (no transcription by hand)."""
+    def pts(name):
+        path = os.path.join(RESULTS, f"{name}.json")
+        return _load(f"docs/results/{name}.json")["points"] if os.path.exists(path) else []
+
+    def ms(m, key):
+        return f"{m[f'median_{key}_ms']:.0f} / {m[f'p99_{key}_ms']:.0f}"
+
+    print("| setting | output tok/s | req/s | median / p99 ITL (ms) | median / p99 TPOT (ms) | "
+          "median / p99 TTFT (ms) | duration (s) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in ("fig1_chunked_prefill", "fig1b_chunked_prefill_512", "fig1_probe"):
+        for p in pts(name):
+            m = p["metrics"]
+            label = _label(p["setting"]).replace("\n", ", ") + (
+                ", rate inf (probe)" if name == "fig1_probe" else "")
+            print(f"| {label} | {m['output_throughput']:.1f} | {m['request_throughput']:.2f} | "
+                  f"{ms(m, 'itl')} | {ms(m, 'tpot')} | {ms(m, 'ttft')} | {m['duration_s']:.1f} |")
+    print("\n| setting | output tok/s | duration (s) | preemptions | median / p99 E2E (s) | "
+          "median / p99 TPOT (ms) | p99 ITL (ms) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for p in pts("fig2_preemption"):
+        m, c = p["metrics"], p["server_counters"]
+        label = _label(p["setting"]) if p["setting"] != "default" else "default cache (no pressure)"
+        print(f"| {label} | {m['output_throughput']:.1f} | {m['duration_s']:.1f} | "
+              f"{c.get('tessera:num_preemptions_total', 0):.0f} | {m['median_e2el_ms'] / 1e3:.1f} / "
+              f"{m['p99_e2el_ms'] / 1e3:.1f} | {ms(m, 'tpot')} | {m['p99_itl_ms']:.0f} |")
+    print("\n| setting | rate | median / p90 / p99 TTFT (ms) | req/s achieved | cache hits / queries "
+          "(tokens) |\n| --- | ---: | ---: | ---: | ---: |")
+    for p in pts("fig3_prefix_caching"):
+        m, c = p["metrics"], p["server_counters"]
+        q = c.get("tessera:prefix_cache_queries_total", 0)
+        hits = (f"{c.get('tessera:prefix_cache_hits_total', 0):.0f} / {q:.0f} "
+                f"({100 * c.get('tessera:prefix_cache_hits_total', 0) / q:.1f}%)") if q else "–"
+        print(f"| {_label(p['setting'])} | {p['request_rate']} | {m['median_ttft_ms']:.0f} / "
+              f"{m['p90_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | {m['request_throughput']:.2f} | "
+              f"{hits} |")
+    ours = pts("fig4_tessera")
+    if ours and os.path.exists(os.path.join(RESULTS, "fig4_hf_static.json")):
+        m, hf = ours[0]["metrics"], _load("docs/results/fig4_hf_static.json")
+        print("\n| engine | output tok/s | req/s | median / p99 E2E (s) |\n| --- | ---: | ---: | ---: |")
+        for name, mm in (("Tessera (`tessera serve`, rate inf)", m), ("HF static batching", hf["metrics"])):
+            print(f"| {name} | {mm['output_throughput']:.1f} | {mm['request_throughput']:.2f} | "
+                  f"{mm['median_e2el_ms'] / 1e3:.1f} / {mm['p99_e2el_ms'] / 1e3:.1f} |")
+        print(f"Tessera median TTFT {m['median_ttft_ms'] / 1e3:.1f} s (p99 "
+              f"{m['p99_ttft_ms'] / 1e3:.1f}), median TPOT {m['median_tpot_ms']:.0f} ms; HF "
+              "batches: " + ", ".join(f"{b['seconds']:.1f} s (padded to {b['padded_prompt_len']})"
+                                    for b in hf.get("batches", [])))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 1 and argv[0] == "print":
         for name, cmds in commands().items():
@@ -337,6 +387,9 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["plot"]:
         plot()
+        return 0
+    if argv == ["tables"]:
+        tables()
         return 0
     print(__doc__)
     return 2
