@@ -14,6 +14,7 @@ import torch
 
 from tessera.config import EngineArgs, default_num_threads
 from tessera.core.admission import check_cache_holds_max_model_len
+from tessera.engine.malloc_tuning import release_free_memory
 from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.model.checkpoint_dtype import checkpoint_dtype
 from tessera.model.config import ModelArchConfig
@@ -57,6 +58,7 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     model_cls = get_model_class(arch.architecture)
     model = model_cls(arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len)
     del weights  # the model holds its own (packed) copies; the file's blocks go now
+    release_free_memory()  # and their pages, which the heap would otherwise keep resident
     return ModelBundle(
         path, arch, model, load_tokenizer(path), config.model.dtype, config.device.device,
         config.model.max_model_len, config.model.quantization, stored_dtype,

@@ -23,15 +23,30 @@ ARENA_MAX = 2
 MMAP_THRESHOLD = 1 << 20
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere). After
+    loading, the file's dequantized float32 copies are freed but stay resident in the heap: on the
+    default model after `load_bundle`: 1245 -> 655 MiB with `--quantization none --dtype bfloat16`,
+    463 -> 426 MiB with the defaults (quantized weights, float32)."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def limit_malloc_retention() -> bool:
     """Apply the two settings (before the server starts its threads); False where the C library
     is not glibc, which leaves the defaults. An explicit MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_
     in the environment is overridden: call this only where the server owns the process."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     ok = bool(mallopt(_M_ARENA_MAX, ARENA_MAX)) and bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     if not ok:
