@@ -50,7 +50,7 @@ def peak_mb(pid: int | str = "self") -> float:
 
 def breakdown(dtype: str, num_requests: int) -> None:
     stages: list[tuple[str, float]] = [("interpreter", rss_mb())]
-    from tessera.engine.malloc_tuning import limit_malloc_retention
+    from tessera.engine.malloc_tuning import limit_malloc_retention, release_free_memory
 
     limit_malloc_retention()  # as `tessera serve` does
     import torch
@@ -85,6 +85,7 @@ def breakdown(dtype: str, num_requests: int) -> None:
         arch, weights, getattr(torch, config.model.dtype), torch.device("cpu"),
         config.model.max_model_len)
     del weights
+    release_free_memory()  # as load_bundle does
     stages.append(("weights (model built)", rss_mb()))
     bundle = ModelBundle(path, arch, model, tokenizer, config.model.dtype, "cpu",
                          config.model.max_model_len, config.model.quantization, stored)
