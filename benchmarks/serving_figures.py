@@ -1,13 +1,15 @@
-"""Reproduce the serving figures of docs/performance.md (issue 6) on this machine.
+"""Reproduce the serving figures of docs/performance.md on this machine.
 
     .venv/bin/python benchmarks/serving_figures.py run all      # every measurement, one at a time
     .venv/bin/python benchmarks/serving_figures.py run fig2     # one figure's measurements
     .venv/bin/python benchmarks/serving_figures.py plot         # PNGs + small JSONs from the results
     .venv/bin/python benchmarks/serving_figures.py print        # just print the exact commands
+    .venv/bin/python benchmarks/serving_figures.py tables       # docs/performance.md's tables
     LLAMA_SERVER_URL=http://127.0.0.1:8080 ... run fig4          # also bench a running llama-server
 
 Each measurement is a plain `tessera bench sweep` (which starts `tessera serve` per setting with
-`--dtype bfloat16`, benches it, SIGINTs it, and records the /metrics counter deltas) or
+its defaults: the GGUF's quantized weights on the quantized kernels, `--dtype auto`, i.e. float32
+activations for the default Q4_1 file), benches it, SIGINTs it, and records the /metrics counter deltas) or
 `benchmarks/hf_static.py`. Sweep summaries go to docs/results/figN_*.json; the per-request
 results and server logs to $TESSERA_FIG_WORK (default /tmp/tessera-figs), from which `plot`
 writes slimmed per-request JSONs next to the figures. Nothing else may load the CPU meanwhile:
@@ -28,9 +30,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs")
 RESULTS = os.path.join(DOCS, "results")
 WORK = os.environ.get("TESSERA_FIG_WORK", "/tmp/tessera-figs")
-TESSERA = ".venv/bin/tessera"
-PYTHON = ".venv/bin/python"
-SERVER = "--dtype bfloat16"
+# another checkout's environment, e.g. TESSERA_BIN="/path/.venv/bin/python -m tessera.entrypoints.cli"
+TESSERA = os.environ.get("TESSERA_BIN", ".venv/bin/tessera")
+PYTHON = os.environ.get("PYTHON_BIN", ".venv/bin/python")
+SERVER = ""  # the server's defaults (quantized GGUF weights, --dtype auto)
 
 # Figure 1 runs at this rate: about 90% of the saturated request throughput that the probe
 # (`run probe`, the default server at --request-rate inf on the same workload) measured.
@@ -216,7 +219,7 @@ def plot_fig1(plt) -> None:
     _cdf_panel(axes[3], "ms (log)", "ITL CDF", log_x=True)
     rate = pts[0]["request_rate"]
     _save(plt, fig, f"Fig. 1  chunked prefill off/on, random 768±50% in / 128 out, "
-                    f"{data['num_prompts']} prompts at {rate} req/s (Poisson), bf16, 2-core CPU",
+                    f"{data['num_prompts']} prompts at {rate} req/s (Poisson), 2-core CPU",
           "fig1_chunked_prefill.png")
     _slim("fig1_chunked_prefill", keep_itl=True)
     _slim("fig1b_chunked_prefill_512", keep_itl=True)
@@ -237,7 +240,7 @@ def plot_fig2(plt) -> None:
     _bars(axes[3], labels, [p["metrics"]["p99_tpot_ms"] for p in pts], "p99 TPOT (ms)")
     _save(plt, fig, f"Fig. 2  swap vs recompute under a small KV cache ({FIG2_BLOCKS} blocks of 16), "
                     f"random 256 in / 256 out, {data['num_prompts']} prompts at once, "
-                    "max-num-seqs 64, bf16", "fig2_preemption.png")
+                    "max-num-seqs 64", "fig2_preemption.png")
     _slim("fig2_preemption")
 
 
@@ -260,8 +263,7 @@ def plot_fig3(plt) -> None:
                 ax.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, [f"{r:g} req/s" for r in rates])
-        ax.set_yscale("log")
-        ax.set_title(f"{stat} TTFT (ms, log)", fontsize=10)
+        ax.set_title(f"{stat} TTFT (ms)", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     per = _per_request("fig3_prefix_caching")
@@ -274,7 +276,7 @@ def plot_fig3(plt) -> None:
              _label(d["config"].get("setting") or "default"))
     _cdf_panel(axes[2], "ms (log)", f"TTFT CDF at {top:g} req/s", log_x=True)
     _save(plt, fig, f"Fig. 3  prefix caching, `prefix` dataset (512 shared + 32 distinct tokens, "
-                    f"32 out), {data['num_prompts']} prompts per rate, bf16", "fig3_prefix_caching.png")
+                    f"32 out), {data['num_prompts']} prompts per rate", "fig3_prefix_caching.png")
     _slim("fig3_prefix_caching")
 
 
@@ -284,10 +286,14 @@ def plot_fig4(plt) -> None:
     per = _per_request("fig4_tessera")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     b = hf["config"]["batch_size"]
-    _bars(axes[0], ["Tessera\n(serve, rate inf)", f"HF static\n(batch {b}, useful)",
-                    f"HF static\n(batch {b}, incl. waste)"],
-          [ours["output_throughput"], hf["metrics"]["output_throughput"],
-           hf["metrics"]["generated_throughput_incl_waste"]], "output tok/s")
+    useful, generated = hf["metrics"]["output_throughput"], hf["metrics"]["generated_throughput_incl_waste"]
+    labels = ["Tessera\n(serve, rate inf)", f"HF static\n(batch {b})"]
+    values = [ours["output_throughput"], useful]
+    if generated > useful * 1.005:  # with fixed-length outputs (ignore-eos) nothing is wasted
+        labels.append(f"HF static\n(batch {b}, incl. waste)")
+        values.append(generated)
+    _bars(axes[0], labels, values, "output tok/s" + (
+        "" if len(values) == 3 else "\n(HF wastes no decode steps: every output is 128 tokens)"))
     for key in sorted(per):
         _cdf(axes[1], [r["e2el"] for r in per[key]["requests"] if r["success"]],
              "Tessera (serve, rate inf)")
@@ -300,7 +306,7 @@ def plot_fig4(plt) -> None:
              "llama.cpp llama-server")
     _cdf_panel(axes[1], "E2E latency (s), all requests sent at t=0", "E2E latency CDF")
     _save(plt, fig, f"Fig. 4  Tessera vs HF transformers static batching, ShareGPT prompts, "
-                    f"{hf['config']['num_prompts']} requests x 128 output tokens (ignore-eos), bf16 both",
+                    f"{hf['config']['num_prompts']} requests x 128 output tokens (ignore-eos)",
           "fig4_vs_hf.png")
     _slim("fig4_tessera")
 
@@ -320,6 +326,55 @@ def plot() -> None:
             print(f"skipped {fn.__name__}: no docs/results/{needs}.json")
 
 
+def tables() -> None:
+    """The markdown tables of docs/performance.md, from docs/results/ (no transcription by hand)."""
+    def pts(name):
+        path = os.path.join(RESULTS, f"{name}.json")
+        return _load(f"docs/results/{name}.json")["points"] if os.path.exists(path) else []
+
+    def ms(m, key):
+        return f"{m[f'median_{key}_ms']:.0f} / {m[f'p99_{key}_ms']:.0f}"
+
+    print("| setting | output tok/s | req/s | median / p99 ITL (ms) | median / p99 TPOT (ms) | "
+          "median / p99 TTFT (ms) | duration (s) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in ("fig1_chunked_prefill", "fig1b_chunked_prefill_512", "fig1_probe"):
+        for p in pts(name):
+            m = p["metrics"]
+            label = _label(p["setting"]).replace("\n", ", ") + (
+                ", rate inf (probe)" if name == "fig1_probe" else "")
+            print(f"| {label} | {m['output_throughput']:.1f} | {m['request_throughput']:.2f} | "
+                  f"{ms(m, 'itl')} | {ms(m, 'tpot')} | {ms(m, 'ttft')} | {m['duration_s']:.1f} |")
+    print("\n| setting | output tok/s | duration (s) | preemptions | median / p99 E2E (s) | "
+          "median / p99 TPOT (ms) | p99 ITL (ms) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for p in pts("fig2_preemption"):
+        m, c = p["metrics"], p["server_counters"]
+        label = _label(p["setting"]) if p["setting"] != "default" else "default cache (no pressure)"
+        print(f"| {label} | {m['output_throughput']:.1f} | {m['duration_s']:.1f} | "
+              f"{c.get('tessera:num_preemptions_total', 0):.0f} | {m['median_e2el_ms'] / 1e3:.1f} / "
+              f"{m['p99_e2el_ms'] / 1e3:.1f} | {ms(m, 'tpot')} | {m['p99_itl_ms']:.0f} |")
+    print("\n| setting | rate | median / p90 / p99 TTFT (ms) | req/s achieved | cache hits / queries "
+          "(tokens) |\n| --- | ---: | ---: | ---: | ---: |")
+    for p in pts("fig3_prefix_caching"):
+        m, c = p["metrics"], p["server_counters"]
+        q = c.get("tessera:prefix_cache_queries_total", 0)
+        hits = (f"{c.get('tessera:prefix_cache_hits_total', 0):.0f} / {q:.0f} "
+                f"({100 * c.get('tessera:prefix_cache_hits_total', 0) / q:.1f}%)") if q else "–"
+        print(f"| {_label(p['setting'])} | {p['request_rate']} | {m['median_ttft_ms']:.0f} / "
+              f"{m['p90_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | {m['request_throughput']:.2f} | "
+              f"{hits} |")
+    ours = pts("fig4_tessera")
+    if ours and os.path.exists(os.path.join(RESULTS, "fig4_hf_static.json")):
+        m, hf = ours[0]["metrics"], _load("docs/results/fig4_hf_static.json")
+        print("\n| engine | output tok/s | req/s | median / p99 E2E (s) |\n| --- | ---: | ---: | ---: |")
+        for name, mm in (("Tessera (`tessera serve`, rate inf)", m), ("HF static batching", hf["metrics"])):
+            print(f"| {name} | {mm['output_throughput']:.1f} | {mm['request_throughput']:.2f} | "
+                  f"{mm['median_e2el_ms'] / 1e3:.1f} / {mm['p99_e2el_ms'] / 1e3:.1f} |")
+        print(f"Tessera median TTFT {m['median_ttft_ms'] / 1e3:.1f} s (p99 "
+              f"{m['p99_ttft_ms'] / 1e3:.1f}), median TPOT {m['median_tpot_ms']:.0f} ms; HF "
+              "batches: " + ", ".join(f"{b['seconds']:.1f} s (padded to {b['padded_prompt_len']})"
+                                    for b in hf.get("batches", [])))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 1 and argv[0] == "print":
         for name, cmds in commands().items():
@@ -332,6 +387,9 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["plot"]:
         plot()
+        return 0
+    if argv == ["tables"]:
+        tables()
         return 0
     print(__doc__)
     return 2

@@ -34,6 +34,27 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# vLLM's --dtype spellings; "auto" is the checkpoint's own dtype (tessera/model/checkpoint_dtype.py)
+DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "half", "float16")
+RESOLVED_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> str:
+    """The compute dtype a `--dtype` value means: "auto" is the checkpoint's dtype (float32 when
+    not known yet). float16 is refused on CPU, with the reason; ValueError for an unknown value."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    resolved = (checkpoint_dtype or "float32") if dtype == "auto" else _DTYPE_ALIASES.get(dtype, dtype)
+    if resolved == "float16" and device.split(":")[0] == "cpu":
+        raise ValueError(
+            f"--dtype {dtype} is not supported on CPU: the CPU kernels (linear, attention, fused "
+            "norms, quantized GEMV) have float32 and bfloat16 paths only, and this CPU has no fast "
+            "fp16 arithmetic. Use --dtype bfloat16 (the same 2 bytes per value) or float32"
+        )
+    return resolved
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What model to run and in which dtype. `max_model_len` is resolved against the model."""
@@ -49,8 +70,9 @@ class ModelConfig:
     quantization: str = "gguf"
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in RESOLVED_DTYPES:
+            raise ValueError(f"--dtype must resolve to one of {', '.join(RESOLVED_DTYPES)}, "
+                             f"got {self.dtype!r}")
         if self.quantization not in ("none", "gguf"):
             raise ValueError(f"--quantization must be none or gguf, got {self.quantization!r}")
         if self.max_model_len < 1:
@@ -229,7 +251,13 @@ class EngineArgs:
     model: str | None = _arg(
         None, "GGUF file or HF directory (config.json + *.safetensors); default: SmolLM2-135M-Instruct"
     )
-    dtype: str = _arg("float32", "compute dtype", choices=["float32", "bfloat16"])
+    dtype: str = _arg(
+        "auto",
+        "compute dtype; auto: the checkpoint's (config.json torch_dtype: a bf16 checkpoint runs in "
+        "bf16, fp16 in fp32; a GGUF in float32 unless its weights are BF16); half/float16 is "
+        "refused on CPU",
+        choices=list(DTYPE_CHOICES),
+    )
     quantization: str = _arg(
         "gguf",
         "gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as they are and run "
@@ -271,8 +299,11 @@ class EngineArgs:
             "prompt_logprobs, top_logprobs)"
     )
 
-    def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
-        """Resolve defaults against the model's context limit and validate the combination."""
+    def create_engine_config(
+        self, model_max_len: int | None = None, checkpoint_dtype: str | None = None
+    ) -> EngineConfig:
+        """Resolve defaults against the model's context limit and stored dtype (what `--dtype
+        auto` runs; float32 when not given) and validate the combination."""
         if self.max_model_len is None:
             max_model_len = min(model_max_len or 2048, 2048)
         else:
@@ -295,7 +326,8 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             model=ModelConfig(
-                model=self.model, dtype=self.dtype, max_model_len=max_model_len, seed=self.seed,
+                model=self.model, dtype=resolve_dtype(self.dtype, checkpoint_dtype, self.device),
+                max_model_len=max_model_len, seed=self.seed,
                 max_logprobs=self.max_logprobs, quantization=self.quantization,
             ),
             cache=CacheConfig(

@@ -14,7 +14,9 @@ import torch
 
 from tessera.config import EngineArgs, default_num_threads
 from tessera.core.admission import check_cache_holds_max_model_len
+from tessera.engine.malloc_tuning import release_free_memory
 from tessera.executor.uniproc_executor import UniProcExecutor
+from tessera.model.checkpoint_dtype import checkpoint_dtype
 from tessera.model.config import ModelArchConfig
 from tessera.model.default_model import resolve_model_path
 from tessera.model.loader import load_model
@@ -40,6 +42,7 @@ class ModelBundle:
     device: str
     max_positions: int
     quantization: str = "gguf"
+    checkpoint_dtype: str | None = None  # what `--dtype auto` resolves to for this model
 
 
 def load_bundle(args: EngineArgs) -> ModelBundle:
@@ -47,16 +50,18 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     # context limit (an unset --max-model-len) wait for it
     early = dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config()
     path = resolve_model_path(args.model)
+    stored_dtype = checkpoint_dtype(path)
     arch, weights = load_model(path, early.model.quantization)
-    config = args.create_engine_config(arch.max_position_embeddings)
+    config = args.create_engine_config(arch.max_position_embeddings, stored_dtype)
     torch.set_num_threads(default_num_threads())
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
     model = model_cls(arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len)
     del weights  # the model holds its own (packed) copies; the file's blocks go now
+    release_free_memory()  # and their pages, which the heap would otherwise keep resident
     return ModelBundle(
         path, arch, model, load_tokenizer(path), config.model.dtype, config.device.device,
-        config.model.max_model_len, config.model.quantization,
+        config.model.max_model_len, config.model.quantization, stored_dtype,
     )
 
 
@@ -65,7 +70,7 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     start = time.perf_counter()
     bundle = bundle or load_bundle(args)
     arch, path = bundle.arch, bundle.path
-    config = args.create_engine_config(arch.max_position_embeddings)
+    config = args.create_engine_config(arch.max_position_embeddings, bundle.checkpoint_dtype)
     loaded = (bundle.dtype, bundle.device, bundle.quantization)
     if (config.model.dtype, config.device.device, config.model.quantization) != loaded or (
         config.model.max_model_len > bundle.max_positions

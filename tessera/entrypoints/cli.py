@@ -146,6 +146,7 @@ def read_chat_template(value: str | None) -> str | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.malloc_tuning import limit_malloc_retention
     from tessera.entrypoints.openai.generation_config import load_sampling_defaults
     from tessera.entrypoints.openai.server import bind_socket, run_server
     from tessera.model.default_model import resolve_model_path
@@ -170,6 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_malloc_retention()  # before the engine and server threads exist (resident memory)
     # the port first: a busy one fails now, not after the model has loaded
     try:
         sock = bind_socket(args.host, args.port)

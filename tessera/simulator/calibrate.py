@@ -238,7 +238,7 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
     real = real_server_metrics(engine_flags(args), samples, TRACE_RATE, args.seed,
                                label="calibration-server")
     real_e2el = real["mean_e2el_ms"] / 1e3
-    config = args.create_engine_config(profile["max_position_embeddings"])
+    config = args.create_engine_config(profile["max_position_embeddings"], profile["dtype"])
 
     def simulate_e2el(candidate: dict) -> float:
         cost = ProfiledCostModel(candidate)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import logging
 import math
 import shlex
 
-from tessera.config import EngineConfig, GiB
+from tessera.config import EngineConfig, GiB, resolve_dtype
 
 # engine flags the simulator replaces or does not model: the model and device are the cost
 # model's (--profile / --model-config, --hardware), quantization is in the calibrated profile
@@ -109,19 +110,22 @@ def make_cost_model(args: argparse.Namespace):
             raise ValueError("--cost-model profiled needs --profile PATH (from `tessera simulate "
                              "calibrate`)")
         model = ProfiledCostModel.load(args.profile)
-        if model.dtype != args.dtype:
+        if args.dtype != "auto" and model.dtype != resolve_dtype(args.dtype, None, "meta"):
             raise ValueError(f"--dtype {args.dtype} differs from the profile's {model.dtype}: "
                              f"pass --dtype {model.dtype} or calibrate with --dtype {args.dtype}")
         return model
-    return RooflineCostModel(load_model_config(args.model_config), load_hardware(args.hardware),
-                             args.dtype)
+    spec = load_model_config(args.model_config)
+    # the simulated device is not this CPU: float16 is the GPU's own type here
+    dtype = resolve_dtype(args.dtype, spec.torch_dtype, "meta")
+    return RooflineCostModel(spec, load_hardware(args.hardware), dtype)
 
 
 def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, int, int]:
     """The engine config and KV pool sizes the server would have with these flags."""
     from tessera.entrypoints.cli import engine_args_from
 
-    config = engine_args_from(args).create_engine_config(cost_model.max_model_len)
+    engine_args = dataclasses.replace(engine_args_from(args), dtype=cost_model.dtype, device="meta")
+    config = engine_args.create_engine_config(cost_model.max_model_len)
     block_bytes = cost_model.geometry.block_bytes(config.cache.block_size)
     num_gpu = config.cache.num_gpu_blocks_override or int(config.cache.kv_cache_space * GiB) // block_bytes
     num_cpu = int(config.cache.swap_space * GiB) // block_bytes

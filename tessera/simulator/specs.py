@@ -72,6 +72,7 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False
+    torch_dtype: str | None = None  # the checkpoint's dtype, which `--dtype auto` simulates
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -111,6 +112,12 @@ class ModelSpec:
                                   DTYPE_BYTES[dtype])
 
 
+def _stored_dtype(config: dict) -> str | None:
+    """config.json's `torch_dtype` (transformers v4) or `dtype` (v5), if one we can simulate."""
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "").removeprefix("torch.")
+    return stored if stored in DTYPE_BYTES else None
+
+
 def load_model_config(name_or_path: str) -> ModelSpec:
     """`--model-config`: a shipped name (Llama-3-8B, ...), a config.json path or a directory
     holding one."""
@@ -140,6 +147,7 @@ def load_model_config(name_or_path: str) -> ModelSpec:
             vocab_size=config["vocab_size"],
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            torch_dtype=_stored_dtype(config),
         )
     except KeyError as e:
         raise ValueError(f"--model-config {name_or_path}: config.json lacks {e.args[0]!r}") from None

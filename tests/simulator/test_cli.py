@@ -132,3 +132,14 @@ def test_calibrate_a_tiny_model_then_simulate_with_its_profile(tiny_llama, tmp_p
     assert sim["config"]["engine"]["max_model_len"] == 512  # the profiled model's own limit
     with pytest.raises(SystemExit):  # a profile is for the dtype it was measured in
         main(["simulate", "--profile", str(profile), "--dtype", "bfloat16", *TINY_RANDOM])
+
+
+def test_dtype_auto_is_the_model_configs():
+    # the shipped Llama-3-8B config says bfloat16; an explicit --dtype wins
+    cost = make_cost_model(_parse("--kv-cache-space", "10"))
+    assert cost.dtype == "bfloat16"
+    assert engine_setup(_parse("--kv-cache-space", "10"), cost)[0].model.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype float16 has no peak FLOP/s"):  # not the CPU's
+        make_cost_model(_parse("--dtype", "half", "--kv-cache-space", "10"))  # refusal
+    shipped = make_cost_model(_parse("--dtype", "float32", "--kv-cache-space", "10"))
+    assert shipped.dtype == "float32"
