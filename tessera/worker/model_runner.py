@@ -27,11 +27,22 @@ from tessera.config import SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.grammar import GrammarBackend
-from tessera.sampling.rejection_sampler import num_accepted, rewind_generator
-from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
+from tessera.sampling.rejection_sampler import (
+    num_accepted,
+    position_uniforms,
+    rejection_sample,
+    rewind_generator,
+)
+from tessera.sampling.sampler import (
+    Sampler,
+    SamplingRow,
+    processed_probs,
+    sampled_token,
+    token_logprobs,
+)
 from tessera.worker.cache_engine import CacheEngine
 from tessera.worker.input_batch import CachedRequestState, InputBatch
-from tessera.worker.spec_decode import NgramProposer
+from tessera.worker.spec_decode import DraftModelProposer, DraftRequest, NgramProposer
 
 __all__ = ["ModelInput", "ModelRunner", "ModelRunnerOutput"]
 
@@ -65,20 +76,20 @@ class ModelRunner:
         attention_backend: str | None = None,
         speculative_config: SpeculativeConfig | None = None,
         grammar_backend: GrammarBackend | None = None,
+        draft_proposer: DraftModelProposer | None = None,
     ):
         self.model = model
         self.speculative_config = speculative_config
         self.proposer: NgramProposer | None = None
-        if speculative_config is not None:
-            if speculative_config.method != "ngram":
-                raise ValueError(
-                    f"speculative_config: method {speculative_config.method!r} is not built yet "
-                    "(only ngram is)"
-                )
+        self.draft_proposer = draft_proposer
+        if speculative_config is not None and speculative_config.method == "ngram":
             self.proposer = NgramProposer(
                 speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_max,
                 speculative_config.prompt_lookup_min,
             )
+        elif speculative_config is not None and draft_proposer is None:
+            raise ValueError("speculative_config: method draft_model needs its draft model "
+                             "(tessera.engine.loading builds it from model)")
         self.proposer_seconds = 0.0  # time spent proposing, summed (benchmarks report it)
         self.num_propose_calls = 0
         self.eos_token_ids = eos_token_ids
@@ -161,6 +172,8 @@ class ModelRunner:
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.copy(out.blocks_to_copy)
+        if self.draft_proposer is not None:
+            self.draft_proposer.apply_cache_ops(out)
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput()
         inp = self.prepare_input(out)
@@ -170,7 +183,7 @@ class ModelRunner:
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(inp, hidden))
         if inp.sampled_req_ids:
             self._sample(inp, hidden, out.num_samples, result)
-            if self.proposer is not None:
+            if self.speculative_config is not None:
                 self._propose(len(out.num_scheduled_tokens), out.num_samples, result)
         return result
 
@@ -191,6 +204,8 @@ class ModelRunner:
         rows = []
         spec = inp.spec_drafts
         rewinds: list[tuple[torch.Generator, torch.Tensor]] = []
+        # draft-model drafts of sampling requests: general rejection rule, not the sampler's draws
+        general: dict[str, tuple[int, int]] = {}  # req_id -> its rows [start, end)
         for req_id in inp.sampled_req_ids:
             state = self.requests[req_id]
             drafts = spec.get(req_id) if spec else None
@@ -199,7 +214,9 @@ class ModelRunner:
                 [state.output_token_ids + drafts[:j] for j in range(len(drafts) + 1)]
                 if drafts else [state.output_token_ids]
             )
-            if drafts and state.generator is not None and not state.sampling_params.is_greedy:
+            if drafts and self.draft_proposer is not None and not state.sampling_params.is_greedy:
+                general[req_id] = (len(rows), len(rows) + len(contexts))
+            elif drafts and state.generator is not None and not state.sampling_params.is_greedy:
                 rewinds.append((state.generator, state.generator.get_state()))
             for output_token_ids in contexts:
                 rows.append(
@@ -213,7 +230,18 @@ class ModelRunner:
                         grammar=state.grammar,  # never with drafts: see _propose
                     )
                 )
-        samples = self.sampler(logits, rows).samples
+        if general:
+            emitted = {req_id: self._verify_general(req_id, logits[a:b], rows[a:b], spec[req_id])
+                       for req_id, (a, b) in general.items()}
+            skip = {i for a, b in general.values() for i in range(a, b)}
+            keep = [i for i in range(len(rows)) if i not in skip]
+            drawn = self.sampler(logits[keep], [rows[i] for i in keep]).samples
+            samples: list = [None] * len(rows)
+            for i, toks in zip(keep, drawn, strict=True):
+                samples[i] = toks
+        else:
+            emitted = {}
+            samples = self.sampler(logits, rows).samples
         result.req_ids = inp.sampled_req_ids
         if not spec:
             result.sampled_token_ids = [[t.token_id for t in toks] for toks in samples]
@@ -221,11 +249,28 @@ class ModelRunner:
                 [t.top_logprobs or {t.token_id: t.logprob} for t in toks] for toks in samples
             ]
         else:
-            self._verify(inp, samples, rewinds, result)
+            self._verify(inp, samples, rewinds, emitted, result)
 
-    def _verify(self, inp: ModelInput, samples: list, rewinds: list, result: ModelRunnerOutput) -> None:
+    def _verify_general(self, req_id: str, logits: torch.Tensor, rows: list[SamplingRow],
+                        drafts: list[int]) -> list:
+        """Leviathan/Chen rejection sampling of one request's draft-model drafts against the
+        processed target distribution; logprobs from the raw one, as the sampler reports them."""
+        assert self.draft_proposer is not None
+        q = self.draft_proposer.draft_probs_for(req_id, drafts)
+        p = processed_probs(logits, rows)  # [m + 1, V]
+        first = self.requests[req_id].num_tokens  # position of the first draft
+        u = position_uniforms(self.draft_proposer.seeds.get(req_id),
+                              list(range(first, first + len(drafts) + 1)), p.device)
+        a, last = rejection_sample(p, q.to(p.device), drafts, u)
+        raw = logits[: a + 1].float().log_softmax(dim=-1)
+        params = rows[0].params
+        return [sampled_token(raw[j], t, params) for j, t in enumerate([*drafts[:a], last])]
+
+    def _verify(self, inp: ModelInput, samples: list, rewinds: list, emitted: dict,
+                result: ModelRunnerOutput) -> None:
         """Keep each verifying request's confirmed drafts plus the target's next token (one row
-        per position in `samples`); other requests keep their one row."""
+        per position in `samples`); other requests keep their one row; requests in `emitted`
+        were verified by the general rule already."""
         spec = inp.spec_drafts
         row = 0
         rewind_at = {id(gen): (gen, state) for gen, state in rewinds}
@@ -235,6 +280,9 @@ class ModelRunner:
             if drafts is None:
                 toks = samples[row]
                 row += 1
+            elif req_id in emitted:
+                toks = emitted[req_id]
+                row += len(drafts) + 1
             else:
                 drawn = [samples[row + j][0] for j in range(len(drafts) + 1)]
                 row += len(drafts) + 1
@@ -249,20 +297,30 @@ class ModelRunner:
     def _propose(self, num_reqs: int, num_samples: dict[str, int], result: ModelRunnerOutput) -> None:
         """Drafts for the next step of every request that sampled one token this step (none for a
         step at or above `disable_by_batch_size`: verifying there only costs)."""
-        assert self.proposer is not None and self.speculative_config is not None
+        assert self.speculative_config is not None
         if not self.speculative_config.is_enabled_for(num_reqs):
             return
         t0 = time.perf_counter()
-        propose = self.proposer.propose
-        proposals = []
-        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids, strict=True):
+        proposals: list[list[int]] = [[] for _ in result.req_ids]
+        todo: list[tuple[int, CachedRequestState, list[int]]] = []
+        for i, (req_id, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids,
+                                                 strict=True)):
             state = self.requests[req_id]
             # a grammar would have to be advanced through each draft to mask the positions after
             # it (and rolled back on rejection); constrained requests decode one token a step
-            if num_samples.get(req_id, 1) != 1 or state.grammar is not None:
-                proposals.append([])
+            if num_samples.get(req_id, 1) != 1 or state.grammar is not None or not tokens:
                 continue
-            proposals.append(propose(state.prompt_token_ids + state.output_token_ids + tokens))
+            todo.append((i, state, tokens))
+        if self.proposer is not None:
+            propose = self.proposer.propose
+            for i, state, tokens in todo:
+                proposals[i] = propose(state.prompt_token_ids + state.output_token_ids + tokens)
+        elif todo:
+            assert self.draft_proposer is not None
+            drafted = self.draft_proposer.propose(
+                [DraftRequest(state, tokens, self.eos_token_ids) for _, state, tokens in todo])
+            for (i, _, _), drafts in zip(todo, drafted, strict=True):
+                proposals[i] = drafts
         result.spec_token_ids = proposals
         self.proposer_seconds += time.perf_counter() - t0
         self.num_propose_calls += 1
