@@ -231,10 +231,10 @@ class ModelRunner:
                     )
                 )
         if general:
-            emitted = {req_id: self._verify_general(req_id, logits[a:b], rows[a:b], spec[req_id])
-                       for req_id, (a, b) in general.items()}
-            skip = {i for a, b in general.values() for i in range(a, b)}
-            keep = [i for i in range(len(rows)) if i not in skip]
+            skip = [i for a, b in general.values() for i in range(a, b)]
+            emitted = self._verify_general(general, logits, rows, spec)
+            skipped = set(skip)
+            keep = [i for i in range(len(rows)) if i not in skipped]
             drawn = self.sampler(logits[keep], [rows[i] for i in keep]).samples
             samples: list = [None] * len(rows)
             for i, toks in zip(keep, drawn, strict=True):
@@ -251,20 +251,31 @@ class ModelRunner:
         else:
             self._verify(inp, samples, rewinds, emitted, result)
 
-    def _verify_general(self, req_id: str, logits: torch.Tensor, rows: list[SamplingRow],
-                        drafts: list[int]) -> list:
-        """Leviathan/Chen rejection sampling of one request's draft-model drafts against the
-        processed target distribution; logprobs from the raw one, as the sampler reports them."""
+    def _verify_general(self, general: dict[str, tuple[int, int]], logits: torch.Tensor,
+                        rows: list[SamplingRow], spec: dict[str, list[int]]) -> dict[str, list]:
+        """Leviathan/Chen rejection sampling of draft-model drafts against the processed target
+        distribution (`general`: req_id -> its rows), all requests' rows processed at once;
+        logprobs from the raw distribution, as the sampler reports them."""
         assert self.draft_proposer is not None
-        q = self.draft_proposer.draft_probs_for(req_id, drafts)
-        p = processed_probs(logits, rows)  # [m + 1, V]
-        first = self.requests[req_id].num_tokens  # position of the first draft
-        u = position_uniforms(self.draft_proposer.seeds.get(req_id),
-                              list(range(first, first + len(drafts) + 1)), p.device)
-        a, last = rejection_sample(p, q.to(p.device), drafts, u)
-        raw = logits[: a + 1].float().log_softmax(dim=-1)
-        params = rows[0].params
-        return [sampled_token(raw[j], t, params) for j, t in enumerate([*drafts[:a], last])]
+        idx = [i for a, b in general.values() for i in range(a, b)]
+        sel = logits[idx]
+        p_all = processed_probs(sel, [rows[i] for i in idx])  # [sum(m + 1), V]
+        raw_all = sel.float().log_softmax(dim=-1)
+        emitted = {}
+        offset = 0
+        for req_id, (a, b) in general.items():
+            drafts = spec[req_id]
+            q = self.draft_proposer.draft_probs_for(req_id, drafts)
+            p = p_all[offset : offset + b - a]
+            first = self.requests[req_id].num_tokens  # position of the first draft
+            u = position_uniforms(self.draft_proposer.seeds.get(req_id),
+                                  list(range(first, first + len(drafts) + 1)), p.device)
+            n, last = rejection_sample(p, q.to(p.device), drafts, u)
+            params = rows[a].params
+            emitted[req_id] = [sampled_token(raw_all[offset + j], t, params)
+                               for j, t in enumerate([*drafts[:n], last])]
+            offset += b - a
+        return emitted
 
     def _verify(self, inp: ModelInput, samples: list, rewinds: list, emitted: dict,
                 result: ModelRunnerOutput) -> None:
