@@ -26,8 +26,8 @@ from tessera.worker.spec_decode import DraftModelProposer
 from tests.sampling.test_rejection_sampler import (
     TEMPERATURE,
     TOP_K,
-    V,
     BigramModel,
+    V,
     chi_square_p_value,
     processed,
 )
