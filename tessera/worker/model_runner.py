@@ -11,6 +11,9 @@ Speculative decoding: a request verifying k draft tokens (`scheduled_spec_decode
 last token and the k drafts as k + 1 new tokens of the same flat batch (to attention, a chunk that
 continues a cached context), with logits at all k + 1 positions; the sampler draws at each, and
 the request keeps the drafts the draws confirm plus one (tessera/sampling/rejection_sampler.py).
+Draft-model drafts of requests that sample are verified instead by the general rejection rule
+against the draft's own distribution (`_verify_general`). A constrained request's rows are masked
+by its grammar walked through the drafts (`DraftWalk`, rolled back after sampling).
 After sampling, the proposer (tessera/worker/spec_decode/) drafts the next step's tokens of every
 request that sampled one token, unless the step ran `disable_by_batch_size` requests or more.
 """
@@ -26,7 +29,7 @@ from tessera.attention import SeqSpan, is_decode, select_attention_backend
 from tessera.config import SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.sampling.grammar import GrammarBackend
+from tessera.sampling.grammar import DraftWalk, GrammarBackend
 from tessera.sampling.rejection_sampler import (
     num_accepted,
     position_uniforms,
@@ -206,6 +209,7 @@ class ModelRunner:
         rewinds: list[tuple[torch.Generator, torch.Tensor]] = []
         # draft-model drafts of sampling requests: general rejection rule, not the sampler's draws
         general: dict[str, tuple[int, int]] = {}  # req_id -> its rows [start, end)
+        walks: list[DraftWalk] = []  # constrained requests' grammars, walked through their drafts
         for req_id in inp.sampled_req_ids:
             state = self.requests[req_id]
             drafts = spec.get(req_id) if spec else None
@@ -218,7 +222,11 @@ class ModelRunner:
                 general[req_id] = (len(rows), len(rows) + len(contexts))
             elif drafts and state.generator is not None and not state.sampling_params.is_greedy:
                 rewinds.append((state.generator, state.generator.get_state()))
-            for output_token_ids in contexts:
+            grammars = [state.grammar] * len(contexts)
+            if drafts and state.grammar is not None:
+                walks.append(DraftWalk(state.grammar, drafts))
+                grammars = [walks[-1].row(j) for j in range(len(contexts))]
+            for output_token_ids, grammar in zip(contexts, grammars, strict=True):
                 rows.append(
                     SamplingRow(
                         params=state.sampling_params,
@@ -227,9 +235,27 @@ class ModelRunner:
                         num_samples=num_samples.get(req_id, 1),
                         generator=state.generator,
                         eos_token_ids=self.eos_token_ids,
-                        grammar=state.grammar,  # never with drafts: see _propose
+                        grammar=grammar,
                     )
                 )
+        try:
+            samples, emitted = self._draw(logits, rows, general, spec)
+        finally:  # the matchers follow accepted tokens only (the next step's diffs)
+            for walk in walks:
+                walk.restore()
+        result.req_ids = inp.sampled_req_ids
+        if not spec:
+            result.sampled_token_ids = [[t.token_id for t in toks] for toks in samples]
+            result.logprobs = [
+                [t.top_logprobs or {t.token_id: t.logprob} for t in toks] for toks in samples
+            ]
+        else:
+            self._verify(inp, samples, rewinds, emitted, result)
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], general: dict, spec: dict
+              ) -> tuple[list, dict]:
+        """The sampler's draws for every row but those of `general` requests, which the general
+        rejection rule verifies (their emitted tokens, by req_id)."""
         if general:
             skip = [i for a, b in general.values() for i in range(a, b)]
             emitted = self._verify_general(general, logits, rows, spec)
@@ -239,17 +265,8 @@ class ModelRunner:
             samples: list = [None] * len(rows)
             for i, toks in zip(keep, drawn, strict=True):
                 samples[i] = toks
-        else:
-            emitted = {}
-            samples = self.sampler(logits, rows).samples
-        result.req_ids = inp.sampled_req_ids
-        if not spec:
-            result.sampled_token_ids = [[t.token_id for t in toks] for toks in samples]
-            result.logprobs = [
-                [t.top_logprobs or {t.token_id: t.logprob} for t in toks] for toks in samples
-            ]
-        else:
-            self._verify(inp, samples, rewinds, emitted, result)
+            return samples, emitted
+        return self.sampler(logits, rows).samples, {}
 
     def _verify_general(self, general: dict[str, tuple[int, int]], logits: torch.Tensor,
                         rows: list[SamplingRow], spec: dict[str, list[int]]) -> dict[str, list]:
@@ -317,9 +334,9 @@ class ModelRunner:
         for i, (req_id, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids,
                                                  strict=True)):
             state = self.requests[req_id]
-            # a grammar would have to be advanced through each draft to mask the positions after
-            # it (and rolled back on rejection); constrained requests decode one token a step
-            if num_samples.get(req_id, 1) != 1 or state.grammar is not None or not tokens:
+            # constrained requests speculate too: verification walks their grammar through the
+            # drafts (DraftWalk); the proposers themselves ignore it
+            if num_samples.get(req_id, 1) != 1 or not tokens:
                 continue
             todo.append((i, state, tokens))
         if self.proposer is not None:
