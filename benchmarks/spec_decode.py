@@ -9,7 +9,8 @@ Workloads (greedy, so both modes produce identical tokens; the script checks it)
           a variable renamed, or to quote a passage back; batch 1 (one request at a time) and 8;
   B1, B64 W1-like random-token prompts (64-512 tokens), where prompt lookup finds little; batch 1
           and 64 (the batch-64 run speculates with `disable_by_batch_size` 16).
-A suffix picks the speculation of a row: none (ngram, k = --k), `/kN` (ngram with k = N), `/draft`
+A suffix picks the speculation of a row: none (ngram, k = --k), `/kN` (ngram with k = N; `/kNfixed`:
+always N drafts, not adapted per request to its acceptance), `/draft`
 (method draft_model with --draft-model, by default the default model drafting for itself: a
 correctness and acceptance demo, since that draft costs as much as the target). Each workload's
 run without speculation is measured once and compared with all its rows.
@@ -79,7 +80,8 @@ def workload_b(num: int, max_out: int) -> tuple[list[list[int]], list[int]]:
     return [rng.integers(100, 49000, n).tolist() for n in in_lens], out_lens
 
 
-def run(bundle, dtype, prompts, params, batch: int, spec: dict | None, max_num_seqs: int):
+def run(bundle, dtype, prompts, params, batch: int, spec: dict | None, max_num_seqs: int,
+        adaptive: bool = True):
     engine = LLMEngine.from_engine_args(
         EngineArgs(dtype=dtype, max_model_len=1024, max_num_seqs=max_num_seqs,
                    speculative_config=spec), bundle=bundle)
@@ -87,6 +89,7 @@ def run(bundle, dtype, prompts, params, batch: int, spec: dict | None, max_num_s
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)  # warm-up
     runner = engine.executor.runner
+    runner.adaptive_num_drafts = adaptive
     runner.proposer_seconds, runner.num_propose_calls = 0.0, 0
     engine.step_times.__init__()
     before = dict(llm.get_metrics())
@@ -133,7 +136,8 @@ def main() -> None:
     for name in args.workloads.split(","):
         base, _, variant = name.partition("/")
         batch = int(base[1:])
-        k = int(variant[1:]) if variant.startswith("k") else args.k
+        k = int(variant[1:].removesuffix("fixed")) if variant.startswith("k") else args.k
+        adaptive = not variant.endswith("fixed")
         if variant == "draft":
             spec: dict = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": k}
         else:
@@ -151,7 +155,7 @@ def main() -> None:
         for _ in range(args.repeat):
             modes = [("on", spec)] if base in offs else [("off", None), ("on", spec)]
             for mode, cfg in modes:
-                r = run(bundle, args.dtype, prompts, params, batch, cfg, max(batch, 8))
+                r = run(bundle, args.dtype, prompts, params, batch, cfg, max(batch, 8), adaptive)
                 if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
                     best[mode] = r
         off = offs.setdefault(base, best.get("off"))

@@ -46,6 +46,7 @@ from tessera.sampling.sampler import (
 from tessera.worker.cache_engine import CacheEngine
 from tessera.worker.input_batch import CachedRequestState, InputBatch
 from tessera.worker.spec_decode import DraftModelProposer, DraftRequest, NgramProposer
+from tessera.worker.spec_decode.draft_length import DraftLength
 
 __all__ = ["ModelInput", "ModelRunner", "ModelRunnerOutput"]
 
@@ -93,6 +94,10 @@ class ModelRunner:
         elif speculative_config is not None and draft_proposer is None:
             raise ValueError("speculative_config: method draft_model needs its draft model "
                              "(tessera.engine.loading builds it from model)")
+        # per-request draft length from its recent acceptance (False: always the configured k)
+        self.adaptive_num_drafts = True
+        self.draft_length = DraftLength(
+            speculative_config.num_speculative_tokens if speculative_config is not None else 0)
         self.proposer_seconds = 0.0  # time spent proposing, summed (benchmarks report it)
         self.num_propose_calls = 0
         self.eos_token_ids = eos_token_ids
@@ -172,6 +177,7 @@ class ModelRunner:
         """Update the persistent batch, move blocks (swap out, swap in, copy-on-write), then one
         forward pass and sampling."""
         self.requests.update(out)
+        self.draft_length.forget(out.finished_req_ids)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.copy(out.blocks_to_copy)
@@ -311,11 +317,13 @@ class ModelRunner:
             elif req_id in emitted:
                 toks = emitted[req_id]
                 row += len(drafts) + 1
+                self.draft_length.update(req_id, len(drafts), len(toks) - 1)
             else:
                 drawn = [samples[row + j][0] for j in range(len(drafts) + 1)]
                 row += len(drafts) + 1
                 a = num_accepted([t.token_id for t in drawn], drafts)
                 toks = drawn[: a + 1]
+                self.draft_length.update(req_id, len(drafts), a)
                 gen = state.generator
                 if gen is not None and id(gen) in rewind_at:
                     rewind_generator(gen, rewind_at[id(gen)][1], a + 1)
@@ -345,10 +353,17 @@ class ModelRunner:
                 proposals[i] = propose(state.prompt_token_ids + state.output_token_ids + tokens)
         elif todo:
             assert self.draft_proposer is not None
+            limit = self.draft_length.limit if self.adaptive_num_drafts else None
             drafted = self.draft_proposer.propose(
-                [DraftRequest(state, tokens, self.eos_token_ids) for _, state, tokens in todo])
+                [DraftRequest(state, tokens, self.eos_token_ids,
+                              limit(state.req_id) if limit else None)
+                 for _, state, tokens in todo])
             for (i, _, _), drafts in zip(todo, drafted, strict=True):
                 proposals[i] = drafts
+        if self.adaptive_num_drafts:
+            limit = self.draft_length.limit
+            proposals = [p[: limit(req_id)] if p else p
+                         for req_id, p in zip(result.req_ids, proposals, strict=True)]
         result.spec_token_ids = proposals
         self.proposer_seconds += time.perf_counter() - t0
         self.num_propose_calls += 1

@@ -52,6 +52,7 @@ class DraftRequest:
     state: CachedRequestState
     new_token_ids: list[int]
     eos_token_ids: tuple[int, ...] = ()
+    max_drafts: int | None = None  # fewer than k (tessera/worker/spec_decode/draft_length.py)
 
 
 class DraftModelProposer:
@@ -94,7 +95,8 @@ class DraftModelProposer:
     def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
         """Up to k drafts for each request (fewer near max_model_len), k batched forwards."""
         bs = self.block_size
-        num = [min(self.k, self.max_model_len - (r.state.num_tokens + len(r.new_token_ids)) - 1)
+        num = [min(self.k if r.max_drafts is None else r.max_drafts,
+                   self.max_model_len - (r.state.num_tokens + len(r.new_token_ids)) - 1)
                for r in reqs]
         live = [i for i, n in enumerate(num) if n > 0]
         drafts: list[list[int]] = [[] for _ in reqs]
