@@ -12,7 +12,7 @@ last token and the k drafts as k + 1 new tokens of the same flat batch (to atten
 continues a cached context), with logits at all k + 1 positions; the sampler draws at each, and
 the request keeps the drafts the draws confirm plus one (tessera/sampling/rejection_sampler.py).
 Draft-model drafts of requests that sample are verified instead by the general rejection rule
-against the draft's own distribution (`_verify_general`). A constrained request's rows are masked
+against the draft's own distribution (tessera/worker/spec_decode/verify.py). A constrained request's rows are masked
 by its grammar walked through the drafts (`DraftWalk`, rolled back after sampling).
 After sampling, the proposer (tessera/worker/spec_decode/) drafts the next step's tokens of every
 request that sampled one token, unless the step ran `disable_by_batch_size` requests or more.
@@ -30,23 +30,13 @@ from tessera.config import SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.grammar import DraftWalk, GrammarBackend
-from tessera.sampling.rejection_sampler import (
-    num_accepted,
-    position_uniforms,
-    rejection_sample,
-    rewind_generator,
-)
-from tessera.sampling.sampler import (
-    Sampler,
-    SamplingRow,
-    processed_probs,
-    sampled_token,
-    token_logprobs,
-)
+from tessera.sampling.rejection_sampler import num_accepted, rewind_generator
+from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
 from tessera.worker.input_batch import CachedRequestState, InputBatch
 from tessera.worker.spec_decode import DraftModelProposer, DraftRequest, NgramProposer
 from tessera.worker.spec_decode.draft_length import DraftLength
+from tessera.worker.spec_decode.verify import verify_general
 
 __all__ = ["ModelInput", "ModelRunner", "ModelRunnerOutput"]
 
@@ -264,7 +254,7 @@ class ModelRunner:
         rejection rule verifies (their emitted tokens, by req_id)."""
         if general:
             skip = [i for a, b in general.values() for i in range(a, b)]
-            emitted = self._verify_general(general, logits, rows, spec)
+            emitted = verify_general(self.draft_proposer, self.requests, general, logits, rows, spec)
             skipped = set(skip)
             keep = [i for i in range(len(rows)) if i not in skipped]
             drawn = self.sampler(logits[keep], [rows[i] for i in keep]).samples
@@ -273,32 +263,6 @@ class ModelRunner:
                 samples[i] = toks
             return samples, emitted
         return self.sampler(logits, rows).samples, {}
-
-    def _verify_general(self, general: dict[str, tuple[int, int]], logits: torch.Tensor,
-                        rows: list[SamplingRow], spec: dict[str, list[int]]) -> dict[str, list]:
-        """Leviathan/Chen rejection sampling of draft-model drafts against the processed target
-        distribution (`general`: req_id -> its rows), all requests' rows processed at once;
-        logprobs from the raw distribution, as the sampler reports them."""
-        assert self.draft_proposer is not None
-        idx = [i for a, b in general.values() for i in range(a, b)]
-        sel = logits[idx]
-        p_all = processed_probs(sel, [rows[i] for i in idx])  # [sum(m + 1), V]
-        raw_all = sel.float().log_softmax(dim=-1)
-        emitted = {}
-        offset = 0
-        for req_id, (a, b) in general.items():
-            drafts = spec[req_id]
-            q = self.draft_proposer.draft_probs_for(req_id, drafts)
-            p = p_all[offset : offset + b - a]
-            first = self.requests[req_id].num_tokens  # position of the first draft
-            u = position_uniforms(self.draft_proposer.seeds.get(req_id),
-                                  list(range(first, first + len(drafts) + 1)), p.device)
-            n, last = rejection_sample(p, q.to(p.device), drafts, u)
-            params = rows[a].params
-            emitted[req_id] = [sampled_token(raw_all[offset + j], t, params)
-                               for j, t in enumerate([*drafts[:n], last])]
-            offset += b - a
-        return emitted
 
     def _verify(self, inp: ModelInput, samples: list, rewinds: list, emitted: dict,
                 result: ModelRunnerOutput) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tessera.worker.model_runner as model_runner
+import tessera.worker.spec_decode.verify as verify
 from tessera.config import SpeculativeConfig
 from tessera.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tessera.sampling.params import SamplingParams
@@ -134,7 +135,7 @@ def _inverted_ratio(p, q, drafts, u):  # accepts with min(1, q/p) instead of min
 @pytest.mark.parametrize("broken", [_accept_all, _residual_from_p, _inverted_ratio],
                          ids=lambda f: f.__name__)
 def test_a_broken_rule_is_caught(monkeypatch, broken):
-    monkeypatch.setattr(model_runner, "rejection_sample", broken)
+    monkeypatch.setattr(verify, "rejection_sample", broken)
     pairs, _ = sample_pairs()
     assert chi_square_p_value(pairs, expected_pairs()) < 1e-6
 
