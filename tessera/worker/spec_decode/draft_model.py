@@ -25,7 +25,8 @@ Which draft K/V is valid (`self.computed[req_id]`: positions below it):
 - a request sent whole again (preempted, or re-run by step recovery) starts over from 0 unless
   its blocks came back by swap-in, which moved the draft's K/V along with the target's.
 
-Drafts: greedy requests get the draft's argmax (verified by the point-mass rule); requests that
+Drafts: constrained requests draft within their grammar (walked through their drafts, rolled
+back after). Greedy requests get the draft's argmax (verified by the point-mass rule); requests that
 sample draw from the draft's processed distribution q (temperature, top-k/p, min-p, penalties as
 for the target) and keep q for the general rejection rule (tessera/sampling/rejection_sampler.py).
 """
@@ -38,6 +39,7 @@ import torch
 
 from tessera.attention import SeqSpan
 from tessera.core.scheduler_output import SchedulerOutput
+from tessera.sampling.grammar import DraftWalk
 from tessera.sampling.rejection_sampler import inverse_cdf, position_uniforms
 from tessera.sampling.sampler import SamplingRow, processed_probs
 from tessera.utils import cdiv
@@ -123,25 +125,36 @@ class DraftModelProposer:
                                          list(range(len(contexts[i]), len(contexts[i]) + num[i])),
                                          self.device)
                     for i in live if not reqs[i].state.sampling_params.is_greedy}
-        for j in range(max(num[i] for i in live)):
-            if j > 0:
-                order = [i for i in order if num[i] > j]
-                chunks = {i: (len(contexts[i]) - 1 + j, len(contexts[i]) + j) for i in order}
-                inputs = {i: [drafts[i][-1]] for i in order}
-            logits = self._forward(order, chunks, inputs, tables)  # [len(order), V]
-            rows = [SamplingRow(params=reqs[i].state.sampling_params,
-                                prompt_token_ids=reqs[i].state.prompt_token_ids,
-                                output_token_ids=contexts[i][len(reqs[i].state.prompt_token_ids):]
-                                + drafts[i],
-                                eos_token_ids=reqs[i].eos_token_ids) for i in order]
-            q = processed_probs(logits, rows)  # [len(order), V]
-            argmax = q.argmax(dim=-1).tolist()
-            for row, i in enumerate(order):
-                if i in uniforms:  # a sampling request draws d_j ~ q_j with its w
-                    drafts[i].append(inverse_cdf(q[row], float(uniforms[i][j, 0])))
-                    probs_per_req[i].append(q[row])
-                else:
-                    drafts[i].append(argmax[row])
+        # constrained requests draft within their grammar, walked through this step's tokens (the
+        # matcher follows the scheduler's diffs: it has not seen them yet) and the drafts so far
+        walked = {i: list(reqs[i].new_token_ids) for i in live if reqs[i].state.grammar is not None}
+        walks = {i: DraftWalk(reqs[i].state.grammar, walked[i]) for i in walked}
+        try:
+            for j in range(max(num[i] for i in live)):
+                if j > 0:
+                    order = [i for i in order if num[i] > j]
+                    chunks = {i: (len(contexts[i]) - 1 + j, len(contexts[i]) + j) for i in order}
+                    inputs = {i: [drafts[i][-1]] for i in order}
+                logits = self._forward(order, chunks, inputs, tables)  # [len(order), V]
+                rows = [SamplingRow(
+                    params=reqs[i].state.sampling_params,
+                    prompt_token_ids=reqs[i].state.prompt_token_ids,
+                    output_token_ids=contexts[i][len(reqs[i].state.prompt_token_ids):] + drafts[i],
+                    eos_token_ids=reqs[i].eos_token_ids,
+                    grammar=walks[i].row(len(walked[i])) if i in walks else None) for i in order]
+                q = processed_probs(logits, rows)  # [len(order), V]
+                argmax = q.argmax(dim=-1).tolist()
+                for row, i in enumerate(order):
+                    if i in uniforms:  # a sampling request draws d_j ~ q_j with its w
+                        drafts[i].append(inverse_cdf(q[row], float(uniforms[i][j, 0])))
+                        probs_per_req[i].append(q[row])
+                    else:
+                        drafts[i].append(argmax[row])
+                    if i in walked:
+                        walked[i].append(drafts[i][-1])
+        finally:  # the matchers follow accepted tokens only
+            for walk in walks.values():
+                walk.restore()
         for i in live:
             st = reqs[i].state
             self.computed[st.req_id] = min(len(contexts[i]), len(st.block_ids) * bs)
