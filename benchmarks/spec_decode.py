@@ -1,12 +1,19 @@
-"""Speculative decoding (n-gram prompt lookup): output tok/s with and without it, in the same run.
+"""Speculative decoding (n-gram prompt lookup, draft model): output tok/s with and without it, in
+the same run.
 
-    python benchmarks/spec_decode.py [--dtype bfloat16] [--k 4] [--repeat 2] [--workloads A1,A8,B1,B64]
+    python benchmarks/spec_decode.py [--dtype bfloat16] [--k 4] [--repeat 2]
+        [--workloads A1,A8,B1,B64,A1/k8,A1/draft,B1/draft] [--draft-model PATH]
 
 Workloads (greedy, so both modes produce identical tokens; the script checks it):
   A1, A8  the output mostly copies from the prompt: chat prompts asking to rewrite a function with
           a variable renamed, or to quote a passage back; batch 1 (one request at a time) and 8;
   B1, B64 W1-like random-token prompts (64-512 tokens), where prompt lookup finds little; batch 1
           and 64 (the batch-64 run speculates with `disable_by_batch_size` 16).
+A suffix picks the speculation of a row: none (ngram, k = --k), `/kN` (ngram with k = N; `/kNfixed`:
+always N drafts, not adapted per request to its acceptance), `/draft`
+(method draft_model with --draft-model, by default the default model drafting for itself: a
+correctness and acceptance demo, since that draft costs as much as the target). Each workload's
+run without speculation is measured once and compared with all its rows.
 Per workload: output tok/s without and with speculation and their ratio, acceptance rate (accepted /
 drafted tokens), mean accepted length (tokens per verified request step: 1 + accepted / drafts),
 and the proposer's cost per step (ms, and as a share of the step). Each mode runs `--repeat`
@@ -73,7 +80,8 @@ def workload_b(num: int, max_out: int) -> tuple[list[list[int]], list[int]]:
     return [rng.integers(100, 49000, n).tolist() for n in in_lens], out_lens
 
 
-def run(bundle, dtype, prompts, params, batch: int, spec: dict | None, max_num_seqs: int):
+def run(bundle, dtype, prompts, params, batch: int, spec: dict | None, max_num_seqs: int,
+        adaptive: bool = True):
     engine = LLMEngine.from_engine_args(
         EngineArgs(dtype=dtype, max_model_len=1024, max_num_seqs=max_num_seqs,
                    speculative_config=spec), bundle=bundle)
@@ -81,6 +89,7 @@ def run(bundle, dtype, prompts, params, batch: int, spec: dict | None, max_num_s
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=4),
                  use_tqdm=False)  # warm-up
     runner = engine.executor.runner
+    runner.adaptive_num_drafts = adaptive
     runner.proposer_seconds, runner.num_propose_calls = 0.0, 0
     engine.step_times.__init__()
     before = dict(llm.get_metrics())
@@ -113,37 +122,50 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--workloads", default="A1,A8,B1,B64")
+    ap.add_argument("--draft-model", default=None,
+                    help="the draft model of /draft rows (default: the default model itself)")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of workload A")
     args = ap.parse_args()
     bundle = load_bundle(EngineArgs(dtype=args.dtype, max_model_len=1024))
-    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 2}
-    print(f"dtype {args.dtype}, ngram k={args.k} (prompt_lookup 2..4), best of {args.repeat}")
-    print(f"{'workload':<9} {'reqs':>4} {'batch':>5} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} "
+    draft_path = args.draft_model or bundle.path
+    print(f"dtype {args.dtype}, ngram prompt_lookup 2..4, draft model {draft_path}, "
+          f"best of {args.repeat}")
+    print(f"{'workload':<12} {'reqs':>4} {'batch':>5} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} "
           f"{'accept':>6} {'mean len':>8} {'steps off/on':>12} {'propose ms/step':>15}")
+    offs: dict[str, dict] = {}
     for name in args.workloads.split(","):
-        if name.startswith("A"):
-            batch = int(name[1:])
+        base, _, variant = name.partition("/")
+        batch = int(base[1:])
+        k = int(variant[1:].removesuffix("fixed")) if variant.startswith("k") else args.k
+        adaptive = not variant.endswith("fixed")
+        if variant == "draft":
+            spec: dict = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": k}
+        else:
+            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 2}
+        if base.startswith("A"):
             prompts = workload_a(bundle.tokenizer, 4 if batch == 1 else batch)
             params = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)
-            spec = ngram
         else:
-            batch = int(name[1:])
             prompts, out_lens = workload_b(4 if batch == 1 else batch, 64)
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-            spec = ngram if batch < 16 else {**ngram, "disable_by_batch_size": 16}
+            if batch >= 16:
+                spec = {**spec, "disable_by_batch_size": 16}
         best: dict[str, dict] = {}
         for _ in range(args.repeat):
-            for mode, cfg in (("off", None), ("on", spec)):
-                r = run(bundle, args.dtype, prompts, params, batch, cfg, max(batch, 8))
+            modes = [("on", spec)] if base in offs else [("off", None), ("on", spec)]
+            for mode, cfg in modes:
+                r = run(bundle, args.dtype, prompts, params, batch, cfg, max(batch, 8), adaptive)
                 if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
                     best[mode] = r
-        off, on = best["off"], best["on"]
+        off = offs.setdefault(base, best.get("off"))
+        on = best["on"]
         assert on["tokens"] == off["tokens"], f"{name}: speculation changed greedy output"
         accept = on["accepted"] / on["draft_tokens"] if on["draft_tokens"] else 0.0
         mean_len = 1 + on["accepted"] / on["drafts"] if on["drafts"] else 1.0
         share = on["propose_ms"] / on["step_ms"] if on["step_ms"] else 0.0
-        print(f"{name:<9} {len(prompts):>4} {batch:>5} {off['tok_s']:>9.1f} {on['tok_s']:>9.1f} "
+        label = f"{name}" + ("" if variant else f"/k{args.k}")
+        print(f"{label:<12} {len(prompts):>4} {batch:>5} {off['tok_s']:>9.1f} {on['tok_s']:>9.1f} "
               f"{on['tok_s'] / off['tok_s']:>5.2f}x {accept:>6.1%} {mean_len:>8.2f} "
               f"{off['steps']:>5}/{on['steps']:<6} {on['propose_ms']:>8.3f} ({share:.1%})", flush=True)
 

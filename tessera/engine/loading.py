@@ -108,8 +108,15 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         eos = (tokenizer.eos_token_id,)
     # one compile cache for both sides: the engine validates a constraint, the runner applies it
     grammar_backend = GrammarBackend(tokenizer, arch.vocab_size, eos)
+    draft = None
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        from tessera.engine.draft_loading import build_draft_proposer
+
+        draft = build_draft_proposer(config, path, model, arch, tokenizer, num_gpu_blocks,
+                                     num_cpu_blocks)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos,
-                         speculative_config=config.speculative, grammar_backend=grammar_backend)
+                         speculative_config=config.speculative, grammar_backend=grammar_backend,
+                         draft_proposer=draft)
     logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",

@@ -27,7 +27,7 @@ from tessera.kernels import token_mask
 from tessera.kernels.token_mask import apply_bitmask_, unpack_bitmask
 from tessera.sampling.structured_outputs import StructuredOutputsParams
 
-__all__ = ["GrammarBackend", "GrammarState", "apply_grammar_masks", "unpack_bitmask"]
+__all__ = ["DraftWalk", "GrammarBackend", "GrammarState", "apply_grammar_masks", "unpack_bitmask"]
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:94: " and sometimes a failed check
 _INTERNAL_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
@@ -122,6 +122,59 @@ class GrammarState:
         """Undo the last accepted tokens (rejected speculative drafts)."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
+
+
+class DraftWalk:
+    """A constrained request verifying drafts d_0..d_{m-1}: logits row j needs the grammar after
+    d_0..d_{j-1}. `row(j)` stands in for the request's GrammarState on row j; when the sampler
+    masks rows in order, the one matcher is advanced through the drafts as far as each row needs,
+    and `restore` rolls it back (xgrammar's rollback) before the accepted tokens are applied as
+    usual (tessera/worker/input_batch.py). A draft the grammar refuses ends the walk: rows past it
+    are unreachable (row j's mask forbids d_j, so d_j is never accepted) and left unmasked."""
+
+    def __init__(self, state: GrammarState, drafts: list[int]) -> None:
+        self.state = state
+        self.drafts = drafts
+        self.pos = 0  # drafts walked through (accepted, or skipped after the grammar's end)
+        self.num_accepted = 0  # tokens the matcher accepted: what `restore` rolls back
+        self.refused = False
+
+    def row(self, j: int) -> GrammarState:
+        return _DraftRow(self, j)  # type: ignore[return-value]
+
+    def seek(self, j: int) -> bool:
+        """Bring the matcher to the state after drafts[:j]; False if a draft before j was refused."""
+        if j < self.pos:
+            self.restore()
+        matcher = self.state.matcher
+        while self.pos < j and not self.refused:
+            if not matcher.is_terminated():
+                if not matcher.accept_token(self.drafts[self.pos]):
+                    self.refused = True
+                    break
+                self.num_accepted += 1
+            self.pos += 1
+        return not self.refused
+
+    def restore(self) -> None:
+        self.state.rollback(self.num_accepted)
+        self.pos = self.num_accepted = 0
+        self.refused = False
+
+
+class _DraftRow:
+    """What `apply_grammar_masks` reads of a row's state (`.matcher`), for row j of a DraftWalk."""
+
+    def __init__(self, walk: DraftWalk, j: int) -> None:
+        self.matcher = self
+        self.walk, self.j = walk, j
+
+    def is_terminated(self) -> bool:
+        return self.walk.seek(self.j) and self.walk.state.matcher.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int) -> None:
+        if self.walk.seek(self.j):
+            self.walk.state.matcher.fill_next_token_bitmask(bitmask, index)
 
 
 def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None],

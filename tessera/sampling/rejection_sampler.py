@@ -18,6 +18,15 @@ Why this form: each emitted token is drawn from its own row with one uniform, th
 plain decode would make at that position. A seeded request (its own generator) therefore emits
 the very tokens it would emit without speculation, whatever was drafted; the runner rewinds the
 generator past the draws of rejected positions (`rewind_generator`).
+
+Draft models at temperature > 0 sample their drafts from their own distribution q_j, which is no
+point mass, so verification is the general rule (`rejection_sample`): accept d_j with probability
+min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw from norm(max(0, p_j - q_j)); if all k
+were accepted, draw the bonus from p_k. Each emitted token is then distributed as p (Leviathan et
+al. 2023, theorem 1; Chen et al. 2023). Its randomness is three uniforms per token position
+(`position_uniforms`): w draws the draft, u decides acceptance, v draws the replacement or bonus.
+A seeded request takes them from a generator keyed by (seed, position), so its tokens depend
+neither on the batch nor on how many of its drafts the token budget let it verify.
 """
 
 from __future__ import annotations
@@ -42,3 +51,51 @@ def rewind_generator(gen: torch.Generator, state: torch.Tensor, num_draws: int) 
     gen.set_state(state)
     for _ in range(num_draws):
         torch.rand(1, generator=gen, device=gen.device)
+
+
+def position_uniforms(seed: int | None, positions: list[int], device: torch.device) -> torch.Tensor:
+    """[len(positions), 3] uniforms (w, u, v) for these token positions of one request (see the
+    module docstring); unseeded requests draw them from the default generator."""
+    if seed is None:
+        return torch.rand(len(positions), 3, device=device)
+    rows = []
+    for pos in positions:
+        # splitmix-style mixing of (seed, position) into one 63-bit generator seed
+        key = (seed * 0x9E3779B97F4A7C15 + pos * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**63
+        rows.append(torch.rand(3, generator=torch.Generator().manual_seed(key)))
+    return torch.stack(rows).to(device)
+
+
+def inverse_cdf(weights: torch.Tensor, u: float) -> int:
+    """Index i drawn with probability weights[i] / sum(weights), weights [V] >= 0, from one
+    u ~ U[0, 1); a zero weight is never chosen."""
+    cdf = weights.double().cumsum(0)
+    x = min(u * float(cdf[-1]), float(torch.nextafter(cdf[-1], torch.zeros_like(cdf[-1]))))
+    i = int(torch.searchsorted(cdf, torch.tensor([x], dtype=cdf.dtype, device=cdf.device),
+                               right=True))
+    return min(i, weights.shape[0] - 1)
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     draft_token_ids: list[int], uniforms: torch.Tensor) -> tuple[int, int]:
+    """The general rule for drafts d_j ~ q_j: (number accepted a, the token emitted after them).
+
+    target_probs [m + 1, V]: processed p_j (row m scores the bonus position); draft_probs [m, V]:
+    the q_j the drafts were drawn from; uniforms [m + 1, 3] from `position_uniforms` (u in
+    column 1, v in column 2)."""
+    m = len(draft_token_ids)
+    a = m
+    if m:
+        d = torch.tensor(draft_token_ids, device=target_probs.device)
+        rows = torch.arange(m, device=target_probs.device)
+        p_d, q_d = target_probs[rows, d], draft_probs[rows, d]
+        # accept with probability min(1, p/q): u < p / q, written without dividing by q
+        accepted = (uniforms[:m, 1].to(p_d.device) * q_d < p_d).tolist()
+        a = accepted.index(False) if False in accepted else m
+    v = float(uniforms[a, 2])
+    if a == m:  # every draft accepted: the bonus token from p_m
+        return a, inverse_cdf(target_probs[m], v)
+    residual = (target_probs[a] - draft_probs[a]).clamp_(min=0)
+    if float(residual.sum()) <= 0:  # p == q up to rounding: rejection had probability ~0
+        residual = target_probs[a]
+    return a, inverse_cdf(residual, v)

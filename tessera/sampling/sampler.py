@@ -399,3 +399,61 @@ def token_logprobs(logits: torch.Tensor, target_ids: list[int], k: int
         d.setdefault(tok, lp)
     return result
 
+
+
+def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each row's token would be drawn from, as full float32 rows [R, V] that
+    sum to 1: penalties, biases, min_tokens, grammar, temperature, top-k, top-p and min-p applied
+    exactly as the sampler applies them. A greedy row is a point mass on its argmax.
+
+    For speculative verification with a draft model (tessera/sampling/rejection_sampler.py), which
+    needs p(x) and q(x) at the drafted token and the residual max(0, p - q) over the vocabulary.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+    penalized = Sampler._penalize(logits.float(), rows)
+    out = torch.zeros(num_rows, vocab, dtype=torch.float32, device=device)
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    if greedy:
+        g = torch.tensor(greedy, device=device)
+        out[g, _rows(penalized, greedy).argmax(dim=-1)] = 1.0
+    randoms = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if not randoms:
+        return out
+    params = [rows[i].params for i in randoms]
+    inv_temp = torch.tensor([1.0 / p.temperature for p in params], device=device)
+    probs = (_rows(penalized, randoms) * inv_temp[:, None]).softmax(dim=-1)  # [Rr, V]
+    plain = [j for j, p in enumerate(params) if not _has_filter(p, vocab)]
+    if plain:
+        out[torch.tensor([randoms[j] for j in plain], device=device)] = _rows(probs, plain)
+    todo = [j for j, p in enumerate(params) if _has_filter(p, vocab)]
+    row_mass = probs.sum(dim=-1)
+    for k in (64, 1024, vocab):  # the sampler's widening: most rows resolve in 64 candidates
+        if not todo:
+            break
+        k = min(k, vocab)
+        cand_probs, cand_ids = _rows(probs, todo).topk(k, dim=-1)  # [T, k]
+        kept, resolved = _apply_filters(cand_probs, [params[j] for j in todo], vocab,
+                                        row_mass[torch.tensor(todo, device=device)])
+        ok = resolved.tolist()
+        for t, j in enumerate(todo):
+            if ok[t]:
+                out[randoms[j]].scatter_(0, cand_ids[t], kept[t])
+        todo = [j for t, j in enumerate(todo) if not ok[t]]
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+def sampled_token(raw_logprobs: torch.Tensor, token_id: int, params: SamplingParams
+                  ) -> SampledToken:
+    """`token_id` with its logprob (and the params.logprobs top alternatives) under one row of the
+    raw distribution, raw_logprobs [V] = log_softmax of the model's logits: what `Sampler` reports
+    for a token it drew, for a token chosen elsewhere (draft-model verification)."""
+    lp = float(raw_logprobs[token_id])
+    top = None
+    if params.logprobs is not None:
+        top = {}
+        if params.logprobs:
+            vals, ids = raw_logprobs.topk(min(params.logprobs, raw_logprobs.shape[0]))
+            top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
+        top.setdefault(token_id, lp)
+    return SampledToken(token_id, lp, top)

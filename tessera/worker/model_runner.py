@@ -11,6 +11,9 @@ Speculative decoding: a request verifying k draft tokens (`scheduled_spec_decode
 last token and the k drafts as k + 1 new tokens of the same flat batch (to attention, a chunk that
 continues a cached context), with logits at all k + 1 positions; the sampler draws at each, and
 the request keeps the drafts the draws confirm plus one (tessera/sampling/rejection_sampler.py).
+Draft-model drafts of requests that sample are verified instead by the general rejection rule
+against the draft's own distribution (tessera/worker/spec_decode/verify.py). A constrained request's rows are masked
+by its grammar walked through the drafts (`DraftWalk`, rolled back after sampling).
 After sampling, the proposer (tessera/worker/spec_decode/) drafts the next step's tokens of every
 request that sampled one token, unless the step ran `disable_by_batch_size` requests or more.
 """
@@ -26,12 +29,14 @@ from tessera.attention import SeqSpan, is_decode, select_attention_backend
 from tessera.config import SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.sampling.grammar import GrammarBackend
+from tessera.sampling.grammar import DraftWalk, GrammarBackend
 from tessera.sampling.rejection_sampler import num_accepted, rewind_generator
 from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
 from tessera.worker.input_batch import CachedRequestState, InputBatch
-from tessera.worker.spec_decode import NgramProposer
+from tessera.worker.spec_decode import DraftModelProposer, DraftRequest, NgramProposer
+from tessera.worker.spec_decode.draft_length import DraftLength
+from tessera.worker.spec_decode.verify import verify_general
 
 __all__ = ["ModelInput", "ModelRunner", "ModelRunnerOutput"]
 
@@ -65,20 +70,24 @@ class ModelRunner:
         attention_backend: str | None = None,
         speculative_config: SpeculativeConfig | None = None,
         grammar_backend: GrammarBackend | None = None,
+        draft_proposer: DraftModelProposer | None = None,
     ):
         self.model = model
         self.speculative_config = speculative_config
         self.proposer: NgramProposer | None = None
-        if speculative_config is not None:
-            if speculative_config.method != "ngram":
-                raise ValueError(
-                    f"speculative_config: method {speculative_config.method!r} is not built yet "
-                    "(only ngram is)"
-                )
+        self.draft_proposer = draft_proposer
+        if speculative_config is not None and speculative_config.method == "ngram":
             self.proposer = NgramProposer(
                 speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_max,
                 speculative_config.prompt_lookup_min,
             )
+        elif speculative_config is not None and draft_proposer is None:
+            raise ValueError("speculative_config: method draft_model needs its draft model "
+                             "(tessera.engine.loading builds it from model)")
+        # per-request draft length from its recent acceptance (False: always the configured k)
+        self.adaptive_num_drafts = True
+        self.draft_length = DraftLength(
+            speculative_config.num_speculative_tokens if speculative_config is not None else 0)
         self.proposer_seconds = 0.0  # time spent proposing, summed (benchmarks report it)
         self.num_propose_calls = 0
         self.eos_token_ids = eos_token_ids
@@ -158,9 +167,12 @@ class ModelRunner:
         """Update the persistent batch, move blocks (swap out, swap in, copy-on-write), then one
         forward pass and sampling."""
         self.requests.update(out)
+        self.draft_length.forget(out.finished_req_ids)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.copy(out.blocks_to_copy)
+        if self.draft_proposer is not None:
+            self.draft_proposer.apply_cache_ops(out)
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput()
         inp = self.prepare_input(out)
@@ -170,7 +182,7 @@ class ModelRunner:
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(inp, hidden))
         if inp.sampled_req_ids:
             self._sample(inp, hidden, out.num_samples, result)
-            if self.proposer is not None:
+            if self.speculative_config is not None:
                 self._propose(len(out.num_scheduled_tokens), out.num_samples, result)
         return result
 
@@ -191,6 +203,9 @@ class ModelRunner:
         rows = []
         spec = inp.spec_drafts
         rewinds: list[tuple[torch.Generator, torch.Tensor]] = []
+        # draft-model drafts of sampling requests: general rejection rule, not the sampler's draws
+        general: dict[str, tuple[int, int]] = {}  # req_id -> its rows [start, end)
+        walks: list[DraftWalk] = []  # constrained requests' grammars, walked through their drafts
         for req_id in inp.sampled_req_ids:
             state = self.requests[req_id]
             drafts = spec.get(req_id) if spec else None
@@ -199,9 +214,15 @@ class ModelRunner:
                 [state.output_token_ids + drafts[:j] for j in range(len(drafts) + 1)]
                 if drafts else [state.output_token_ids]
             )
-            if drafts and state.generator is not None and not state.sampling_params.is_greedy:
+            if drafts and self.draft_proposer is not None and not state.sampling_params.is_greedy:
+                general[req_id] = (len(rows), len(rows) + len(contexts))
+            elif drafts and state.generator is not None and not state.sampling_params.is_greedy:
                 rewinds.append((state.generator, state.generator.get_state()))
-            for output_token_ids in contexts:
+            grammars = [state.grammar] * len(contexts)
+            if drafts and state.grammar is not None:
+                walks.append(DraftWalk(state.grammar, drafts))
+                grammars = [walks[-1].row(j) for j in range(len(contexts))]
+            for output_token_ids, grammar in zip(contexts, grammars, strict=True):
                 rows.append(
                     SamplingRow(
                         params=state.sampling_params,
@@ -210,10 +231,14 @@ class ModelRunner:
                         num_samples=num_samples.get(req_id, 1),
                         generator=state.generator,
                         eos_token_ids=self.eos_token_ids,
-                        grammar=state.grammar,  # never with drafts: see _propose
+                        grammar=grammar,
                     )
                 )
-        samples = self.sampler(logits, rows).samples
+        try:
+            samples, emitted = self._draw(logits, rows, general, spec)
+        finally:  # the matchers follow accepted tokens only (the next step's diffs)
+            for walk in walks:
+                walk.restore()
         result.req_ids = inp.sampled_req_ids
         if not spec:
             result.sampled_token_ids = [[t.token_id for t in toks] for toks in samples]
@@ -221,11 +246,29 @@ class ModelRunner:
                 [t.top_logprobs or {t.token_id: t.logprob} for t in toks] for toks in samples
             ]
         else:
-            self._verify(inp, samples, rewinds, result)
+            self._verify(inp, samples, rewinds, emitted, result)
 
-    def _verify(self, inp: ModelInput, samples: list, rewinds: list, result: ModelRunnerOutput) -> None:
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], general: dict, spec: dict
+              ) -> tuple[list, dict]:
+        """The sampler's draws for every row but those of `general` requests, which the general
+        rejection rule verifies (their emitted tokens, by req_id)."""
+        if general:
+            skip = [i for a, b in general.values() for i in range(a, b)]
+            emitted = verify_general(self.draft_proposer, self.requests, general, logits, rows, spec)
+            skipped = set(skip)
+            keep = [i for i in range(len(rows)) if i not in skipped]
+            drawn = self.sampler(logits[keep], [rows[i] for i in keep]).samples
+            samples: list = [None] * len(rows)
+            for i, toks in zip(keep, drawn, strict=True):
+                samples[i] = toks
+            return samples, emitted
+        return self.sampler(logits, rows).samples, {}
+
+    def _verify(self, inp: ModelInput, samples: list, rewinds: list, emitted: dict,
+                result: ModelRunnerOutput) -> None:
         """Keep each verifying request's confirmed drafts plus the target's next token (one row
-        per position in `samples`); other requests keep their one row."""
+        per position in `samples`); other requests keep their one row; requests in `emitted`
+        were verified by the general rule already."""
         spec = inp.spec_drafts
         row = 0
         rewind_at = {id(gen): (gen, state) for gen, state in rewinds}
@@ -235,11 +278,16 @@ class ModelRunner:
             if drafts is None:
                 toks = samples[row]
                 row += 1
+            elif req_id in emitted:
+                toks = emitted[req_id]
+                row += len(drafts) + 1
+                self.draft_length.update(req_id, len(drafts), len(toks) - 1)
             else:
                 drawn = [samples[row + j][0] for j in range(len(drafts) + 1)]
                 row += len(drafts) + 1
                 a = num_accepted([t.token_id for t in drawn], drafts)
                 toks = drawn[: a + 1]
+                self.draft_length.update(req_id, len(drafts), a)
                 gen = state.generator
                 if gen is not None and id(gen) in rewind_at:
                     rewind_generator(gen, rewind_at[id(gen)][1], a + 1)
@@ -249,20 +297,37 @@ class ModelRunner:
     def _propose(self, num_reqs: int, num_samples: dict[str, int], result: ModelRunnerOutput) -> None:
         """Drafts for the next step of every request that sampled one token this step (none for a
         step at or above `disable_by_batch_size`: verifying there only costs)."""
-        assert self.proposer is not None and self.speculative_config is not None
+        assert self.speculative_config is not None
         if not self.speculative_config.is_enabled_for(num_reqs):
             return
         t0 = time.perf_counter()
-        propose = self.proposer.propose
-        proposals = []
-        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids, strict=True):
+        proposals: list[list[int]] = [[] for _ in result.req_ids]
+        todo: list[tuple[int, CachedRequestState, list[int]]] = []
+        for i, (req_id, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids,
+                                                 strict=True)):
             state = self.requests[req_id]
-            # a grammar would have to be advanced through each draft to mask the positions after
-            # it (and rolled back on rejection); constrained requests decode one token a step
-            if num_samples.get(req_id, 1) != 1 or state.grammar is not None:
-                proposals.append([])
+            # constrained requests speculate too: verification walks their grammar through the
+            # drafts (DraftWalk); the proposers themselves ignore it
+            if num_samples.get(req_id, 1) != 1 or not tokens:
                 continue
-            proposals.append(propose(state.prompt_token_ids + state.output_token_ids + tokens))
+            todo.append((i, state, tokens))
+        if self.proposer is not None:
+            propose = self.proposer.propose
+            for i, state, tokens in todo:
+                proposals[i] = propose(state.prompt_token_ids + state.output_token_ids + tokens)
+        elif todo:
+            assert self.draft_proposer is not None
+            limit = self.draft_length.limit if self.adaptive_num_drafts else None
+            drafted = self.draft_proposer.propose(
+                [DraftRequest(state, tokens, self.eos_token_ids,
+                              limit(state.req_id) if limit else None)
+                 for _, state, tokens in todo])
+            for (i, _, _), drafts in zip(todo, drafted, strict=True):
+                proposals[i] = drafts
+        if self.adaptive_num_drafts:
+            limit = self.draft_length.limit
+            proposals = [p[: limit(req_id)] if p else p
+                         for req_id, p in zip(result.req_ids, proposals, strict=True)]
         result.spec_token_ids = proposals
         self.proposer_seconds += time.perf_counter() - t0
         self.num_propose_calls += 1

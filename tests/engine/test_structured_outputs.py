@@ -147,8 +147,8 @@ def test_params_accept_the_dataclass_and_out_of_vocab_ids_are_refused(llm):
 
 
 def test_constraints_beside_speculative_decoding(make_llm):
-    """With n-gram speculation on, constrained rows decode one token a step (no drafts) and stay
-    valid; the unconstrained rows beside them still match plain greedy."""
+    """With n-gram speculation on, constrained rows speculate too (their grammar is walked through
+    the drafts and rolled back) and stay valid; every row matches plain greedy."""
     spec = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 2})
     plain = make_llm()
@@ -159,3 +159,23 @@ def test_constraints_beside_speculative_decoding(make_llm):
     jsonschema.validate(json.loads(outs[0]), PERSON)
     assert outs == texts(plain, ["A user as JSON:", copy], params)
     assert spec.get_metrics()["tessera:spec_decode_num_accepted_tokens_total"] > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_requests_speculate(make_llm, default_model_path, method):
+    """Constrained requests alone: drafts are verified and accepted for them, the output stays valid
+    and equals plain greedy (a draft the grammar refuses is rejected, never emitted)."""
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+             "prompt_lookup_min": 1} if method == "ngram" else
+            {"method": "draft_model", "model": default_model_path, "num_speculative_tokens": 3})
+    llm, plain = make_llm(speculative_config=spec), make_llm()
+    prompts = ['Repeat this JSON: {"name": "Ada Lovelace"} {"name": "Ada Lovelace"} ',
+               "A user as JSON:"]
+    params = [greedy(max_tokens=30, structured_outputs={"json": PERSON})] * 2
+    outs = texts(llm, prompts, params)
+    for out in outs:
+        jsonschema.validate(json.loads(out), PERSON)
+    assert outs == texts(plain, prompts, params)
+    m = llm.get_metrics()
+    assert m["tessera:spec_decode_num_drafts_total"] > 0
+    assert m["tessera:spec_decode_num_accepted_tokens_total"] > 0
