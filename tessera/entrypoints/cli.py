@@ -57,7 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             continue
         if f.default is not None:
             help_text += " (default: %(default)s)"
-        group.add_argument(flag_name(f.name), type=kind, default=f.default,
+        group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), type=kind,
+                           default=f.default,
                            choices=f.metadata.get("choices"), help=help_text,
                            metavar=None if f.metadata.get("choices") else f.name.upper())
 
