@@ -107,7 +107,6 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         )
     torch.manual_seed(config.model.seed)
     device = torch.device(config.device.device)
-    dtype = getattr(torch, config.model.dtype)
     model, tokenizer = bundle.model, bundle.tokenizer
 
     spec = kv_cache_spec(arch, config, arch.num_key_value_heads)

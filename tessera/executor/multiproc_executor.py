@@ -15,6 +15,7 @@ collectives fail when a peer is gone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -73,10 +74,8 @@ def stop_ranks(procs, conn, timeout: float = STOP_TIMEOUT) -> None:
     """Ask politely (rank 0 forwards "stop"), then terminate, then kill: every started process is
     reaped before this returns."""
     if conn is not None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             conn.send_bytes(pickle.dumps(("stop", None)))
-        except (OSError, ValueError):
-            pass
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -98,6 +97,8 @@ class MultiprocExecutor(Executor):
         self.num_gpu_blocks = init.num_gpu_blocks
         self.num_cpu_blocks = init.num_cpu_blocks
         self._dead: ExecutorDeadError | None = None
+        self.num_sent = 0  # messages and bytes down the pipe (the benchmark reports the mean)
+        self.sent_bytes = 0
         self._procs, self._conn = spawn_ranks(parallel, device, init_method_for(parallel))
         self._finalizer = weakref.finalize(self, stop_ranks, self._procs, self._conn)
         self._send(pickle.dumps(init))
@@ -128,6 +129,8 @@ class MultiprocExecutor(Executor):
     def _send(self, data: bytes) -> None:
         if self._dead is not None:
             raise self._dead
+        self.num_sent += 1
+        self.sent_bytes += len(data)
         try:
             self._conn.send_bytes(data)
         except (OSError, ValueError) as e:
@@ -150,9 +153,11 @@ class MultiprocExecutor(Executor):
                 # a result may still be in the pipe: take it before declaring the death
                 if self._conn.poll(0):
                     continue
-                self._fail(self._death_report())
+                self._fail(self._death_report(dead))
 
-    def _death_report(self) -> str:
+    def _death_report(self, dead=()) -> str:
+        for p in dead:  # its sentinel fired: the exit status follows within moments
+            p.join(1.0)
         gone = [p for p in self._procs if not p.is_alive()]
         if not gone:
             return ""
@@ -164,3 +169,28 @@ class MultiprocExecutor(Executor):
         self._dead = ExecutorDeadError(message)
         self._finalizer()
         raise self._dead
+
+
+def run_worker_node(parallel: ParallelConfig, device: str) -> int:
+    """`tessera serve --node-rank K` (K > 0): run this node's ranks and wait for them. They take
+    the model and engine settings from rank 0 (node 0's flags), so a launch here needs only the
+    distributed flags and --device. Exit status: 0 when node 0 stopped them, else non-zero."""
+    init_method = resolve_init_method(parallel.distributed_init_method)
+    procs, _ = spawn_ranks(parallel, device, init_method)
+    logger.info("node %d of %d: ranks %s (pids %s) joining %s", parallel.node_rank,
+                parallel.nnodes, list(parallel.local_ranks), [p.pid for p in procs], init_method)
+    try:
+        sentinels = {p.sentinel: p for p in procs}
+        while sentinels:
+            for s in wait(list(sentinels)):
+                p = sentinels.pop(s)
+                p.join()
+                if p.exitcode != 0:  # a peer failed: the group is broken, stop the rest
+                    logger.error("rank process %s exited with %s", p.name, p.exitcode)
+                    stop_ranks(procs, None, timeout=2.0)
+                    return 1
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_ranks(procs, None, timeout=2.0)

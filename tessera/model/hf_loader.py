@@ -16,7 +16,6 @@ import torch
 from safetensors import safe_open
 
 from tessera.distributed.sharding import ShardPlan
-
 from tessera.model.config import ModelArchConfig
 from tessera.model.registry import (
     HF_ALIASES,

@@ -18,6 +18,7 @@ leaves the others waiting in a collective that will never complete.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import logging
@@ -112,11 +113,9 @@ def run_worker(launch: WorkerLaunch, conn) -> None:
     except BaseException as e:  # noqa: BLE001 (report anything, then exit non-zero)
         logger.error("rank %d failed: %s", launch.rank, e, exc_info=True)
         if conn is not None:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 conn.send(("error", f"rank {launch.rank}: {type(e).__name__}: {e}\n"
                                     + traceback.format_exc()))
-            except (OSError, ValueError):
-                pass
         code = 1
     os._exit(code)  # skip atexit: the group's peers may be gone, and a clean teardown would wait
 
