@@ -29,6 +29,7 @@ from tessera.distributed.traffic import tp_traffic
 sys.path.insert(0, os.path.dirname(__file__))
 from throughput import workload  # noqa: E402  (benchmarks/ is not a package)
 
+ALL_REDUCE_ROWS = (1, 64)  # tokens in a step: batch-1 decode, a batch of 64 decodes
 DATA = os.path.join(os.path.dirname(__file__), "..", "tessera", "simulator", "data", "models")
 
 
@@ -153,6 +154,10 @@ def _channel_peer(kind: str, port: int, sizes: list[int], iters: int, conn) -> N
         for _ in range(len(sizes) * iters):
             ch.recv_bytes()
             dist.send(ack, dst=0)
+        for rows in ALL_REDUCE_ROWS:
+            t = torch.zeros(rows, 576)
+            for _ in range(iters):
+                dist.all_reduce(t)
         dist.destroy_process_group()
     elif kind == "zmq":
         import zmq
@@ -218,6 +223,14 @@ def measure_channels(sizes: list[int], iters: int = 200) -> dict[str, list[float
                 times.append(time.perf_counter() - t0)
             medians.append(statistics.median(times) * 1e6)
         if kind == "broadcast":
+            for rows in ALL_REDUCE_ROWS:  # the bare collective, no model around it
+                t = torch.zeros(rows, 576)
+                times = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    dist.all_reduce(t)
+                    times.append(time.perf_counter() - t0)
+                results[f"all_reduce [{rows}, 576] fp32"] = [statistics.median(times) * 1e6]
             dist.destroy_process_group()
         if sock is not None:
             sock.close()
@@ -272,11 +285,14 @@ def main() -> None:
     if not args.skip_channels:
         sizes = [512, 4096, 65536, 1 << 20]
         res = measure_channels(sizes)
+        bare = {k: res.pop(k)[0] for k in list(res) if k.startswith("all_reduce")}
         print("\ncontrol channel, round trip (message + 1-byte ack), median µs:")
         print("| bytes | " + " | ".join(res) + " |")
         print("| ---: |" + " ---: |" * len(res))
         for i, size in enumerate(sizes):
             print(f"| {size} | " + " | ".join(f"{res[k][i]:.0f}" for k in res) + " |")
+        for k, us in bare.items():
+            print(f"bare gloo {k} between two idle processes: {us:.0f} µs (median)")
 
 
 if __name__ == "__main__":
