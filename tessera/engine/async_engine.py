@@ -8,7 +8,8 @@ cross over without pickling. The engine is not thread-safe, so the rule is:
     engine thread ──(loop.call_soon_threadsafe(list of RequestOutput))──▶ per-request asyncio.Queue
 
 Only the engine thread touches the `LLMEngine`. When it has no work it sleeps on a
-`threading.Event` (set by every command), so an idle server burns no CPU.
+`threading.Event` (set by every command), so an idle server burns no CPU (it wakes once a
+second to ask the executor whether its worker processes still live).
 
 Failures: a step that fails because of one request fails only that request (the engine finds it,
 tessera/engine/step_recovery.py; its stream gets `EngineError`). Should `engine.step()` itself
@@ -69,6 +70,7 @@ class _Abort:
 
 
 _STOP = object()
+IDLE_HEALTH_CHECK_S = 1.0
 
 
 class AsyncLLMEngine:
@@ -261,7 +263,11 @@ class AsyncLLMEngine:
                     break
                 if not self.engine.has_unfinished_requests():
                     self._take_snapshot()
-                    self._wake.wait()
+                    # idle: wake once a second to notice a dead worker without a request
+                    if not self._wake.wait(IDLE_HEALTH_CHECK_S):
+                        check = getattr(self.engine, "check_health", None)
+                        if check is not None:
+                            check()
                     continue
                 self._step()
             except ExecutorDeadError as e:

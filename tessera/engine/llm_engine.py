@@ -287,5 +287,9 @@ class LLMEngine:
         """The histograms and labelled counters only the loop sees (see tessera/engine/stats.py)."""
         return self.stats.snapshot()
 
+    def check_health(self) -> None:
+        """Raises `ExecutorDeadError` once a worker process is gone (for idle front ends)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -28,5 +28,8 @@ class Executor(ABC):
         """Run one step on every worker; the sampled tokens come back from one of them.
         Raises `ExecutorDeadError` once a worker is gone."""
 
+    def check_health(self) -> None:  # noqa: B027  (in-process executors are alive while we are)
+        """Raise `ExecutorDeadError` if a worker is gone (called while the engine is idle)."""
+
     def shutdown(self) -> None:  # noqa: B027  (optional: in-process executors have nothing to stop)
         """Stop the workers."""

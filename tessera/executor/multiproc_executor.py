@@ -122,6 +122,14 @@ class MultiprocExecutor(Executor):
         self._send(pickle.dumps(("stats", None)))
         return self._receive("ok")
 
+    def check_health(self) -> None:
+        """Between steps: a local rank that died (killed, crashed) is found without a step."""
+        if self._dead is not None:
+            raise self._dead
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            self._fail(self._death_report(dead))
+
     def shutdown(self) -> None:
         self._finalizer()
 

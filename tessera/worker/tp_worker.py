@@ -24,7 +24,6 @@ import datetime
 import logging
 import os
 import pickle
-import resource
 import signal
 import sys
 import threading
@@ -102,6 +101,16 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss_bytes() -> int:
+    """VmHWM: this process image's peak (getrusage's ru_maxrss would carry over the forked
+    parent's peak across the spawn's exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def run_worker(launch: WorkerLaunch, conn) -> None:
     """Process entry point of one rank (`conn`: the driver's pipe, rank 0 only)."""
     _die_with_parent(launch.parent_pid)
@@ -138,7 +147,7 @@ def _serve(launch: WorkerLaunch, conn) -> int:
     t0 = time.perf_counter()
     runner, tp = build_rank_runner(init, launch.rank, launch.world_size, device)
     info = RankInfo(launch.rank, os.getpid(), rss_bytes(),
-                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    peak_rss_bytes(),
                     sum(runner.model.weight_bytes().values()), time.perf_counter() - t0)
     infos: list = [None] * launch.world_size
     dist.all_gather_object(infos, info, group=cpu_group)

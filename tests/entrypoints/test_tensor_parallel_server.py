@@ -48,6 +48,11 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _ranks(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The worker ranks among a server's descendants (not multiprocessing's resource tracker)."""
+    return [p for p in procs if p.is_running() and "spawn_main" in " ".join(p.cmdline())]
+
+
 def _assert_gone(procs: list[psutil.Process], timeout: float = 15) -> None:
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     for p in alive:
@@ -60,7 +65,7 @@ def test_openai_client_against_tp2_server(tiny_path, expected_text):
     srv = ServerProcess("--model", tiny_path, "-tp", "2", "--max-model-len", "256")
     workers = _descendants(srv.proc.pid)
     try:
-        assert len([p for p in workers if "python" in p.name()]) >= 2, workers
+        assert len(_ranks(workers)) == 2, workers
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
@@ -97,8 +102,7 @@ def test_killed_worker_fails_the_request_and_the_server_exits_nonzero(tiny_path)
         t = threading.Thread(target=long_request)
         t.start()
         time.sleep(2.0)
-        victim = [p for p in workers if p.is_running()][-1]
-        victim.kill()
+        _ranks(workers)[-1].kill()
         t0 = time.monotonic()
         code = srv.proc.wait(60)  # exits by itself: no hang
         assert time.monotonic() - t0 < 60
@@ -143,3 +147,19 @@ def test_two_nodes_on_loopback(tiny_path, expected_text):
             node1.wait()
         node1.stdout.close()
         _assert_gone(workers)
+
+
+def test_worker_killed_while_idle_stops_the_server(tiny_path):
+    srv = ServerProcess("--model", tiny_path, "-tp", "2", "--max-model-len", "256")
+    workers = _descendants(srv.proc.pid)
+    try:
+        _ranks(workers)[-1].kill()
+        code = srv.proc.wait(30)  # noticed without any request
+        output = srv.output()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
+        _assert_gone(workers)
+        srv.stop()
+    assert code != 0 and "died with exit code -9" in output, output
