@@ -58,9 +58,9 @@ def spawn_ranks(parallel: ParallelConfig, device: str, init_method: str):
     if 0 in parallel.local_ranks:
         conn, child = ctx.Pipe()
     procs = []
-    for rank in parallel.local_ranks:
+    for local_rank, rank in enumerate(parallel.local_ranks):
         launch = WorkerLaunch(rank, parallel.tensor_parallel_size, init_method, device,
-                              num_threads, os.getpid())
+                              num_threads, os.getpid(), local_rank)
         p = ctx.Process(target=run_worker, args=(launch, child if rank == 0 else None),
                         name=f"tessera-tp{rank}", daemon=True)
         p.start()

@@ -65,6 +65,7 @@ class WorkerLaunch:
     device: str
     num_threads: int
     parent_pid: int
+    local_rank: int = 0  # index among this node's ranks: its GPU on CUDA
 
 
 @dataclass
@@ -132,8 +133,10 @@ def run_worker(launch: WorkerLaunch, conn) -> None:
 def _serve(launch: WorkerLaunch, conn) -> int:
     device = torch.device(launch.device)
     backend = backend_for(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index if device.index is not None else launch.rank)
+    if device.type == "cuda":  # one GPU per rank: --device cuda means this node's GPU local_rank
+        if device.index is None:
+            device = torch.device("cuda", launch.local_rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=launch.init_method,
                             world_size=launch.world_size, rank=launch.rank, timeout=INIT_TIMEOUT)
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
