@@ -100,10 +100,15 @@ def engines():
 
 def test_tp2_equals_tp1_on_tiny_llamas(tiny, engines):
     path, hf_model = tiny
-    expected = _greedy(engines(path, max_model_len=256), PROMPTS)
+    tp1 = engines(path, max_model_len=256)
+    expected = _greedy(tp1, PROMPTS)
     llm = engines(path, max_model_len=256, tensor_parallel_size=2)
     ex = llm.llm_engine.executor
     assert len(ex.pids) == 2 and all(psutil.pid_exists(p) for p in ex.pids)
+    # each rank holds about half the weights (kernel panels pad a little)
+    whole = sum(tp1.llm_engine.executor.runner.model.weight_bytes().values())
+    assert all(0.45 * whole < i.weight_bytes < 0.6 * whole for i in ex.rank_infos), (
+        whole, [i.weight_bytes for i in ex.rank_infos])
     _assert_same(hf_model, PROMPTS, expected, _greedy(llm, PROMPTS), "tp2")
     stats = ex.collective_stats()
     # two all-reduces per layer and step, plus the embedding's; the same on every rank
