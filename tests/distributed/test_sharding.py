@@ -96,6 +96,7 @@ def test_unshardable_sizes_are_refused_naming_the_numbers(heads, kv, inter, n, f
 def test_default_model_with_tp2_is_refused_before_loading(monkeypatch, default_model_path):
     """SmolLM2-135M has 9 heads: TP=2 is refused from the shapes, before any rank starts or any
     weight is read."""
+    import tessera.engine.loading as loading
     import tessera.executor.multiproc_executor as mpe
     import tessera.model.loader as loader
     from tessera import LLM
@@ -103,7 +104,9 @@ def test_default_model_with_tp2_is_refused_before_loading(monkeypatch, default_m
     def forbidden(*a, **k):
         raise AssertionError("must not be called")
 
+    # both names: a module first imported under the patch would keep `forbidden` for good
     monkeypatch.setattr(loader, "load_model", forbidden)
+    monkeypatch.setattr(loading, "load_model", forbidden)
     monkeypatch.setattr(mpe, "spawn_ranks", forbidden)
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 .*num_attention_heads \(9\)"):
         LLM(tensor_parallel_size=2)
