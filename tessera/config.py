@@ -231,12 +231,66 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (vLLM's names): the model and its KV cache split over
+    `tensor_parallel_size` worker processes, one per rank, joined by torch.distributed (gloo on
+    CPU, NCCL on CUDA). Across machines: `nnodes` launches of the same command, `node_rank` 0 the
+    one with the engine and the server, all meeting at `distributed_init_method`
+    (tcp://HOST:PORT; default: MASTER_ADDR/MASTER_PORT when set, else a free loopback port)."""
+
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+
+    def __post_init__(self) -> None:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
+        if nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+        if tp % nnodes:
+            raise ValueError(f"--tensor-parallel-size ({tp}) must be a multiple of --nnodes "
+                             f"({nnodes}): every node runs the same number of ranks")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes) = [0, {nnodes}), got "
+                             f"{self.node_rank}")
+        method = self.distributed_init_method
+        if method is not None and not method.startswith(("tcp://", "env://", "file://")):
+            raise ValueError(f"--distributed-init-method must be tcp://HOST:PORT, env:// or "
+                             f"file://PATH, got {method!r}")
+        if nnodes > 1 and method is None and not os.environ.get("MASTER_ADDR"):
+            raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT (or "
+                             "MASTER_ADDR/MASTER_PORT in the environment), the same on every node")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this launch runs (node 0 holds rank 0, the one that samples)."""
+        n = self.ranks_per_node
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        # tensor-parallel ranks build their runners without a draft model: refuse rather than
+        # run the target alone under a config that asked for drafts
+        if (self.parallel.tensor_parallel_size > 1 and self.speculative is not None
+                and self.speculative.method == "draft_model"):
+            raise ValueError("speculative_config: method draft_model does not run with "
+                             f"--tensor-parallel-size {self.parallel.tensor_parallel_size} "
+                             "(ngram does)")
 
 
 def _arg(default, help: str, **kw):
@@ -298,6 +352,19 @@ class EngineArgs:
         20, "most log-probability alternatives per token a request may ask for (logprobs, "
             "prompt_logprobs, top_logprobs)"
     )
+    tensor_parallel_size: int = _arg(
+        1, "split the model and KV cache over this many worker processes (torch.distributed: "
+           "gloo on CPU, NCCL on CUDA)", aliases=["-tp"],
+    )
+    distributed_init_method: str | None = _arg(
+        None, "where the ranks meet: tcp://HOST:PORT, the same on every node (default: "
+              "MASTER_ADDR/MASTER_PORT if set, else a free loopback port)"
+    )
+    nnodes: int = _arg(1, "machines the tensor-parallel ranks span")
+    node_rank: int = _arg(
+        0, "this machine's index among --nnodes; 0 runs the engine and server, the others run "
+           "only worker ranks"
+    )
 
     def create_engine_config(
         self, model_max_len: int | None = None, checkpoint_dtype: str | None = None
@@ -347,6 +414,14 @@ class EngineArgs:
             ),
             device=DeviceConfig(device=self.device),
             speculative=speculative,
+            parallel=self.parallel_config(),
+        )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_init_method=self.distributed_init_method,
+            nnodes=self.nnodes, node_rank=self.node_rank,
         )
 
     @classmethod

@@ -8,13 +8,16 @@ cross over without pickling. The engine is not thread-safe, so the rule is:
     engine thread ──(loop.call_soon_threadsafe(list of RequestOutput))──▶ per-request asyncio.Queue
 
 Only the engine thread touches the `LLMEngine`. When it has no work it sleeps on a
-`threading.Event` (set by every command), so an idle server burns no CPU.
+`threading.Event` (set by every command), so an idle server burns no CPU (it wakes once a
+second to ask the executor whether its worker processes still live).
 
 Failures: a step that fails because of one request fails only that request (the engine finds it,
 tessera/engine/step_recovery.py; its stream gets `EngineError`). Should `engine.step()` itself
 raise (a bug outside the forward pass), the requests in flight fail with `EngineError` and the
 loop keeps serving. Error messages name what failed, never the internal exception's text (that
-goes to the log).
+goes to the log). A dead executor (a tensor-parallel worker killed or crashed,
+`ExecutorDeadError`) is the exception: nothing can run any more, so the requests in flight fail
+with its message, the loop stops, and `on_fatal` callbacks run (the server exits non-zero).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 from tessera.engine.stat_logger import StatLogger
 from tessera.engine.stats import StatsSnapshot
+from tessera.executor.abstract import ExecutorDeadError
 from tessera.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams
 
@@ -66,6 +70,7 @@ class _Abort:
 
 
 _STOP = object()
+IDLE_HEALTH_CHECK_S = 1.0
 
 
 class AsyncLLMEngine:
@@ -84,6 +89,8 @@ class AsyncLLMEngine:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.vocab_size: int = getattr(engine, "vocab_size", None) or len(self.tokenizer)
         self.on_finished: list[Any] = []  # callbacks(RequestOutput) run on the event loop
+        self.on_fatal: list[Any] = []  # callbacks() run on the engine thread when it dies
+        self.fatal_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop side only
@@ -256,9 +263,23 @@ class AsyncLLMEngine:
                     break
                 if not self.engine.has_unfinished_requests():
                     self._take_snapshot()
-                    self._wake.wait()
+                    # idle: wake once a second to notice a dead worker without a request
+                    if not self._wake.wait(IDLE_HEALTH_CHECK_S):
+                        check = getattr(self.engine, "check_health", None)
+                        if check is not None:
+                            check()
                     continue
                 self._step()
+            except ExecutorDeadError as e:
+                logger.error("the engine's workers are gone (%s); failing the %d requests in "
+                             "flight and stopping", e, len(self._in_engine))
+                self.fatal_error = e
+                self._accepting = False
+                self._fail_all(EngineError(f"the engine stopped: {e}"))
+                for callback in self.on_fatal:
+                    with contextlib.suppress(Exception):
+                        callback()
+                break
             except Exception as e:
                 # whatever broke (a step, a bad request, our own bookkeeping), the loop lives on
                 logger.exception("engine step failed; failing the %d requests in flight",
@@ -268,6 +289,12 @@ class AsyncLLMEngine:
         self._fail_all(RequestAbortedError("the server is shutting down"))
         with contextlib.suppress(Exception):
             self._take_snapshot()
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:  # stop the executor's worker processes, if it has any
+            try:
+                shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
 
     def _step(self) -> None:
         outputs = self.engine.step()

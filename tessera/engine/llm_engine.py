@@ -20,7 +20,7 @@ from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.engine.stats import EngineStats, StatsSnapshot
 from tessera.engine.step_recovery import find_culprits
-from tessera.executor.abstract import Executor
+from tessera.executor.abstract import Executor, ExecutorDeadError
 from tessera.inputs import check_token_ids
 from tessera.outputs import RequestMetrics, RequestOutput
 from tessera.sampling.grammar import GrammarBackend
@@ -197,6 +197,8 @@ class LLMEngine:
         failed: list[RequestOutput] = []
         try:
             runner_output = self.executor.execute_model(scheduler_output)
+        except ExecutorDeadError:
+            raise  # no worker left to re-run anything on: the caller fails every request
         except Exception as e:
             runner_output, failed = self._recover(scheduler_output, e)
         t2 = time.perf_counter()
@@ -284,6 +286,10 @@ class LLMEngine:
     def get_stats(self) -> StatsSnapshot:
         """The histograms and labelled counters only the loop sees (see tessera/engine/stats.py)."""
         return self.stats.snapshot()
+
+    def check_health(self) -> None:
+        """Raises `ExecutorDeadError` once a worker process is gone (for idle front ends)."""
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -65,8 +65,40 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     )
 
 
+def kv_cache_spec(arch: ModelArchConfig, config, num_kv_heads: int) -> KVCacheSpec:
+    """The KV cache of one worker: `num_kv_heads` are its own (a tensor-parallel rank's)."""
+    return KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=num_kv_heads,
+                       head_dim=arch.head_dim, block_size=config.cache.block_size,
+                       dtype=getattr(torch, config.model.dtype))
+
+
+def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
+    """(device blocks, swap blocks) of one worker from --kv-cache-space/--swap-space (GiB per
+    worker) or --num-gpu-blocks-override; refuses a pool that cannot hold one max_model_len
+    request."""
+    num_gpu_blocks = config.cache.num_gpu_blocks_override or spec.num_blocks_for(config.cache.kv_cache_space)
+    if num_gpu_blocks < 1:
+        raise ValueError(
+            f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
+            f"{spec.block_bytes} bytes: raise it"
+        )
+    check_cache_holds_max_model_len(
+        num_gpu_blocks, config.cache.block_size, config.cache.watermark,
+        config.model.max_model_len, spec.block_bytes,
+        overridden=config.cache.num_gpu_blocks_override is not None,
+    )
+    return num_gpu_blocks, spec.num_blocks_for(config.cache.swap_space)
+
+
 def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None):
     """Load the model (unless a compatible `bundle` is given), size the KV pools, build the engine."""
+    if args.tensor_parallel_size > 1 or args.nnodes > 1:
+        if bundle is not None:
+            raise ValueError("a loaded model bundle cannot be shared with --tensor-parallel-size "
+                             "> 1: each rank loads its own shard")
+        from tessera.engine.tp_loading import build_tp_engine
+
+        return build_tp_engine(engine_cls, args)
     start = time.perf_counter()
     bundle = bundle or load_bundle(args)
     arch, path = bundle.arch, bundle.path
@@ -80,28 +112,10 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         )
     torch.manual_seed(config.model.seed)
     device = torch.device(config.device.device)
-    dtype = getattr(torch, config.model.dtype)
     model, tokenizer = bundle.model, bundle.tokenizer
 
-    spec = KVCacheSpec(
-        num_layers=arch.num_hidden_layers,
-        num_kv_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        block_size=config.cache.block_size,
-        dtype=dtype,
-    )
-    num_gpu_blocks = config.cache.num_gpu_blocks_override or spec.num_blocks_for(config.cache.kv_cache_space)
-    if num_gpu_blocks < 1:
-        raise ValueError(
-            f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
-            f"{spec.block_bytes} bytes: raise it"
-        )
-    check_cache_holds_max_model_len(
-        num_gpu_blocks, config.cache.block_size, config.cache.watermark,
-        config.model.max_model_len, spec.block_bytes,
-        overridden=config.cache.num_gpu_blocks_override is not None,
-    )
-    num_cpu_blocks = spec.num_blocks_for(config.cache.swap_space)
+    spec = kv_cache_spec(arch, config, arch.num_key_value_heads)
+    num_gpu_blocks, num_cpu_blocks = size_kv_pools(config, spec)
     cache_engine = CacheEngine(spec, num_gpu_blocks, num_cpu_blocks, device)
     eos = tuple(arch.eos_token_ids)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -57,7 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             continue
         if f.default is not None:
             help_text += " (default: %(default)s)"
-        group.add_argument(flag_name(f.name), type=kind, default=f.default,
+        group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), type=kind,
+                           default=f.default,
                            choices=f.metadata.get("choices"), help=help_text,
                            metavar=None if f.metadata.get("choices") else f.name.upper())
 
@@ -172,6 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limit_malloc_retention()  # before the engine and server threads exist (resident memory)
+    if args.node_rank > 0:  # a worker node of a multi-node tensor-parallel group: no server
+        return _serve_worker_node(args)
     # the port first: a busy one fails now, not after the model has loaded
     try:
         sock = bind_socket(args.host, args.port)
@@ -195,13 +198,30 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-    run_server(engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
+    return run_server(engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
                api_key=args.api_key, log_level=args.log_level, chat_template=chat_template,
                uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
                log_requests=args.enable_log_requests, allowed_origins=origins,
                root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
                max_request_body_bytes=args.max_request_body_bytes)
-    return 0
+
+
+def _serve_worker_node(args: argparse.Namespace) -> int:
+    from tessera.executor.multiproc_executor import run_worker_node
+
+    try:
+        parallel = engine_args_from(args).parallel_config()
+    except ValueError as e:
+        args.parser.error(str(e))
+    logging.getLogger(__name__).info(
+        "--node-rank %d: running worker ranks only; the model and engine flags are node 0's "
+        "(sent by rank 0)", args.node_rank)
+
+    def interrupted(sig, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    return run_worker_node(parallel, args.device)
 
 
 # each registers one subcommand (a parser with `func`)

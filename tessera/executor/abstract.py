@@ -13,6 +13,11 @@ from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 
 
+class ExecutorDeadError(RuntimeError):
+    """A worker process died (killed, crashed, or failed a step): the executor cannot run any
+    more steps. Not a request's fault, and not recoverable by re-running requests."""
+
+
 class Executor(ABC):
     # KV pool sizes the workers allocated (every worker the same), read once by the scheduler
     num_gpu_blocks: int
@@ -20,7 +25,11 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; the sampled tokens come back from one of them."""
+        """Run one step on every worker; the sampled tokens come back from one of them.
+        Raises `ExecutorDeadError` once a worker is gone."""
+
+    def check_health(self) -> None:  # noqa: B027  (in-process executors are alive while we are)
+        """Raise `ExecutorDeadError` if a worker is gone (called while the engine is idle)."""
 
     def shutdown(self) -> None:  # noqa: B027  (optional: in-process executors have nothing to stop)
         """Stop the workers."""

@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 import torch
 
+from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import KERNEL_FORMATS, QuantizedTensor
 from tessera.model.registry import GGUF_ARCHITECTURES, has_qkv_bias
@@ -60,39 +61,56 @@ QUANTIZATION_CHOICES = ("none", "gguf")
 
 
 def load_gguf(
-    path: str, quantization: str = "none"
+    path: str, quantization: str = "none", plan: ShardPlan | None = None
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor | QuantizedTensor]]:
     """Config from the GGUF metadata and HF-named, HF-laid-out weights: float32 tensors, and with
-    quantization="gguf" `QuantizedTensor`s for the weights a quantized kernel serves."""
+    quantization="gguf" `QuantizedTensor`s for the weights a quantized kernel serves. With a
+    tensor-parallel `plan`, each tensor is cut to the rank's slice as it is read, so no more
+    than one whole tensor is ever held."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of none, gguf, got {quantization!r}")
     reader = gguf.GGUFReader(path, "r")
-    arrays: dict[str, np.ndarray | QuantizedTensor] = {
-        t.name: _keep_quantized(t) if quantization == "gguf" and _kernel_serves(t) else dequantize_tensor(t)
-        for t in reader.tensors
-    }
-    rope_freqs = arrays.pop("rope_freqs.weight", None)
-    config = _read_config(reader, path, arrays, rope_freqs)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config_of(reader, path, tensors)
     _, permuted = GGUF_ARCHITECTURES[_field(reader, "general.architecture")]
 
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
-    for gguf_name, array in arrays.items():
+    for gguf_name, tensor in tensors.items():
+        if gguf_name == "rope_freqs.weight":
+            continue  # read into the config
         name = _hf_name(gguf_name)
         if name is None:
             logger.warning("%s: ignoring tensor %s", path, gguf_name)
             continue
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        keep = quantization == "gguf" and _kernel_serves(tensor)
+        array = _keep_quantized(tensor) if keep else dequantize_tensor(tensor)
         if permuted and (".q_proj." in name or ".k_proj." in name):
             num_heads = (
                 config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             )
             array = _unpermute(array, num_heads)
-        if isinstance(array, QuantizedTensor):
+        if plan is not None:
+            array = plan.shard(name, array)
+        if isinstance(array, QuantizedTensor | torch.Tensor):
             weights[name] = array
         else:
             weights[name] = torch.from_numpy(np.ascontiguousarray(array))
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
     return config, weights
+
+
+def read_gguf_config(path: str) -> ModelArchConfig:
+    """The architecture alone (metadata and tensor shapes; no weight is read)."""
+    reader = gguf.GGUFReader(path, "r")
+    return _config_of(reader, path, {t.name: t for t in reader.tensors})
+
+
+def _config_of(reader: gguf.GGUFReader, path: str, tensors: dict) -> ModelArchConfig:
+    rope = tensors.get("rope_freqs.weight")
+    rope_freqs = None if rope is None else dequantize_tensor(rope)
+    shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
+    return _read_config(reader, path, shapes, rope_freqs)
 
 
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -152,8 +170,8 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
 def _read_config(
     reader: gguf.GGUFReader,
     path: str,
-    arrays: dict[str, np.ndarray | QuantizedTensor],
-    rope_freqs: np.ndarray | QuantizedTensor | None,
+    shapes: dict[str, tuple[int, ...]],
+    rope_freqs: np.ndarray | None,
 ) -> ModelArchConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -185,7 +203,7 @@ def _read_config(
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
 
     # The embedding's rows are the model's vocabulary (it may be padded past the token list).
-    vocab_size = int(arrays["token_embd.weight"].shape[0])
+    vocab_size = int(shapes["token_embd.weight"][0])
     return ModelArchConfig(
         architecture=architecture,
         vocab_size=vocab_size,
@@ -199,7 +217,7 @@ def _read_config(
         rope_theta=rope_theta,
         rope_scaling=_rope_scaling(reader, arch, path, rope_freqs, rope_theta, head_dim),
         max_position_embeddings=int(key("context_length")),
-        tie_word_embeddings="output.weight" not in arrays,
+        tie_word_embeddings="output.weight" not in shapes,
         attention_bias=has_qkv_bias(architecture),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),

@@ -13,8 +13,9 @@ import logging
 import os
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
+from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
 from tessera.model.registry import (
     HF_ALIASES,
@@ -26,26 +27,53 @@ from tessera.model.registry import (
 logger = logging.getLogger(__name__)
 
 
-def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+def load_hf_dir(
+    path: str, plan: ShardPlan | None = None
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Config from `config.json` (+ `generation_config.json` for extra EOS ids) and float32
-    weights from every `*.safetensors` file in the directory."""
+    weights from every `*.safetensors` file in the directory. With a tensor-parallel `plan`, only
+    the rank's slice of each tensor is read from the file (safetensors slices)."""
+    files = _safetensors_files(path)
+    names = {name: file for file in files for name in _keys(file)}
+    config = read_hf_config(path, has_lm_head="lm_head.weight" in names)
+    expected = set(config.weight_names())
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name not in expected:
+                    if name != "lm_head.weight":  # a tied checkpoint may still store a copy
+                        logger.warning("%s: ignoring tensor %s", path, name)
+                    continue
+                cut = None if plan is None else plan.slice_of(name)
+                if cut is None or (cut[0] == 1 and len(f.get_slice(name).get_shape()) == 1):
+                    tensor = f.get_tensor(name)
+                else:
+                    dim, start, stop = cut
+                    sl = f.get_slice(name)
+                    tensor = sl[start:stop] if dim == 0 else sl[:, start:stop]
+                weights[name] = tensor.to(torch.float32).contiguous()
+    return config, weights
+
+
+def read_hf_dir_config(path: str) -> ModelArchConfig:
+    """The architecture alone (no tensor is read, only the safetensors headers)."""
+    names = {name for file in _safetensors_files(path) for name in _keys(file)}
+    return read_hf_config(path, has_lm_head="lm_head.weight" in names)
+
+
+def _safetensors_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(
             f"{path}: no *.safetensors files (only safetensors checkpoints are supported)"
         )
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in load_file(file, device="cpu").items():
-            weights[name] = tensor.to(torch.float32)
-    config = read_hf_config(path, has_lm_head="lm_head.weight" in weights)
+    return files
 
-    expected = set(config.weight_names())
-    for name in [n for n in weights if n not in expected]:
-        if name != "lm_head.weight":  # a tied checkpoint may still store a copy
-            logger.warning("%s: ignoring tensor %s", path, name)
-        del weights[name]
-    return config, weights
+
+def _keys(file: str) -> list[str]:
+    with safe_open(file, framework="pt", device="cpu") as f:
+        return list(f.keys())
 
 
 def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:

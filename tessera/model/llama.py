@@ -3,6 +3,11 @@ over a flat batch of tokens and a paged KV cache.
 
 Plain tensors and small callables rather than nn.Modules: the forward is a fixed loop over layers
 and the per-op dispatch overhead is what bounds batch-1 decode on CPU.
+
+Tensor parallelism (`tp`, tessera/distributed): the weights arrive already sharded per rank
+(tessera/distributed/sharding.py), so every shape here is the rank's own (its query and KV heads,
+its slice of the MLP and of the vocabulary); the forward adds the all-reduces after o_proj and
+down_proj, and the embedding and the logits are vocab-parallel.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tessera.attention import AttentionMetadata
+from tessera.distributed.group import TensorParallelGroup
 from tessera.kernels.quant_linear import QuantLinear
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import QuantizedTensor
@@ -31,6 +37,7 @@ class LlamaLayer:
         prefix: str,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallelGroup | None = None,
     ):
         def get(name: str) -> Weight:
             return w[f"{prefix}.{name}"]
@@ -55,8 +62,9 @@ class LlamaLayer:
         self.input_norm = RMSNorm(dense("input_layernorm.weight"), cfg.rms_norm_eps)
         self.post_attn_norm = RMSNorm(dense("post_attention_layernorm.weight"), cfg.rms_norm_eps)
         self.act = SiluAndMul(device, dtype)
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads = cfg.num_attention_heads if tp is None else tp.plan.num_local_heads
+        self.num_kv_heads = cfg.num_key_value_heads if tp is None else tp.plan.num_local_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
@@ -80,8 +88,14 @@ class LlamaLayer:
         k = qkv[:, self.q_size : self.qk_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
         attn = meta.forward(q, k, v, k_cache, v_cache, self.scale)  # [n, H, D]
-        x = self.post_attn_norm.add_and_norm(h, self.wo(attn.view(n, -1)))
-        return h.add_(self.w2(self.act(self.w13(x))))
+        o = self.wo(attn.view(n, -1))
+        if self.tp is not None:  # row-parallel: each rank holds a partial sum
+            self.tp.all_reduce_(o)
+        x = self.post_attn_norm.add_and_norm(h, o)
+        down = self.w2(self.act(self.w13(x)))
+        if self.tp is not None:
+            self.tp.all_reduce_(down)
+        return h.add_(down)
 
 
 class LlamaForCausalLM:
@@ -96,8 +110,10 @@ class LlamaForCausalLM:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        tp: TensorParallelGroup | None = None,
     ):
         self.cfg = cfg
+        self.tp = tp
         self.dtype = dtype
         self.device = device
         w: dict[str, Weight] = {
@@ -105,7 +121,8 @@ class LlamaForCausalLM:
             for name, t in weights.items()
         }
         self.layers = [
-            LlamaLayer(cfg, w, f"model.layers.{i}", dtype, device) for i in range(cfg.num_hidden_layers)
+            LlamaLayer(cfg, w, f"model.layers.{i}", dtype, device, tp)
+            for i in range(cfg.num_hidden_layers)
         ]
         norm = w["model.norm.weight"]
         assert isinstance(norm, torch.Tensor)
@@ -142,16 +159,28 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden] (normed); logits are computed separately, only
         where the runner samples."""
-        h = self.embed(input_ids)
+        h = self.embed(input_ids) if self.tp is None else self._embed_vocab_parallel(input_ids)
         cos, sin = self.rope.lookup(positions)  # once per step, shared by every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = layer(h, self.rope, cos, sin, k_cache, v_cache, meta)
         return self.norm(h)
 
+    def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each rank looks up the ids in its vocabulary slice (zeros for the others); the sum
+        over ranks is the embedding."""
+        assert self.tp is not None
+        start, end = self.tp.plan.vocab_range
+        mine = (input_ids >= start) & (input_ids < end)
+        h = self.embed((input_ids - start).clamp_(0, max(end - start - 1, 0)))  # [n, hidden]
+        h.mul_(mine.unsqueeze(-1).to(h.dtype))
+        return self.tp.all_reduce_(h)
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> float32 logits [n, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden] -> float32 logits [n, vocab]. Tensor-parallel: a collective every rank
+        calls; the gathered logits come back on rank 0 only (None elsewhere)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
 
 def _to_part(w: QuantizedTensor, device: torch.device):

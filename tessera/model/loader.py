@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import QuantizedTensor
 
@@ -20,40 +21,67 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(
-    path: str, quantization: str = "none"
+    path: str, quantization: str = "none", plan: ShardPlan | None = None
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor | QuantizedTensor]]:
     """Read config and weights from a `.gguf` file or an HF directory (config.json + safetensors).
 
     Weights are float32 CPU tensors with HF names; `lm_head.weight` is present only when the
     embeddings are untied. With quantization="gguf", GGUF weights of a type a quantized kernel
     serves come as `QuantizedTensor`s (HF directories have none: the flag changes nothing there).
+    With a tensor-parallel `plan` (tessera/distributed/sharding.py), every tensor is cut to the
+    rank's slice while it is read.
     Raises ValueError for a path that is neither, or an unsupported model.
     """
-    path = os.path.expanduser(path)
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    path = _check_path(path)
+    if path.endswith(".gguf"):
         from tessera.model.gguf_loader import load_gguf
 
-        config, weights = load_gguf(path, quantization)
-    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        config, weights = load_gguf(path, quantization, plan)
+    else:
         from tessera.model.hf_loader import load_hf_dir
 
-        config, weights = load_hf_dir(path)
-    elif not os.path.exists(path):
+        config, weights = load_hf_dir(path, plan)
+    check_weights(config, weights, path, plan)
+    return config, weights
+
+
+def read_model_config(path: str) -> ModelArchConfig:
+    """The architecture of the model at `path`, without reading its weights (the engine's
+    process under tensor parallelism needs the shapes, the ranks need the weights)."""
+    path = _check_path(path)
+    if path.endswith(".gguf"):
+        from tessera.model.gguf_loader import read_gguf_config
+
+        return read_gguf_config(path)
+    from tessera.model.hf_loader import read_hf_dir_config
+
+    return read_hf_dir_config(path)
+
+
+def _check_path(path: str) -> str:
+    path = os.path.expanduser(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist")
     else:
         raise ValueError(
             f"model path {path!r} is neither a .gguf file nor a directory with config.json "
             "and *.safetensors"
         )
-    check_weights(config, weights, path)
-    return config, weights
 
 
 def check_weights(
-    config: ModelArchConfig, weights: dict[str, torch.Tensor | QuantizedTensor], path: str
+    config: ModelArchConfig, weights: dict[str, torch.Tensor | QuantizedTensor], path: str,
+    plan: ShardPlan | None = None,
 ) -> None:
-    """ValueError unless `weights` holds exactly the expected names, with the expected shapes."""
+    """ValueError unless `weights` holds exactly the expected names, with the expected shapes
+    (a rank's shapes under a tensor-parallel `plan`)."""
     expected = config.weight_shapes()
+    if plan is not None:
+        expected = {name: plan.local_shape(name, shape) for name, shape in expected.items()}
     missing = [n for n in expected if n not in weights]
     if missing:
         raise ValueError(f"{path}: missing weights {missing[:5]} ({len(missing)} in all)")

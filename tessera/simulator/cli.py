@@ -31,7 +31,11 @@ from tessera.config import EngineConfig, GiB, resolve_dtype
 # model's (--profile / --model-config, --hardware), quantization is in the calibrated profile
 # (`simulate calibrate --quantization ...`), logprob limits change no step's cost, and
 # speculative decoding waits for an acceptance-rate model (the seam in simulator.py)
-_NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", "speculative_config")
+# tensor parallelism is not simulated (the cost model's all_reduce_time seam returns 0), nor
+# calibrated (calibration times one in-process runner)
+_PARALLEL = ("tensor_parallel_size", "distributed_init_method", "nnodes", "node_rank")
+_NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", "speculative_config",
+                  *_PARALLEL)
 
 
 def add_simulate_parser(subparsers) -> None:
@@ -83,7 +87,7 @@ def add_simulate_parser(subparsers) -> None:
         "calibrate", help="time the real runner over a grid of batch shapes and fit a profile",
         description="Time the real model runner here over a grid of batch shapes and fit the "
                     "profiled cost model (tessera/simulator/calibrate.py); save it as JSON.")
-    add_engine_args(cal)
+    add_engine_args(cal, exclude=_PARALLEL)
     g = cal.add_argument_group("calibration")
     g.add_argument("--output", default="profile.json", help="profile JSON (default: %(default)s)")
     g.add_argument("--grid", default="default", choices=["tiny", "small", "default"],

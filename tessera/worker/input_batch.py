@@ -41,10 +41,12 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, device: torch.device, grammar_backend: GrammarBackend | None = None
-                 ) -> None:
+    def __init__(self, device: torch.device, grammar_backend: GrammarBackend | None = None,
+                 needs_grammars: bool = True) -> None:
         self.device = device
         self.grammar_backend = grammar_backend
+        # False where nothing is sampled (tensor-parallel ranks > 0): no matchers to keep
+        self.needs_grammars = needs_grammars
         self.requests: dict[str, CachedRequestState] = {}
 
     def __len__(self) -> int:
@@ -83,7 +85,7 @@ class InputBatch:
 
     def _grammar(self, params: SamplingParams, output_token_ids: list[int]
                  ) -> GrammarState | None:
-        if params.structured_outputs is None:
+        if params.structured_outputs is None or not self.needs_grammars:
             return None
         assert self.grammar_backend is not None, "structured outputs need a grammar backend"
         return self.grammar_backend.matcher(params.structured_outputs, output_token_ids)

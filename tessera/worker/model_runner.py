@@ -71,8 +71,12 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         grammar_backend: GrammarBackend | None = None,
         draft_proposer: DraftModelProposer | None = None,
+        is_driver: bool = True,
     ):
         self.model = model
+        # False on tensor-parallel ranks > 0: they run the forward pass and the logits
+        # collectives, and leave sampling (and structured outputs) to rank 0
+        self.is_driver = is_driver
         self.speculative_config = speculative_config
         self.proposer: NgramProposer | None = None
         self.draft_proposer = draft_proposer
@@ -95,7 +99,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.requests = InputBatch(device, grammar_backend)
+        self.requests = InputBatch(device, grammar_backend, needs_grammars=is_driver)
         # chosen once (the C++ kernel is built, or loaded from its cache, here at start-up)
         self.attn_backend = select_attention_backend(
             device, cache_engine.spec.dtype, block_size, name=attention_backend
@@ -179,12 +183,23 @@ class ModelRunner:
         hidden = self.model.forward(
             inp.input_ids, inp.positions, self.cache_engine.kv_caches, inp.attn_metadata
         )
+        if not self.is_driver:
+            self._follow_logits(inp, hidden)
+            return ModelRunnerOutput()
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(inp, hidden))
         if inp.sampled_req_ids:
             self._sample(inp, hidden, out.num_samples, result)
             if self.speculative_config is not None:
                 self._propose(len(out.num_scheduled_tokens), out.num_samples, result)
         return result
+
+    def _follow_logits(self, inp: ModelInput, hidden: torch.Tensor) -> None:
+        """A tensor-parallel rank > 0: the same `compute_logits` collectives, in the same order,
+        as rank 0's `_prompt_logprobs` and `_sample` (the gathered logits land on rank 0)."""
+        for first, targets in inp.prompt_rows.values():
+            self.model.compute_logits(hidden[first : first + len(targets)])
+        if inp.sampled_req_ids:
+            self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
 
     def _prompt_logprobs(self, inp: ModelInput, hidden: torch.Tensor) -> dict:
         result = {}

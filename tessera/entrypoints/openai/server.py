@@ -310,12 +310,19 @@ def run_server(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000
                served_model_name: str | None = None, api_key: str | None = None,
                log_level: str = "info", sock: socket.socket | None = None,
                chat_template: str | None = None, uvicorn_log_level: str | None = None,
-               **app_options) -> None:
-    """Serve until SIGINT/SIGTERM; returns normally (exit status 0) after a clean shutdown.
+               **app_options) -> int:
+    """Serve until SIGINT/SIGTERM, or until the engine dies (its workers are gone); returns the
+    exit status: 0 after a clean shutdown, 1 when the engine died.
     `sock`: a socket bound already (see `bind_socket`); else host:port is bound here.
     `app_options` go to `build_app`; uvicorn logs at `uvicorn_log_level` (default: log_level)."""
     app = build_app(engine, served_model_name, api_key, chat_template, **app_options)
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level or log_level,
                             timeout_graceful_shutdown=10, lifespan="on")
     server = _Server(config, on_exit=engine.abort_all)
+
+    def engine_died() -> None:  # on the engine thread; uvicorn polls the flag
+        server.should_exit = True
+
+    engine.on_fatal.append(engine_died)
     asyncio.run(server.serve(sockets=[sock] if sock is not None else None))
+    return 1 if engine.fatal_error is not None else 0

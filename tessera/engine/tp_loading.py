@@ -1,0 +1,63 @@
+"""Assemble a tensor-parallel engine: the driver reads only the model's shapes and its tokenizer;
+the worker processes (tessera/executor/multiproc_executor.py) load the weights, each its shard.
+
+A configuration that cannot shard (heads not divisible by the size) is refused here, from the
+shapes, before any process starts or any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import time
+
+from tessera.config import EngineArgs
+from tessera.distributed.sharding import ShardPlan, check_shardable
+from tessera.engine.loading import describe_config, kv_cache_spec, size_kv_pools
+from tessera.executor.multiproc_executor import MultiprocExecutor
+from tessera.model.default_model import resolve_model_path
+from tessera.model.loader import read_model_config
+from tessera.sampling.grammar import GrammarBackend
+from tessera.tokenizer import load_tokenizer
+from tessera.worker.tp_worker import WorkerInit
+
+logger = logging.getLogger(__name__)
+
+
+def build_tp_engine(engine_cls, args: EngineArgs):
+    start = time.perf_counter()
+    early = dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config()
+    parallel = early.parallel
+    if parallel.node_rank != 0:
+        raise ValueError(f"--node-rank {parallel.node_rank} runs worker ranks only (tessera serve "
+                         "starts them); the engine runs on node 0")
+    path = resolve_model_path(args.model)
+    arch = read_model_config(path)
+    n = parallel.tensor_parallel_size
+    check_shardable(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, n)
+    config = args.create_engine_config(arch.max_position_embeddings)
+    plan = ShardPlan.for_arch(arch, 0, n)
+    # --kv-cache-space and --swap-space are per rank, as vLLM's memory fraction is per device
+    spec = kv_cache_spec(arch, config, plan.num_local_kv_heads)
+    num_gpu_blocks, num_cpu_blocks = size_kv_pools(config, spec)
+    tokenizer = load_tokenizer(path)
+    eos = tuple(arch.eos_token_ids)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = (tokenizer.eos_token_id,)
+    init = WorkerInit(engine_args=args, model_path=path, num_gpu_blocks=num_gpu_blocks,
+                      num_cpu_blocks=num_cpu_blocks, eos_token_ids=eos)
+    executor = MultiprocExecutor(parallel, init, config.device.device)
+    logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
+    logger.info("engine ready in %.1fs: %s, %s, tensor-parallel size %d (%s KV heads per rank), "
+                "%d device blocks per rank, %d swap blocks", time.perf_counter() - start,
+                os.path.basename(path), config.model.dtype, n,
+                plan.num_local_kv_heads, num_gpu_blocks, num_cpu_blocks)
+    gc.collect()
+    gc.freeze()
+    return engine_cls(
+        config, executor, tokenizer, eos_token_ids=eos, vocab_size=arch.vocab_size,
+        model_name=os.path.basename(path.rstrip("/")),
+        grammar_backend=GrammarBackend(tokenizer, arch.vocab_size, eos),
+    )
