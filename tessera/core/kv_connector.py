@@ -157,6 +157,8 @@ class PullConnectorScheduler(KVConnectorScheduler):
             return 0
         if group.sampling_params.n != 1 or seq.output_token_ids:
             return 0  # a resumed or forked stream: its KV is not the peer's prompt
+        if group.sampling_params.prompt_logprobs is not None:
+            return 0  # those need the logits of every prompt position: computed here
         # the last prompt token is recomputed: sampling needs its logits
         return max(0, len(seq.prompt_token_ids) - 1 - num_computed_tokens)
 
