@@ -146,6 +146,8 @@ class SequenceGroup:
     # why the group was ignored at admission, if it was
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    # its peer's KV was pulled once (or failed): after a recompute it prefills here
+    remote_kv_tried: bool = False
 
     def __post_init__(self) -> None:
         for i, seq in enumerate(self.seqs):

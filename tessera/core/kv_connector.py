@@ -155,7 +155,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
         params = group.sampling_params.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not self.config.is_consumer:
             return 0
-        if group.sampling_params.n != 1 or seq.output_token_ids:
+        if group.remote_kv_tried or group.sampling_params.n != 1 or seq.output_token_ids:
             return 0  # a resumed or forked stream: its KV is not the peer's prompt
         if group.sampling_params.prompt_logprobs is not None:
             return 0  # those need the logits of every prompt position: computed here

@@ -72,6 +72,7 @@ class RemoteKVStates:
         if group is None:
             return  # aborted meanwhile
         seq = group.seqs[0]
+        group.remote_kv_tried = True
         if loaded:
             seq.num_computed_tokens = max(seq.num_computed_tokens, len(seq.prompt_token_ids) - 1)
         seq.status = SequenceStatus.RUNNING
