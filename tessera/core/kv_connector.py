@@ -177,6 +177,18 @@ class PullConnectorScheduler(KVConnectorScheduler):
             remote_request_id=params["remote_request_id"],
         )
 
+    def release_remote(self, group: SequenceGroup, seq: Sequence) -> None:
+        """`seq` prefills here although its peer holds its prompt's KV: an empty pull (no
+        blocks) tells the peer to let go. Its outcome is not awaited."""
+        params = group.sampling_params.kv_transfer_params
+        if (not params or not params.get("do_remote_prefill") or group.remote_kv_tried
+                or not self.config.is_consumer):
+            return
+        group.remote_kv_tried = True
+        self._meta.reqs_to_recv[seq.req_id] = RemotePrefill(
+            [], [], params["remote_host"], params["remote_port"], params["remote_engine_id"],
+            params["remote_request_id"])
+
     def build_connector_meta(self) -> KVConnectorMetadata | None:
         meta, self._meta = self._meta, KVConnectorMetadata()
         return meta or None

@@ -59,6 +59,9 @@ class RemoteKVStates:
         num_external = self.kv_connector.get_num_new_matched_tokens(
             group, seq, seq.num_computed_tokens)
         if num_external <= 0:
+            # nothing worth pulling (a one-token prompt, or all local hits): still tell the
+            # producer, with an empty pull, so it frees its blocks now rather than at timeout
+            self.kv_connector.release_remote(group, seq)
             return False
         table = self.block_manager.get_block_table(seq)
         self.kv_connector.update_state_after_alloc(group, seq, table, num_external)

@@ -16,6 +16,7 @@ an OpenAI-shaped error (a 502, or an error event on a stream), never a hang.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -169,7 +170,12 @@ def _bad_gateway(message: str) -> JSONResponse:
 
 
 def build_app(proxy: DisaggProxy) -> FastAPI:
-    app = FastAPI(title="tessera proxy")
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await proxy.close()
+
+    app = FastAPI(title="tessera proxy", lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -186,10 +192,6 @@ def build_app(proxy: DisaggProxy) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
-
-    @app.on_event("shutdown")
-    async def close() -> None:
-        await proxy.close()
 
     return app
 

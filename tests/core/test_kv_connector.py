@@ -99,6 +99,19 @@ def test_consumer_waits_holding_blocks_without_blocking_others_then_decodes_from
     assert sched.block_manager.get_num_free_gpu_blocks() == 64
 
 
+def test_nothing_to_pull_prefills_at_once_and_releases_the_peer():
+    sched = make_scheduler(block_size=BS, kv_connector=connector("kv_consumer"))
+    runner = ReportingRunner(sched)
+    sched.add_seq_group(remote_group("one", 1))  # a one-token prompt: the token is recomputed
+    out = runner.step()
+    assert out.num_scheduled_tokens == {"one": 1}
+    release = out.kv_connector_metadata.reqs_to_recv["one"]
+    assert release.local_block_ids == [] and release.remote_block_ids == []
+    runner.recved = ["one"]  # its (empty) pull's report changes nothing
+    runner.run()
+    assert sched.block_manager.get_num_free_gpu_blocks() == 64
+
+
 def test_failed_pull_prefills_locally():
     sched = make_scheduler(block_size=BS, kv_connector=connector("kv_consumer"))
     runner = ReportingRunner(sched)

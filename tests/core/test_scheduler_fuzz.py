@@ -55,7 +55,7 @@ class CheckingRunner(FakeRunner):
         self.landed = []
 
     def write_pull(self, req_id: str, blocks: list[int], ok: bool) -> None:
-        if ok:
+        if ok and blocks:
             bm = self.scheduler.block_manager
             bs = bm.block_size
             _, seq = self.scheduler._live[req_id]

@@ -113,7 +113,8 @@ class KVConnectorWorker(ABC):
             if data is None:
                 failed.append(req_id)
                 continue
-            self.write_blocks(rp.local_block_ids, data)
+            if rp.local_block_ids:  # an empty pull only released the peer's blocks
+                self.write_blocks(rp.local_block_ids, data)
             received.append(req_id)
         if not (sent or received or failed or stats.num_requests or stats.num_failures):
             return sent, received, failed, None

@@ -137,6 +137,8 @@ class TcpConnectorWorker(KVConnectorWorker):
             raise TransferError(f"the peer's blocks are {header['dtype']} {header['shape']}, this "
                                 f"engine's {_dtype_name(dtype)} {list(expected)}: same model, "
                                 "dtype and --block-size on both sides")
+        if not rp.remote_block_ids:
+            return torch.empty(expected, dtype=dtype)
         raw = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.uint8)
         return raw.view(dtype).view(expected)
 
