@@ -82,37 +82,58 @@ def reference(llm, prompts, max_tokens: int = 12) -> list[str]:
     return [o.outputs[0].text for o in outs]
 
 
-@pytest.fixture(scope="module")
-def pair():
-    servers = start_pair()
-    yield servers
+BOTH = '{"kv_connector": "TcpConnector", "kv_role": "kv_both", "kv_port": %d}'
+
+
+@pytest.fixture(scope="module", params=[
+    "one kv_both process", pytest.param("two processes", marks=pytest.mark.heavy)])
+def pair(request):
+    """(prefill, decode). The quick variant is one kv_both server that serves its own pulls over
+    loopback TCP (one model load); the heavy one is a producer and a consumer process."""
+    if request.param == "two processes":
+        servers = start_pair()
+    else:
+        servers = [ServerProcess(*COMMON, "--kv-transfer-config", BOTH % free_port())]
+    yield servers[0], servers[-1]
     for s in servers:
         s.stop()
 
 
 def test_proxy_greedy_equals_colocated_and_decode_computes_no_prompt(pair, make_llm):
     prefill, decode = pair
-    words = "the quick brown fox jumps over the lazy dog while".split()
-    prompts = [" ".join(words[: k % 10 + 1] * (k // 10 + 1)) for k in (0, 6, 15, 33, 47, 88)]
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while"]
+    prompts = [" ".join(words[: k % 10 + 1] * (k // 10 + 1)) for k in (0, 15, 33, 88)]
     expected = reference(make_llm(), prompts)
     before = metrics(decode.url)
+    before_p = metrics(prefill.url)
     with UvicornThread(build_app(DisaggProxy([prefill.url], [decode.url]))) as proxy:
-        got = [complete(proxy.url, p)["choices"][0]["text"] for p in prompts]
+        answers = [complete(proxy.url, p) for p in prompts]
+        got = [a["choices"][0]["text"] for a in answers]
+        prompt_lens = [a["usage"]["prompt_tokens"] for a in answers]
         # chat, streamed, through the same path
         with httpx.stream("POST", proxy.url + "/v1/chat/completions", timeout=120, json={
                 "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
-                "temperature": 0, "stream": True}) as r:
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}},
+                ) as r:
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
+        prompt_lens.append(json.loads(events[-2][6:])["usage"]["prompt_tokens"])
     assert got == expected
     after = metrics(decode.url)
     n = len(prompts) + 1
-    assert after["tessera:kv_transfer_requests_total"] - before["tessera:kv_transfer_requests_total"] == n
+    one = prefill is decode  # then its counters hold both sides
+    transfers = after["tessera:kv_transfer_requests_total"] - before["tessera:kv_transfer_requests_total"]
+    assert transfers == (2 * n if one else n)
     assert after["tessera:kv_transfer_failures_total"] == before["tessera:kv_transfer_failures_total"]
-    # one prompt token per transferred request: the last, recomputed for its logits
-    assert after["tessera:prompt_tokens_total"] - before["tessera:prompt_tokens_total"] == n
-    assert metrics(prefill.url)["tessera:kv_transfer_requests_total"] >= n
+    # one prompt token per transferred request (the last, recomputed for its logits)
+    prompt_tokens = after["tessera:prompt_tokens_total"] - before["tessera:prompt_tokens_total"]
+    if one:  # ... on top of the whole prompts it prefilled as the producer
+        assert prompt_tokens == sum(prompt_lens) + n
+    else:
+        assert prompt_tokens == n
+        assert (metrics(prefill.url)["tessera:kv_transfer_requests_total"]
+                - before_p["tessera:kv_transfer_requests_total"]) == n
     wait_usage_zero(prefill.url)
     wait_usage_zero(decode.url)
 
@@ -120,12 +141,16 @@ def test_proxy_greedy_equals_colocated_and_decode_computes_no_prompt(pair, make_
 def test_kv_transfer_params_are_refused_where_they_cannot_apply(pair):
     prefill, decode = pair
     r = httpx.post(decode.url + "/v1/completions", timeout=30, json={
-        "prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    assert r.status_code == 400 and "do_remote_decode" in r.json()["error"]["message"]
-    r = httpx.post(prefill.url + "/v1/completions", timeout=30, json={
         "prompt": "hi there", "max_tokens": 1, "kv_transfer_params": {
             "do_remote_prefill": True, "remote_block_ids": [1, 2, 3]}})
-    assert r.status_code == 400 and "do_remote_prefill" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "remote_block_ids" in r.json()["error"]["message"]
+    r = httpx.post(decode.url + "/v1/completions", timeout=30, json={
+        "prompt": ["a", "b"], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    if prefill is not decode:  # each role refuses the other's params
+        r = httpx.post(decode.url + "/v1/completions", timeout=30, json={
+            "prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 400 and "do_remote_decode" in r.json()["error"]["message"]
 
 
 # -- heavy: many lengths, prefix hits on either side, and the faults ----------------------------
