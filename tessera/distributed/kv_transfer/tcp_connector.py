@@ -125,22 +125,23 @@ class TcpConnectorWorker(KVConnectorWorker):
                 if time.monotonic() > deadline:
                     raise TransferError(f"no answer within {self.config.transfer_timeout:g} s "
                                         "(transfer_timeout)")
-            frames = sock.recv_multipart(copy=False)
+            header = json.loads(sock.recv())
+            if not header.get("ok"):
+                raise TransferError(header.get("error", "refused"))
+            expected = self.expected_shape(len(rp.remote_block_ids))
+            dtype = self.cache_engine.gpu_cache.dtype
+            if tuple(header["shape"]) != expected or header["dtype"] != _dtype_name(dtype):
+                raise TransferError(f"the peer's blocks are {header['dtype']} {header['shape']}, "
+                                    f"this engine's {_dtype_name(dtype)} {list(expected)}: same "
+                                    "model, dtype and --block-size on both sides")
+            data = torch.empty(expected, dtype=dtype)
+            # straight into the staging tensor: no intermediate copy of the payload
+            size = sock.recv_into(data.view(-1).view(torch.uint8).numpy()) if data.numel() else 0
+            if size != data.numel() * data.element_size():
+                raise TransferError(f"the payload has {size} bytes, not {data.numel() * data.element_size()}")
+            return data
         finally:
             sock.close(linger=0)
-        header = json.loads(frames[0].bytes)
-        if not header.get("ok"):
-            raise TransferError(header.get("error", "refused"))
-        expected = self.expected_shape(len(rp.remote_block_ids))
-        dtype = self.cache_engine.gpu_cache.dtype
-        if tuple(header["shape"]) != expected or header["dtype"] != _dtype_name(dtype):
-            raise TransferError(f"the peer's blocks are {header['dtype']} {header['shape']}, this "
-                                f"engine's {_dtype_name(dtype)} {list(expected)}: same model, "
-                                "dtype and --block-size on both sides")
-        if not rp.remote_block_ids:
-            return torch.empty(expected, dtype=dtype)
-        raw = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.uint8)
-        return raw.view(dtype).view(expected)
 
     def shutdown(self) -> None:
         super().shutdown()
