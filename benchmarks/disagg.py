@@ -49,6 +49,19 @@ SETTINGS = {
 # -- transfer ----------------------------------------------------------------------------------
 
 def transfer(repeats: int = 15) -> dict:
+    import importlib.util
+
+    connectors = ["TcpConnector"]
+    if any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13")):
+        connectors.append("NixlConnector")
+    data = {"geometry": "30 layers x 2 x 16 tokens x 3 heads x 64, fp32 (the default model)"}
+    for name in connectors:
+        print(f"== {name}")
+        data["rows" if name == "TcpConnector" else "nixl_rows"] = _transfer(name, repeats)
+    return data
+
+
+def _transfer(connector: str, repeats: int) -> list[dict]:
     import torch
 
     from tessera.config import KVTransferConfig
@@ -64,8 +77,9 @@ def transfer(repeats: int = 15) -> dict:
     d_cache = CacheEngine(spec, num_blocks, 0, torch.device("cpu"))
     p_cache.gpu_cache.copy_(torch.randn_like(p_cache.gpu_cache))
     producer = create_kv_connector_worker(
-        KVTransferConfig(kv_role="kv_producer", kv_port=0), p_cache, "P")
-    consumer = create_kv_connector_worker(KVTransferConfig(kv_role="kv_consumer"), d_cache, "P")
+        KVTransferConfig(kv_connector=connector, kv_role="kv_producer", kv_port=0), p_cache, "P")
+    consumer = create_kv_connector_worker(
+        KVTransferConfig(kv_connector=connector, kv_role="kv_consumer"), d_cache, "D")
     rows = []
     try:
         for n in (8, 32, 128):  # 128 .. 2048 tokens
@@ -106,8 +120,7 @@ def transfer(repeats: int = 15) -> dict:
         print(f"{r['num_blocks']:>6} {r['num_tokens']:>6} {r['bytes'] / 1e6:>7.1f} "
               f"{r['pull_ms']:>8.2f} {r['pull_gbps']:>6.2f} {r['memcpy_ms']:>9.2f} "
               f"{r['memcpy_gbps']:>6.2f} {r['pull_ms'] / r['memcpy_ms']:>10.1f}x")
-    return {"geometry": "30 layers x 2 x 16 tokens x 3 heads x 64, fp32 (the default model)",
-            "rows": rows}
+    return rows
 
 
 # -- serve -------------------------------------------------------------------------------------
@@ -254,6 +267,10 @@ def plot() -> None:
             label="TcpConnector pull")
     ax.plot([r["num_tokens"] for r in rows], [r["memcpy_gbps"] for r in rows], "s--",
             label="in-process memcpy")
+    nixl = transfer_data.get("nixl_rows")
+    if nixl:
+        ax.plot([r["num_tokens"] for r in nixl], [r["pull_gbps"] for r in nixl], "^-",
+                label="NixlConnector pull (UCX)")
     ax.set_xscale("log")
     ax.set_xlabel("tokens per request (blocks of 16)")
     ax.set_title("KV transfer GB/s (loopback)")
