@@ -82,6 +82,7 @@ class KVConnectorWorker(ABC):
     # the engine thread's calls
 
     def bind_connector_metadata(self, meta: KVConnectorMetadata | None) -> None:
+        """This step's instructions, in order: cancel, save, load."""
         if meta is None:
             return
         with self._lock:
@@ -90,8 +91,19 @@ class KVConnectorWorker(ABC):
                     self._forget(req_id)
                 if req_id in self._pulling:
                     self._cancelled.add(req_id)
-            self._serving.update(meta.reqs_to_send)
-        for req_id, rp in meta.reqs_to_recv.items():
+        self.save_kv(meta.reqs_to_send)
+        self.start_load_kv(meta.reqs_to_recv)
+
+    def save_kv(self, reqs: dict[str, list[int]]) -> None:
+        """Finished prefills: serve these blocks to the peer that pulls them (the scheduler
+        keeps them until `get_finished` reports them sent)."""
+        if reqs:
+            with self._lock:
+                self._serving.update(reqs)
+
+    def start_load_kv(self, reqs: dict[str, RemotePrefill]) -> None:
+        """Start pulling each request's KV from its peer; returns at once."""
+        for req_id, rp in reqs.items():
             assert self._pool is not None, "a pull on an engine that is not a kv consumer"
             self._pulling.add(req_id)
             self._pool.submit(self._run_pull, req_id, rp)
