@@ -60,6 +60,12 @@ def test_nixl_pull_copies_exactly_the_blocks_and_is_served_once():
         others = [b for b in range(16) if b not in (0, 5, 9)]
         assert torch.equal(d_cache.gpu_cache[:, :, others], before[:, :, others])
         assert producer.get_finished()[0] == ["r"]
+        # a second request from the same producer (a new stage, new registrations)
+        producer.bind_connector_metadata(KVConnectorMetadata(reqs_to_send={"r2": [4]}))
+        consumer.bind_connector_metadata(KVConnectorMetadata(reqs_to_recv={
+            "d2": RemotePrefill([2], [4], "127.0.0.1", producer.port, "P", "r2")}))
+        assert wait_finished(consumer) == (["d2"], [])
+        assert torch.equal(d_cache.gpu_cache[:, :, 2], p_cache.gpu_cache[:, :, 4])
         consumer.bind_connector_metadata(KVConnectorMetadata(reqs_to_recv={
             "again": RemotePrefill([0], [3], "127.0.0.1", producer.port, "P", "r")}))
         assert wait_finished(consumer) == ([], ["again"])

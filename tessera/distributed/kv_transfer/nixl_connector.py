@@ -126,27 +126,31 @@ class NixlConnectorWorker(TcpConnectorWorker):
         nbytes = data.numel() * data.element_size()
         if nbytes != header["nbytes"]:
             raise TransferError(f"the peer stages {header['nbytes']} bytes, not {nbytes}")
+        # one read at a time per process, under the lock: the peer's metadata is loaded afresh
+        # for each (its stage is a new registration), which must not happen under a live read
         with self._agent_lock:
-            remote = self._remote_agents.get(engine_id)
-            if remote is None:
-                remote = self._remote_agents[engine_id] = self._agent.add_remote_agent(meta)
+            known = self._remote_agents.pop(engine_id, None)
+            if known is not None:
+                self._agent.remove_remote_agent(known)
+            remote = self._remote_agents[engine_id] = self._agent.add_remote_agent(meta)
             reg = self._agent.register_memory(data)
-            local = self._agent.get_xfer_descs([(data.data_ptr(), nbytes, 0)], _MEM)
-            remote_descs = self._agent.get_xfer_descs([(int(header["addr"]), nbytes, 0)], _MEM)
-            handle = self._agent.initialize_xfer("READ", local, remote_descs, remote)
-            state = self._agent.transfer(handle)
-        try:
-            while state == "PROC":
-                if time.monotonic() > deadline or self._closed.is_set():
-                    raise TransferError("the NIXL read did not finish in time (transfer_timeout)")
-                time.sleep(0.0005)
-                with self._agent_lock:
+            handle = None
+            try:
+                local = self._agent.get_xfer_descs([(data.data_ptr(), nbytes, 0)], _MEM)
+                remote_descs = self._agent.get_xfer_descs([(int(header["addr"]), nbytes, 0)], _MEM)
+                handle = self._agent.initialize_xfer("READ", local, remote_descs, remote)
+                state = self._agent.transfer(handle)
+                while state == "PROC":
+                    if time.monotonic() > deadline or self._closed.is_set():
+                        raise TransferError("the NIXL read did not finish in time "
+                                            "(transfer_timeout)")
+                    time.sleep(0.0002)
                     state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(f"the NIXL read failed ({state})")
-        finally:
-            with self._agent_lock:
-                self._agent.release_xfer_handle(handle)
+                if state != "DONE":
+                    raise TransferError(f"the NIXL read failed ({state})")
+            finally:
+                if handle is not None:
+                    self._agent.release_xfer_handle(handle)
                 self._agent.deregister_memory(reg)
 
     def _ask(self, rp: RemotePrefill, message: dict, deadline: float) -> tuple[dict, bytes]:
