@@ -272,6 +272,8 @@ def plot() -> None:
         ax.plot([r["num_tokens"] for r in nixl], [r["pull_gbps"] for r in nixl], "^-",
                 label="NixlConnector pull (UCX)")
     ax.set_xscale("log")
+    ax.set_xticks([r["num_tokens"] for r in rows], [str(r["num_tokens"]) for r in rows])
+    ax.minorticks_off()
     ax.set_xlabel("tokens per request (blocks of 16)")
     ax.set_title("KV transfer GB/s (loopback)")
     ax.legend(fontsize=8)
