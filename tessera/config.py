@@ -230,6 +230,94 @@ class SpeculativeConfig:
         return self.disable_by_batch_size is None or batch_size < self.disable_by_batch_size
 
 
+KV_CONNECTORS = ("TcpConnector", "NixlConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_KV_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_connector_extra_config")
+_KV_EXTRA_KEYS = ("transfer_timeout", "hold_timeout")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill/decode (vLLM's names): a `kv_producer` prefills and serves each
+    finished request's KV blocks on `kv_ip:kv_port`; a `kv_consumer` pulls them from the address
+    the producer's response named (`kv_transfer_params`), so it needs no address of its own;
+    `kv_both` does either per request. `kv_connector_extra_config`: `transfer_timeout` (seconds a
+    consumer waits for one pull before it prefills locally) and `hold_timeout` (seconds a
+    producer keeps a finished request's blocks for a peer that never comes)."""
+
+    kv_connector: str = "TcpConnector"
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config: kv_connector must be one of "
+                             f"{', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {self.kv_role!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(f"kv_transfer_config: kv_ip must be a host name or address, "
+                             f"got {self.kv_ip!r}")
+        port = self.kv_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ValueError(f"kv_transfer_config: kv_port must be an integer in [0, 65535], "
+                             f"got {port!r}")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")
+        unknown = sorted(set(extra) - set(_KV_EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config: kv_connector_extra_config: unknown key(s) "
+                             f"{', '.join(unknown)}; known: {', '.join(_KV_EXTRA_KEYS)}")
+        for key in _KV_EXTRA_KEYS:
+            value = extra.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not value > 0):
+                raise ValueError(f"kv_transfer_config: kv_connector_extra_config.{key} must be a "
+                                 f"number of seconds > 0, got {value!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def transfer_timeout(self) -> float:
+        return float(self.kv_connector_extra_config.get("transfer_timeout", 30.0))
+
+    @property
+    def hold_timeout(self) -> float:
+        return float(self.kv_connector_extra_config.get("hold_timeout", 120.0))
+
+    @classmethod
+    def from_dict(cls, value: dict | str | KVTransferConfig | None) -> KVTransferConfig | None:
+        """From `LLM(kv_transfer_config={...})` or the JSON of `--kv-transfer-config`."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a dict (JSON object), "
+                             f"got {type(value).__name__}")
+        unknown = sorted(set(value) - set(_KV_KEYS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(_KV_KEYS)}")
+        for key in ("kv_connector", "kv_role"):
+            if key not in value:
+                raise ValueError(f"kv_transfer_config: {key} is required")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism (vLLM's names): the model and its KV cache split over
@@ -282,6 +370,7 @@ class EngineConfig:
     device: DeviceConfig
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         # tensor-parallel ranks build their runners without a draft model: refuse rather than
@@ -291,6 +380,10 @@ class EngineConfig:
             raise ValueError("speculative_config: method draft_model does not run with "
                              f"--tensor-parallel-size {self.parallel.tensor_parallel_size} "
                              "(ngram does)")
+        if self.parallel.tensor_parallel_size > 1 and self.kv_transfer is not None:
+            # the connector's worker half lives beside one runner; ranks would each hold a shard
+            raise ValueError("kv_transfer_config does not run with --tensor-parallel-size "
+                             f"{self.parallel.tensor_parallel_size} yet: disaggregate TP=1 engines")
 
 
 def _arg(default, help: str, **kw):
@@ -348,6 +441,12 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 16}',
         json=True,
     )
+    kv_transfer_config: dict | str | None = _arg(
+        None,
+        'disaggregated prefill/decode, as JSON: {"kv_connector": "TcpConnector", "kv_role": '
+        '"kv_producer", "kv_ip": "127.0.0.1", "kv_port": 14579}',
+        json=True,
+    )
     max_logprobs: int = _arg(
         20, "most log-probability alternatives per token a request may ask for (logprobs, "
             "prompt_logprobs, top_logprobs)"
@@ -391,6 +490,7 @@ class EngineArgs:
                 choices = ", ".join(m.value for m in enum_cls)
                 raise ValueError(f"{flag_name(name)} must be one of {choices}, got {value!r}")
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         return EngineConfig(
             model=ModelConfig(
                 model=self.model, dtype=resolve_dtype(self.dtype, checkpoint_dtype, self.device),
@@ -415,6 +515,7 @@ class EngineArgs:
             device=DeviceConfig(device=self.device),
             speculative=speculative,
             parallel=self.parallel_config(),
+            kv_transfer=kv_transfer,
         )
 
     def parallel_config(self) -> ParallelConfig:

@@ -56,3 +56,5 @@ class RequestOutput:
     # Only this request was stopped; the others in its step went on (engine/step_recovery.py)
     failed: bool = False
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # on a KV producer's final output: the params a consumer pulls this request's KV with
+    kv_transfer_params: dict | None = None

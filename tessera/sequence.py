@@ -24,6 +24,8 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    # holds its blocks while a peer's KV for its prompt arrives (disaggregated prefill/decode)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH_CAPPED = "length"
     FINISHED_ABORTED = "abort"
@@ -144,6 +146,8 @@ class SequenceGroup:
     # why the group was ignored at admission, if it was
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    # its peer's KV was pulled once (or failed): after a recompute it prefills here
+    remote_kv_tried: bool = False
 
     def __post_init__(self) -> None:
         for i, seq in enumerate(self.seqs):

@@ -32,3 +32,5 @@ class EngineCoreOutput:
     # the request's timestamps, sent when its first token arrives and when it finishes
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # a producer's finished request: where a consumer pulls its KV from (disaggregation)
+    kv_transfer_params: dict[str, object] | None = None

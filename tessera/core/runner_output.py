@@ -15,6 +15,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class KVTransferStats:
+    """What the KV connector's worker half moved since the last step (deltas, summed by the
+    scheduler into the kv_transfer_* counters)."""
+
+    num_requests: int = 0  # transfers completed (sent by a producer, received by a consumer)
+    num_bytes: int = 0
+    num_failures: int = 0  # pulls that failed or timed out (the request then prefills locally)
+    transfer_seconds: list[float] = field(default_factory=list)  # one per completed transfer
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
@@ -26,6 +37,13 @@ class ModelRunnerOutput:
     # speculative decoding: per row of `req_ids`, the draft tokens proposed to follow the tokens
     # sampled this step (verified next step); empty when speculation is off
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # KV connector (disaggregated prefill/decode): requests whose blocks the worker has read out
+    # for the peer (the producer frees them), whose remote KV landed in their blocks (the
+    # consumer decodes them), or whose pull failed (the consumer prefills them locally)
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_recving: list[str] = field(default_factory=list)
+    kv_transfer_stats: KVTransferStats | None = None
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

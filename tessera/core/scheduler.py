@@ -43,8 +43,10 @@ from dataclasses import dataclass
 from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from tessera.core.admission import never_fits_reason, reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
+from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.request_queue import create_request_queue
 from tessera.core.runner_view import RunnerView
+from tessera.core.scheduler_kv import RemoteKVStates
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.core.scheduler_update import UpdateFromOutput
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -68,7 +70,7 @@ class _Budget:
     num_seqs: int = 0  # seats taken, against max_num_seqs
 
 
-class Scheduler(UpdateFromOutput):
+class Scheduler(RemoteKVStates, UpdateFromOutput):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -77,6 +79,7 @@ class Scheduler(UpdateFromOutput):
         num_cpu_blocks: int,
         clock: Callable[[], float] = time.monotonic,
         eos_token_ids: tuple[int, ...] = (),
+        kv_connector: PullConnectorScheduler | None = None,
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -105,6 +108,7 @@ class Scheduler(UpdateFromOutput):
         self.num_spec_draft_tokens_total = 0
         self.num_spec_accepted_tokens_total = 0
         self.num_spec_accepted_tokens_per_pos: list[int] = []  # [i]: drafts accepted at position i
+        self._init_remote_kv(kv_connector)  # disaggregated prefill/decode (core/scheduler_kv.py)
 
     def _key(self, group: SequenceGroup) -> tuple[int, float]:
         return (group.priority, group.arrival_time) if self._priority else (0, group.arrival_time)
@@ -132,6 +136,8 @@ class Scheduler(UpdateFromOutput):
                 self.waiting.remove(group)
             elif group in self.swapped:
                 self.swapped.remove(group)
+            elif self._abort_remote(group):
+                pass  # was waiting for its remote KV
             else:
                 self.running.remove(group)
             for seq in group.seqs:
@@ -159,17 +165,20 @@ class Scheduler(UpdateFromOutput):
             self._sweep_finished()
 
     def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.waiting_for_remote_kvs)
 
     def get_num_unfinished_seq_groups(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return (len(self.waiting) + len(self.running) + len(self.swapped)
+                + len(self.waiting_for_remote_kvs))
 
     # the step
 
     def schedule(self) -> SchedulerOutput:
         """Decide one step (see the module docstring)."""
+        self._schedule_remote_kv()
         out = SchedulerOutput(finished_req_ids=self._runner.take_finished())
-        budget = _Budget(self.config.max_num_batched_tokens)
+        # a request waiting for its remote KV holds a seat
+        budget = _Budget(self.config.max_num_batched_tokens, len(self.waiting_for_remote_kvs))
         scheduled: list[tuple[SequenceGroup, _Plan]] = []
         if self._priority and self.waiting and self.running:
             self._preempt_for_priority(out)
@@ -180,6 +189,8 @@ class Scheduler(UpdateFromOutput):
             self._schedule_waiting(out, budget, scheduled)
         if scheduled:
             self._describe(out, scheduled)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return out
 
     def _describe(self, out: SchedulerOutput, scheduled: list[tuple[SequenceGroup, _Plan]]) -> None:
@@ -384,7 +395,8 @@ class Scheduler(UpdateFromOutput):
             if budget.num_seqs + n > self.config.max_num_seqs or status is AllocStatus.LATER:
                 break
             seqs = [s for s in group.seqs if s.status is _WAITING]
-            if not self.config.enable_chunked_prefill:
+            remote = bool((group.sampling_params.kv_transfer_params or {}).get("do_remote_prefill"))
+            if not self.config.enable_chunked_prefill and not remote:
                 first = seqs[0]
                 if first.get_len() - bm.get_num_cached_tokens(group, first) > budget.tokens:
                     break  # scheduled whole or not at all
@@ -393,6 +405,9 @@ class Scheduler(UpdateFromOutput):
             out.num_prefix_cache_hit_tokens += hits
             if group.first_scheduled_time is None:
                 group.num_cached_tokens = hits
+            if self._admit_remote(group, seqs):  # parked until its peer's KV arrives
+                budget.num_seqs += n
+                continue
             for seq in seqs:
                 seq.status = _RUNNING
             plan = self._plan(seqs, budget.tokens)

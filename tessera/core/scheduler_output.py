@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tessera.core.kv_connector import KVConnectorMetadata
 from tessera.sampling.params import SamplingParams
 
 
@@ -67,6 +68,9 @@ class SchedulerOutput:
     num_swapped_out: int = 0
     num_swapped_in: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    # the KV connector's instructions for its worker half (None without a connector, or when
+    # there is nothing to move this step)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_preemptions(self) -> int:

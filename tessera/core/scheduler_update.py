@@ -15,7 +15,7 @@ halves share the scheduler's state, but a reader of one need not read the other.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tessera.core.core_output import EngineCoreOutput, SeqDelta
 from tessera.core.runner_output import ModelRunnerOutput
@@ -49,9 +49,16 @@ class UpdateFromOutput:
     num_spec_draft_tokens_total: int
     num_spec_accepted_tokens_total: int
     num_spec_accepted_tokens_per_pos: list[int]
+    _held: dict[str, Sequence]
+
+    if TYPE_CHECKING:  # the remote-KV half (core/scheduler_kv.py), also a base of Scheduler
+        def _hold_for_peer(self, group: SequenceGroup, seq: Sequence) -> bool: ...
+        def _update_remote_kv(self, runner_output: ModelRunnerOutput) -> None: ...
+        def take_kv_transfer_params(self, request_id: str) -> dict[str, Any] | None: ...
 
     def _free_seq(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        if self._held.get(seq.req_id) is not seq:  # a finished prefill's blocks wait for its peer
+            self.block_manager.free(seq)
         self._runner.finished(seq)
         self._live.pop(seq.req_id, None)
 
@@ -123,6 +130,7 @@ class UpdateFromOutput:
                 any_finished |= self._fork(group, seq, tokens[1:], logprobs and logprobs[1:], out)
                 tokens, logprobs = tokens[:1], logprobs and logprobs[:1]
             any_finished |= self._append(group, seq, tokens, logprobs, out)
+        self._update_remote_kv(runner_output)
         for group in self._ignored:
             touched[group.request_id] = (group, EngineCoreOutput(group.request_id, error=group.error))
         self._ignored = []
@@ -132,6 +140,7 @@ class UpdateFromOutput:
         for group, out in touched.values():
             if group.request_id not in groups:  # dropped: finished (or rejected)
                 out.finished = True
+                out.kv_transfer_params = self.take_kv_transfer_params(group.request_id)
                 if group.finished_time is None:
                     group.finished_time = now
                 out.metrics = _metrics(group)
@@ -209,7 +218,11 @@ class UpdateFromOutput:
         if finished:
             delta.finish_reason = seq.status.finish_reason
             delta.stop_reason = seq.stop_reason
-            self._free_seq(seq)
+            if self._hold_for_peer(group, seq):  # a peer pulls its KV first
+                self._runner.finished(seq)
+                self._live.pop(seq.req_id, None)
+            else:
+                self._free_seq(seq)
         out.seqs.append(delta)
         return finished
 

@@ -229,6 +229,9 @@ class AsyncLLMEngine:
         self._send(_STOP)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        stop = getattr(self.engine, "shutdown", None)  # the executor's workers, a KV connector
+        if stop is not None and (self._thread is None or not self._thread.is_alive()):
+            stop()
         for rid in list(self._streams):
             self._streams.pop(rid).put_nowait(RequestAbortedError("the server is shutting down"))
 

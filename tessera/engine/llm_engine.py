@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
+from tessera.core.kv_connector import PullConnectorScheduler, check_kv_transfer_params
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
@@ -29,6 +30,8 @@ from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
+
+_KV_POLL_SECONDS = 0.002  # idle step interval while only KV transfers are in flight
 
 
 @dataclass
@@ -60,6 +63,7 @@ class LLMEngine:
         model_name: str = "tessera",
         clock: Callable[[], float] = time.monotonic,
         grammar_backend: GrammarBackend | None = None,
+        kv_connector: PullConnectorScheduler | None = None,
     ):
         self.config = config
         self.executor = executor
@@ -70,13 +74,16 @@ class LLMEngine:
         self.clock = clock
         self.grammar_backend = grammar_backend or GrammarBackend(tokenizer, vocab_size,
                                                                  eos_token_ids)
+        if kv_connector is None and config.kv_transfer is not None:
+            kv_connector = PullConnectorScheduler(config.kv_transfer, config.cache.block_size,
+                                                  clock=clock)
         self.scheduler = Scheduler(
             config.scheduler, config.cache, executor.num_gpu_blocks, executor.num_cpu_blocks,
-            clock=clock, eos_token_ids=eos_token_ids,
+            clock=clock, eos_token_ids=eos_token_ids, kv_connector=kv_connector,
         )
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.step_times = StepTimes()
-        self.stats = EngineStats()
+        self.stats = EngineStats(kv_transfer=config.kv_transfer is not None)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, bundle=None) -> LLMEngine:
@@ -104,6 +111,11 @@ class LLMEngine:
         self.check_constraints(params)
         text, token_ids = self._tokenize(prompt)
         self._check_fits(len(token_ids), params)
+        if params.kv_transfer_params is not None:
+            if params.n != 1:
+                raise ValueError("kv_transfer_params: a request with n > 1 cannot move its KV")
+            check_kv_transfer_params(params.kv_transfer_params, self.config.kv_transfer,
+                                     len(token_ids), self.config.cache.block_size)
         arrival = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(
             request_id=request_id,
@@ -184,7 +196,8 @@ class LLMEngine:
         self.output_processor.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs()
+        """Also True while KV transfers are in flight: the loop must step to hear them end."""
+        return self.scheduler.has_unfinished_seqs() or self.scheduler.has_pending_kv_transfers()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
@@ -202,6 +215,8 @@ class LLMEngine:
         except Exception as e:
             runner_output, failed = self._recover(scheduler_output, e)
         t2 = time.perf_counter()
+        if runner_output.kv_transfer_stats is not None:
+            self.stats.observe_kv_transfers(runner_output.kv_transfer_stats.transfer_seconds)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stop_string_matches = self.output_processor.process(core_outputs)
         self.scheduler.finish_seqs(stop_string_matches)
@@ -213,6 +228,8 @@ class LLMEngine:
         self.step_times.record(
             t1 - t0, t2 - t1, time.perf_counter() - t2, scheduler_output.total_num_scheduled_tokens
         )
+        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_pending_kv_transfers():
+            time.sleep(_KV_POLL_SECONDS)  # only transfers in flight: poll, do not spin
         return outputs
 
     def _recover(
@@ -271,6 +288,12 @@ class LLMEngine:
             "tessera:prefix_cache_queries_total": float(bm.num_prefix_cache_queries),
             "tessera:prompt_tokens_cached_total": float(bm.num_prefix_cache_hits),
         }
+        if s.kv_connector is not None:  # disaggregated prefill/decode
+            metrics["tessera:kv_transfer_requests_total"] = float(s.num_kv_transfer_requests_total)
+            metrics["tessera:kv_transfer_bytes_total"] = float(s.num_kv_transfer_bytes_total)
+            metrics["tessera:kv_transfer_failures_total"] = float(s.num_kv_transfer_failures_total)
+            metrics["tessera:num_requests_waiting_for_remote_kvs"] = float(
+                len(s.waiting_for_remote_kvs))
         spec = self.config.speculative
         if spec is not None:  # vLLM's names; accepted per draft position as a labelled counter
             metrics["tessera:spec_decode_num_drafts_total"] = float(s.num_spec_drafts_total)

@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -128,9 +129,10 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
 
         draft = build_draft_proposer(config, path, model, arch, tokenizer, num_gpu_blocks,
                                      num_cpu_blocks)
+    kv_worker, kv_scheduler = _kv_connector(config, cache_engine)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos,
                          speculative_config=config.speculative, grammar_backend=grammar_backend,
-                         draft_proposer=draft)
+                         draft_proposer=draft, kv_connector=kv_worker)
     logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
@@ -149,7 +151,24 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         vocab_size=arch.vocab_size,
         model_name=os.path.basename(path.rstrip("/")),
         grammar_backend=grammar_backend,
+        kv_connector=kv_scheduler,
     )
+
+
+def _kv_connector(config, cache_engine: CacheEngine):
+    """Both halves of the configured KV connector (None, None without --kv-transfer-config):
+    the worker half binds its port first, and the scheduler half advertises that port."""
+    kv = config.kv_transfer
+    if kv is None:
+        return None, None
+    from tessera.core.kv_connector import PullConnectorScheduler
+    from tessera.distributed.kv_transfer import create_kv_connector_worker
+
+    engine_id = uuid.uuid4().hex
+    worker = create_kv_connector_worker(kv, cache_engine, engine_id)
+    if kv.is_producer:
+        kv = dataclasses.replace(kv, kv_port=worker.port)
+    return worker, PullConnectorScheduler(kv, config.cache.block_size, engine_id=engine_id)
 
 
 def describe_config(config) -> str:

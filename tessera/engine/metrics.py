@@ -61,6 +61,14 @@ _HELP = {
     "tessera:spec_decode_num_accepted_tokens_total": "Draft tokens accepted.",
     "tessera:spec_decode_num_accepted_tokens_per_pos_total": "Draft tokens accepted, by position.",
     "tessera:prompt_tokens_cached_total": "Prompt tokens whose KV came from the prefix cache.",
+    "tessera:kv_transfer_requests_total":
+        "Requests whose KV blocks this engine sent to (producer) or received from (consumer) a peer.",
+    "tessera:kv_transfer_bytes_total": "KV cache bytes sent or received.",
+    "tessera:kv_transfer_failures_total":
+        "KV transfers that failed: pulls that failed or timed out (the request then prefills "
+        "locally), and held blocks no peer pulled in time.",
+    "tessera:num_requests_waiting_for_remote_kvs":
+        "Requests holding blocks while their KV arrives from a prefill engine.",
 }
 _STEP_HISTOGRAMS = {
     # name in the snapshot -> exposed names (one observation set, vLLM's two names for it)
@@ -71,6 +79,10 @@ _STEP_HISTOGRAMS = {
         ("tessera:time_per_output_token_seconds",
          "Time between consecutive output tokens (observed per token, as vLLM does)."),
     ),
+    "kv_transfer_time_seconds": (
+        ("tessera:kv_transfer_time_seconds",
+         "Time per KV transfer: a pull from request to landed data (consumer), or reading the "
+         "blocks out for a peer (producer)."),),
 }
 
 

@@ -205,6 +205,7 @@ class OutputProcessor:
             prompt_logprobs=req.prompt_logprobs,
             error=core.error,
             num_cached_tokens=req.num_cached_tokens,
+            kv_transfer_params=core.kv_transfer_params if finished else None,
         )
 
 

@@ -18,6 +18,8 @@ from tessera.outputs import RequestOutput
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                       5.0, 10.0, 30.0)
 
 
 @dataclass
@@ -56,8 +58,10 @@ class StatsSnapshot:
 class EngineStats:
     """Observed by `LLMEngine.step()` and `abort_request()`; O(requests in the step) per step."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_transfer: bool = False) -> None:
         self.iteration_tokens = HistogramData(ITERATION_TOKEN_BUCKETS)
+        # seconds per KV transfer (disaggregated prefill/decode), when a connector is configured
+        self.kv_transfer_time = HistogramData(KV_TRANSFER_BUCKETS) if kv_transfer else None
         # one observation per request per step that gave it a token after its first: the time
         # since its previous token (vLLM's inter-token latency, also its time_per_output_token)
         self.inter_token_latency = HistogramData(ITL_BUCKETS)
@@ -80,6 +84,11 @@ class EngineStats:
                 last.pop(out.request_id, None)
                 self.count_finished(_finish_reason(out))
 
+    def observe_kv_transfers(self, seconds: list[float]) -> None:
+        if self.kv_transfer_time is not None:
+            for value in seconds:
+                self.kv_transfer_time.observe(value)
+
     def observe_aborted(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._last_token_time.pop(rid, None)
@@ -89,11 +98,11 @@ class EngineStats:
         self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
 
     def snapshot(self) -> StatsSnapshot:
-        return StatsSnapshot(
-            histograms={"iteration_tokens_total": self.iteration_tokens.copy(),
-                        "inter_token_latency_seconds": self.inter_token_latency.copy()},
-            finished_reasons=dict(self.finished_reasons),
-        )
+        histograms = {"iteration_tokens_total": self.iteration_tokens.copy(),
+                      "inter_token_latency_seconds": self.inter_token_latency.copy()}
+        if self.kv_transfer_time is not None:
+            histograms["kv_transfer_time_seconds"] = self.kv_transfer_time.copy()
+        return StatsSnapshot(histograms=histograms, finished_reasons=dict(self.finished_reasons))
 
 
 def _finish_reason(out: RequestOutput) -> str:

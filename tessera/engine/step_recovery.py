@@ -79,4 +79,9 @@ def merge_outputs(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         if with_drafts:  # speculative decoding: a half without proposals proposes nothing
             merged.spec_token_ids += o.spec_token_ids or [[] for _ in o.req_ids]
         merged.prompt_logprobs.update(o.prompt_logprobs)
+        # the KV connector's reports ride on whichever re-run collected them
+        merged.finished_sending += o.finished_sending
+        merged.finished_recving += o.finished_recving
+        merged.failed_recving += o.failed_recving
+        merged.kv_transfer_stats = o.kv_transfer_stats or merged.kv_transfer_stats
     return merged

@@ -1,5 +1,5 @@
 """The `tessera` command. Subcommands register themselves in `SUBCOMMANDS` (`serve`, `bench`,
-`simulate`).
+`simulate`, `proxy`).
 
 Engine flags are generated from `EngineArgs`: each dataclass field becomes `--field-name` with the
 field's type, default, `help` and optional `choices` from its metadata; bools become `store_true`
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from tessera.bench import add_bench_parser
 from tessera.config import EngineArgs, flag_name
 from tessera.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tessera.entrypoints.proxy import add_proxy_parser
 from tessera.simulator import add_simulate_parser
 
 
@@ -225,7 +226,7 @@ def _serve_worker_node(args: argparse.Namespace) -> int:
 
 
 # each registers one subcommand (a parser with `func`)
-SUBCOMMANDS: list[Callable] = [_add_serve, add_bench_parser, add_simulate_parser]
+SUBCOMMANDS: list[Callable] = [_add_serve, add_bench_parser, add_simulate_parser, add_proxy_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

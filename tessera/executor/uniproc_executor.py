@@ -16,3 +16,7 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.runner.kv_connector is not None:  # its sockets and threads
+            self.runner.kv_connector.shutdown()

@@ -99,6 +99,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # only these token ids may be sampled (vLLM's extra)
     allowed_token_ids: list[int] | None = None
+    # disaggregated prefill/decode (vLLM's request field): {"do_remote_decode": true} asks a
+    # producer to keep the prompt's KV for a peer; the producer's response holds the params a
+    # consumer pulls with (tessera/core/kv_connector.py checks the keys)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # normalise the forms vLLM accepts before validating
@@ -186,6 +190,8 @@ class SamplingParams:
             isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
             and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
             "allowed_token_ids", "a non-empty list of non-negative token ids")
+        need(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict),
+             "kv_transfer_params", "an object (dict) or None")
 
     def check_vocab(self, vocab_size: int) -> None:
         """The token ids this request names exist in the model's vocabulary."""
@@ -220,7 +226,9 @@ class SamplingParams:
             **self.__dict__, "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
             "logit_bias": None if self.logit_bias is None else dict(self.logit_bias),
             "allowed_token_ids": (None if self.allowed_token_ids is None
-                                  else list(self.allowed_token_ids))})
+                                  else list(self.allowed_token_ids)),
+            "kv_transfer_params": (None if self.kv_transfer_params is None
+                                   else dict(self.kv_transfer_params))})
 
 
 class RequestOutputKind(enum.Enum):

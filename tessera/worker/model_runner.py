@@ -72,11 +72,14 @@ class ModelRunner:
         grammar_backend: GrammarBackend | None = None,
         draft_proposer: DraftModelProposer | None = None,
         is_driver: bool = True,
+        kv_connector=None,
     ):
         self.model = model
         # False on tensor-parallel ranks > 0: they run the forward pass and the logits
         # collectives, and leave sampling (and structured outputs) to rank 0
         self.is_driver = is_driver
+        # the KV connector's worker half (tessera/distributed/kv_transfer/), None when off
+        self.kv_connector = kv_connector
         self.speculative_config = speculative_config
         self.proposer: NgramProposer | None = None
         self.draft_proposer = draft_proposer
@@ -172,13 +175,15 @@ class ModelRunner:
         forward pass and sampling."""
         self.requests.update(out)
         self.draft_length.forget(out.finished_req_ids)
+        if self.kv_connector is not None:  # before the cache ops: a cancelled block may be reused
+            self.kv_connector.bind_connector_metadata(out.kv_connector_metadata)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.copy(out.blocks_to_copy)
         if self.draft_proposer is not None:
             self.draft_proposer.apply_cache_ops(out)
         if not out.num_scheduled_tokens:
-            return ModelRunnerOutput()
+            return self._kv_finished(ModelRunnerOutput())
         inp = self.prepare_input(out)
         hidden = self.model.forward(
             inp.input_ids, inp.positions, self.cache_engine.kv_caches, inp.attn_metadata
@@ -191,6 +196,14 @@ class ModelRunner:
             self._sample(inp, hidden, out.num_samples, result)
             if self.speculative_config is not None:
                 self._propose(len(out.num_scheduled_tokens), out.num_samples, result)
+        return self._kv_finished(result)
+
+    def _kv_finished(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Add the KV connector's transfers that ended (after a forward pass that succeeded: a
+        step that raises leaves them for the next)."""
+        if self.kv_connector is not None:
+            (result.finished_sending, result.finished_recving, result.failed_recving,
+             result.kv_transfer_stats) = self.kv_connector.get_finished()
         return result
 
     def _follow_logits(self, inp: ModelInput, hidden: torch.Tensor) -> None:

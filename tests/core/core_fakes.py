@@ -56,6 +56,7 @@ def make_scheduler(
     prefix: bool = False,
     watermark: float = 0.0,
     eos_token_ids: tuple[int, ...] = (),
+    kv_connector=None,
 ) -> Scheduler:
     sched_cfg = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -70,7 +71,8 @@ def make_scheduler(
     )
     clock = itertools.count()
     return Scheduler(sched_cfg, cache_cfg, num_gpu_blocks, num_cpu_blocks,
-                     clock=lambda: float(next(clock)), eos_token_ids=eos_token_ids)
+                     clock=lambda: float(next(clock)), eos_token_ids=eos_token_ids,
+                     kv_connector=kv_connector)
 
 
 @dataclass

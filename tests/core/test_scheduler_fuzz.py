@@ -5,7 +5,11 @@ its own tokens back through its block table, and that no shared block is ever wr
 
 With speculation on, the runner proposes random draft tokens after each sample and "verification"
 accepts a random prefix of them: the KV written for rejected drafts must never be read back (the
-check below reads every context position), and max_tokens must hold."""
+check below reads every context position), and max_tokens must hold.
+
+Disaggregation runs in every example (a kv_both connector): some requests pull their prompt's KV
+from a "peer" (the runner lands the pull into their blocks, or fails it, when the machine says),
+some keep their blocks for a peer after they finish, until "sent" or timed out."""
 
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from tessera.config import PreemptionMode
+from tessera.config import KVTransferConfig, PreemptionMode
+from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.sequence import SequenceStatus
+from tessera.utils import cdiv
 
 MAX_MODEL_LEN = 24
 COMMON_PREFIX = list(range(500, 500 + MAX_MODEL_LEN))
@@ -33,7 +39,33 @@ class CheckingRunner(FakeRunner):
         self.cpu: dict[int, list] = {}
         self.num_spec = num_spec
         self.rng = random.Random(seed)
+        self.pulls: dict[str, list[int]] = {}  # req_id -> local blocks its peer's KV goes to
+        self.landed: list[tuple[str, list[int], bool]] = []
+        self.serving: set[str] = set()
+        self.reports: dict[str, list[str]] = {"sent": [], "recv": [], "failed": []}
 
+    def land(self, req_id: str, ok: bool) -> None:
+        """The pull of `req_id` ends; its data is written (as the real worker does) in the next
+        step, after that step's cancellations."""
+        self.landed.append((req_id, self.pulls.pop(req_id), ok))
+
+    def write_landed(self) -> None:
+        for req_id, blocks, ok in self.landed:
+            self.write_pull(req_id, blocks, ok)
+        self.landed = []
+
+    def write_pull(self, req_id: str, blocks: list[int], ok: bool) -> None:
+        if ok and blocks:
+            bm = self.scheduler.block_manager
+            bs = bm.block_size
+            _, seq = self.scheduler._live[req_id]
+            prompt = seq.prompt_token_ids
+            first = seq.num_computed_tokens // bs  # its own prefix hits are not overwritten
+            for i, block in enumerate(blocks):
+                assert bm.gpu.ref_counts[block] == 1, f"pulling into shared block {block}"
+                self.gpu[block] = [prompt[p] if p < len(prompt) else None
+                                   for p in range((first + i) * bs, (first + i + 1) * bs)]
+        self.reports["recv" if ok else "failed"].append(req_id)
     def propose(self, req_id, tokens):
         if not self.num_spec:
             return []
@@ -54,6 +86,16 @@ class CheckingRunner(FakeRunner):
             self.gpu[dst] = list(self.cpu[src])
         for src, dst in out.blocks_to_copy:
             self.gpu[dst] = list(self.gpu[src])
+        meta = out.kv_connector_metadata
+        if meta is not None:
+            for req_id in meta.reqs_to_cancel:
+                self.pulls.pop(req_id, None)
+                self.serving.discard(req_id)
+                self.landed = [x for x in self.landed if x[0] != req_id]
+            self.serving.update(meta.reqs_to_send)
+            for req_id, pull in meta.reqs_to_recv.items():
+                self.pulls[req_id] = pull.local_block_ids
+        self.write_landed()
         self.apply(out)
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
@@ -77,7 +119,11 @@ class CheckingRunner(FakeRunner):
                 block = table[p // bs]
                 assert bm.gpu.ref_counts[block] == 1, f"writing shared block {block}"
                 self.gpu.setdefault(block, [None] * bs)[p % bs] = tokens[p]
-        return super().execute_sampling(out)
+        result = super().execute_sampling(out)
+        result.finished_sending, result.finished_recving, result.failed_recving = (
+            self.reports["sent"], self.reports["recv"], self.reports["failed"])
+        self.reports = {"sent": [], "recv": [], "failed": []}
+        return result
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -100,10 +146,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
         self.budget, self.max_num_seqs = budget, max_num_seqs
+        self.now = 0.0
+        kv = PullConnectorScheduler(
+            KVTransferConfig(kv_role="kv_both", kv_connector_extra_config={"hold_timeout": 3}),
+            block_size, clock=lambda: self.now, engine_id="peer")
         self.sched = make_scheduler(
             block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
             chunked=chunked, mode=mode, priority=priority, prefix=prefix, watermark=watermark,
+            kv_connector=kv,
         )
         self.runner = CheckingRunner(self.sched, num_spec, seed)
         self.groups = []
@@ -128,13 +179,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 10),
         n=st.sampled_from([1, 1, 1, 2, 3]),
         prio=st.integers(0, 3),
+        kv=st.sampled_from([None, None, "pull", "serve"]),
     )
-    def add_request(self, prompt_len, shared, max_tokens, n, prio):
+    def add_request(self, prompt_len, shared, max_tokens, n, prio, kv):
         req_id = f"r{len(self.groups)}"
         shared = min(shared, prompt_len)
         prompt = COMMON_PREFIX[:shared] + [len(self.groups) * 64 + i for i in range(prompt_len - shared)]
         group = make_group(req_id, 0, prompt=prompt, n=n, max_tokens=max_tokens,
                            arrival=float(len(self.groups)), priority=prio)
+        if kv == "pull" and n == 1:  # its prompt's KV comes from a peer
+            group.sampling_params.kv_transfer_params = {
+                "do_remote_prefill": True, "remote_host": "peer", "remote_port": 1,
+                "remote_block_ids": list(range(cdiv(prompt_len, self.sched.block_manager.block_size))),
+                "remote_engine_id": "peer", "remote_request_id": req_id}
+        elif kv == "serve" and n == 1:  # its blocks wait for a peer once it finishes
+            group.sampling_params.kv_transfer_params = {"do_remote_decode": True}
         self.groups.append(group)
         self.by_id[req_id] = group
         self.feasible[req_id] = self._is_feasible(prompt_len, max_tokens, n)
@@ -148,6 +207,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.abort_seq_group(group.request_id) == [group]
         self.aborted.add(group.request_id)
         self.check()
+
+    @precondition(lambda self: bool(self.runner.pulls))
+    @rule(data=st.data(), ok=st.booleans())
+    def land_pull(self, data, ok):
+        req_id = data.draw(st.sampled_from(sorted(self.runner.pulls)))
+        self.runner.land(req_id, ok)
+
+    @precondition(lambda self: bool(self.runner.serving))
+    @rule(data=st.data())
+    def peer_pulls(self, data):
+        req_id = data.draw(st.sampled_from(sorted(self.runner.serving)))
+        self.runner.serving.discard(req_id)
+        self.runner.reports["sent"].append(req_id)
+
+    @rule(seconds=st.sampled_from([1.0, 4.0]))
+    def time_passes(self, seconds):
+        self.now += seconds
 
     @rule(times=st.integers(1, 6))
     def step(self, times):
@@ -174,25 +250,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched = self.sched
         sched.block_manager.check_integrity()
         where: dict[int, str] = {}
-        for name in ("waiting", "running", "swapped"):
-            for g in getattr(sched, name):
+        sched.check_remote_kv_integrity()
+        for name in ("waiting", "running", "swapped", "waiting_for_remote_kvs"):
+            groups = getattr(sched, name)
+            for g in (groups.values() if isinstance(groups, dict) else groups):
                 assert id(g) not in where, f"{g.request_id} in {where[id(g)]} and {name}"
                 where[id(g)] = name
                 assert not g.is_finished()
                 status = {"waiting": SequenceStatus.WAITING, "running": SequenceStatus.RUNNING,
-                          "swapped": SequenceStatus.SWAPPED}[name]
+                          "swapped": SequenceStatus.SWAPPED,
+                          "waiting_for_remote_kvs": SequenceStatus.WAITING_FOR_REMOTE_KVS}[name]
                 for s in g.get_unfinished_seqs():
                     assert s.status is status, (g.request_id, name, s.status)
                     assert sched.block_manager.has_blocks(s) == (name != "waiting")
         for g in self.groups:
             assert g.is_finished() or id(g) in where, f"{g.request_id} lost"
-        assert sum(g.max_num_running_seqs() for g in sched.running) <= self.max_num_seqs
+        assert sum(g.max_num_running_seqs() for g in sched.running) + len(
+            sched.waiting_for_remote_kvs) <= self.max_num_seqs
 
     def teardown(self):
         if not hasattr(self, "sched"):
             return
         steps = 0
-        while self.sched.has_unfinished_seqs():
+        while self.sched.has_unfinished_seqs() or self.sched.has_pending_kv_transfers():
+            for req_id in sorted(self.runner.pulls):  # every pull lands, every peer comes
+                self.runner.land(req_id, True)
+            self.runner.reports["sent"] += sorted(self.runner.serving)
+            self.runner.serving.clear()
             self.do_step()
             steps += 1
             assert steps < 2000, "requests never finished"

@@ -135,3 +135,10 @@ def test_draft_model_speculation_is_refused_under_tensor_parallelism():
                       speculative_config={"method": "draft_model", "model": "draft.gguf"})
     with pytest.raises(ValueError, match="draft_model.*--tensor-parallel-size 2"):
         args.create_engine_config()
+
+
+def test_kv_transfer_is_refused_under_tensor_parallelism():
+    args = EngineArgs(tensor_parallel_size=2,
+                      kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="kv_transfer_config.*--tensor-parallel-size 2"):
+        args.create_engine_config()

@@ -105,6 +105,9 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # disaggregated prefill/decode (vLLM's): to a producer {"do_remote_decode": true}; to a
+    # consumer the kv_transfer_params of the producer's response
+    kv_transfer_params: dict[str, Any] | None = None
     # sent by SDKs and agent frameworks; they change nothing on a self-hosted server
     store: bool | None = Field(None, description="accepted; nothing is stored")
     metadata: dict[str, str] | None = Field(None, description="accepted; not used")

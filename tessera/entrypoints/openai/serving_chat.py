@@ -30,6 +30,7 @@ from tessera.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
     check_output,
+    kv_transfer_field,
     merge_streams,
     stream_error_event,
     top_entries,
@@ -82,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=num_generated,
                           total_tokens=len(token_ids) + num_generated)
         body = ChatCompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
-                                      usage=usage)
+                                      usage=usage, **kv_transfer_field(final))
         return Response(body.model_dump_json(), media_type="application/json")
 
     def _parses_tools(self, req: ChatCompletionRequest) -> bool:

@@ -25,6 +25,7 @@ from tessera.entrypoints.openai.serving_engine import (
     OpenAIServing,
     check_output,
     clamp_logprob,
+    kv_transfer_field,
     merge_streams,
     stream_error_event,
     top_entries,
@@ -50,6 +51,9 @@ class OpenAIServingCompletion(OpenAIServing):
             self._check_without_tokenizer(req)
         self.check_logprobs(req.logprobs, "logprobs")
         prompts = await self._prompts(req.prompt)
+        if req.kv_transfer_params is not None and len(prompts) > 1:
+            raise bad_request("kv_transfer_params moves the KV of one prompt; send one prompt per "
+                              "request", "kv_transfer_params")
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N prompt tokens
             for p in prompts:
                 if len(p.token_ids) > req.truncate_prompt_tokens:
@@ -84,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(self._choice(req, i * req.n + o.index, prompt, out, o, True))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         body = CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
-                                  usage=usage)
+                                  usage=usage, **kv_transfer_field(finals[0]))
         return Response(body.model_dump_json(), media_type="application/json")
 
     def _check_without_tokenizer(self, req: CompletionRequest) -> None:

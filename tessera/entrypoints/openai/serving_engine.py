@@ -115,7 +115,7 @@ class OpenAIServing:
         fields = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "min_tokens",
                   "logit_bias", "stop_token_ids", "allowed_token_ids",
-                  "include_stop_str_in_output", "skip_special_tokens")
+                  "include_stop_str_in_output", "skip_special_tokens", "kv_transfer_params")
         args = {k: v for k, v in self.sampling_defaults.items() if k != "max_tokens"}
         args.update({name: getattr(req, name) for name in fields if getattr(req, name) is not None})
         args.update({k: v for k, v in kw.items() if v is not None})
@@ -249,6 +249,11 @@ async def merge_streams(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def kv_transfer_field(out: RequestOutput) -> dict:
+    """The response's `kv_transfer_params` (a KV producer's finished request), or nothing."""
+    return {} if out.kv_transfer_params is None else {"kv_transfer_params": out.kv_transfer_params}
 
 
 def check_output(out: RequestOutput) -> None:
