@@ -23,6 +23,7 @@ def large_model():
     return module
 
 
+@pytest.mark.heavy  # ~30 s: it checks a benchmark's converter, not the product
 def test_written_gguf_loads_back_as_the_hf_model(large_model, tmp_path, default_model_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
