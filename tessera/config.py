@@ -151,6 +151,23 @@ class DeviceConfig:
             raise ValueError(f"--device {self.device!r} is not a valid torch device: {e}") from e
 
 
+def config_dict(value: dict | str, name: str, known: tuple[str, ...]) -> dict:
+    """A JSON-object config (`LLM(name={...})`, or the JSON text of `--name-with-dashes`) as a
+    dict with known keys only; every error names the option."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--{name.removesuffix('_config').replace('_', '-')}-config is not "
+                             f"valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (JSON object), got {type(value).__name__}")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return value
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 _SPEC_KEYS = (
     "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
@@ -209,17 +226,7 @@ class SpeculativeConfig:
         """From `LLM(speculative_config={...})` or the JSON of `--speculative-config`."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
-        unknown = sorted(set(value) - set(_SPEC_KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(_SPEC_KEYS)}")
+        value = config_dict(value, "speculative_config", _SPEC_KEYS)
         if "method" not in value:
             raise ValueError(f"speculative_config: method is required (one of "
                              f"{', '.join(SPECULATIVE_METHODS)})")
@@ -300,18 +307,7 @@ class KVTransferConfig:
         """From `LLM(kv_transfer_config={...})` or the JSON of `--kv-transfer-config`."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a dict (JSON object), "
-                             f"got {type(value).__name__}")
-        unknown = sorted(set(value) - set(_KV_KEYS))
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(_KV_KEYS)}")
+        value = config_dict(value, "kv_transfer_config", _KV_KEYS)
         for key in ("kv_connector", "kv_role"):
             if key not in value:
                 raise ValueError(f"kv_transfer_config: {key} is required")
