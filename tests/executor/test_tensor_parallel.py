@@ -166,6 +166,20 @@ def test_tp2_chunked_prefill_and_prefix_caching(tiny, engines):
 
 
 @pytest.mark.heavy
+def test_tp2_ngram_speculation(tiny_kv2, engines):
+    """Prompt lookup under TP=2: rank 0 proposes after sampling, every rank verifies the drafts
+    in the same forward pass. Repetitive prompts so that drafts are proposed and accepted."""
+    path, hf_model = tiny_kv2
+    prompts = [list(range(40, 56)) * 3, [7, 8, 9, 10] * 10, PROMPTS[0]]
+    expected = _greedy(engines(path, max_model_len=256), prompts, 24)
+    llm = engines(path, max_model_len=256, tensor_parallel_size=2,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    got = _greedy(llm, prompts, 24)
+    assert llm.get_metrics()["tessera:spec_decode_num_draft_tokens_total"] > 0
+    _assert_same(hf_model, prompts, expected, got, "tp2-ngram")
+
+
+@pytest.mark.heavy
 def test_tp3_default_model_fp32(default_model_path, hf_model, default_tokenizer, engines):
     """SmolLM2-135M: 9 heads, 3 KV heads; TP=3 splits both (TP=2 is refused: see
     tests/distributed/test_sharding.py). fp32 activations, Q4_1 weights sharded on whole blocks."""
