@@ -40,8 +40,12 @@ RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
 SETTINGS = {
     "default": (RANDOM, "", 0.6),
     "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 0.6),
-    "swap": (RANDOM, "--num-gpu-blocks-override 128 --preemption-mode swap", 0.6),
-    "recompute": (RANDOM, "--num-gpu-blocks-override 128 --preemption-mode recompute", 0.6),
+    # 128 blocks hold 2032 tokens: the engine refuses a cache that cannot hold one request of
+    # --max-model-len, so these settings lower it (the longest request here is ~450 tokens)
+    "swap": (RANDOM, "--num-gpu-blocks-override 128 --max-model-len 1024 --preemption-mode swap",
+             0.6),
+    "recompute": (RANDOM, "--num-gpu-blocks-override 128 --max-model-len 1024 "
+                  "--preemption-mode recompute", 0.6),
     "prefix": ("--dataset prefix --prefix-len 512 --suffix-len 32 --random-output-len 64 "
                "--num-prompts 40", "--enable-prefix-caching", 1.1),
 }
