@@ -72,17 +72,11 @@ class NixlConnectorWorker(TcpConnectorWorker):
         if req.get("op") == "done":
             self._unstage(str(req["request_id"]))
             return {"ok": True}, b""
-        if req.get("engine_id") != self.engine_id:
-            return {"ok": False, "error": "another engine (remote_engine_id does not match)"}, b""
         req_id = str(req["request_id"])
-        data = self.read_blocks(req_id, [int(b) for b in req["block_ids"]])
-        if data is None:
-            if not give_up:
-                return None
-            data = f"request {req_id!r} is not held here"
-        if isinstance(data, str):
-            return {"ok": False, "error": data}, b""
-        data = data.contiguous()
+        held = self._held_blocks(req, give_up)
+        if not isinstance(held, torch.Tensor):
+            return held
+        data = held.contiguous()
         with self._agent_lock:
             reg = self._agent.register_memory(data) if data.numel() else None
             meta = self._agent.get_agent_metadata()

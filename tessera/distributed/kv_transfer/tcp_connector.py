@@ -96,7 +96,15 @@ class TcpConnectorWorker(KVConnectorWorker):
 
     def _answer(self, body, give_up: bool) -> tuple[dict, object] | None:
         """The reply to one pull; None: ask again shortly (not registered yet)."""
-        req = json.loads(body)
+        data = self._held_blocks(json.loads(body), give_up)
+        if not isinstance(data, torch.Tensor):
+            return data
+        header = {"ok": True, "shape": list(data.shape), "dtype": _dtype_name(data.dtype)}
+        return header, data.contiguous().view(torch.uint8).numpy()
+
+    def _held_blocks(self, req: dict, give_up: bool) -> torch.Tensor | tuple[dict, bytes] | None:
+        """The blocks a pull asks for, or the error reply to send instead, or None: ask again
+        shortly (the request is not registered yet, and `give_up` is not set)."""
         if req.get("engine_id") != self.engine_id:
             return {"ok": False, "error": "another engine (remote_engine_id does not match)"}, b""
         data = self.read_blocks(str(req["request_id"]), [int(b) for b in req["block_ids"]])
@@ -106,8 +114,7 @@ class TcpConnectorWorker(KVConnectorWorker):
             data = f"request {req['request_id']!r} is not held here"
         if isinstance(data, str):
             return {"ok": False, "error": data}, b""
-        header = {"ok": True, "shape": list(data.shape), "dtype": _dtype_name(data.dtype)}
-        return header, data.contiguous().view(torch.uint8).numpy()
+        return data
 
     # consumer
 
