@@ -33,6 +33,17 @@ ALL_REDUCE_ROWS = (1, 64)  # tokens in a step: batch-1 decode, a batch of 64 dec
 DATA = os.path.join(os.path.dirname(__file__), "..", "tessera", "simulator", "data", "models")
 
 
+def _all_reduce_figures(phase: str, before, after, steps: int, wall: float) -> dict:
+    """Rank 0's all-reduce time between two `collective_stats()`: µs per call and per step, and
+    its share of the phase's wall time."""
+    s0, s1 = before[0]["stats"], after[0]["stats"]
+    calls = s1.num_all_reduce - s0.num_all_reduce
+    secs = s1.all_reduce_seconds - s0.all_reduce_seconds
+    return {f"{phase}_all_reduce_us_per_call": secs / calls * 1e6,
+            f"{phase}_all_reduce_us_per_step": secs / steps * 1e6,
+            f"{phase}_all_reduce_share": secs / wall}
+
+
 def build_model(path: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -84,12 +95,7 @@ def run(path: str, tp: int, prompts, out_lens, decode_tokens: int) -> dict:
     after = collective(llm)
     decode_steps = engine.step_times.num_steps - steps0
     if before is not None:
-        s0, s1 = before[0]["stats"], after[0]["stats"]
-        calls = s1.num_all_reduce - s0.num_all_reduce
-        secs = s1.all_reduce_seconds - s0.all_reduce_seconds
-        res["decode_all_reduce_us_per_call"] = secs / calls * 1e6
-        res["decode_all_reduce_us_per_step"] = secs / decode_steps * 1e6
-        res["decode_all_reduce_share"] = secs / (elapsed + ttft)
+        res.update(_all_reduce_figures("decode", before, after, decode_steps, elapsed + ttft))
 
     # W1
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
@@ -103,12 +109,8 @@ def run(path: str, tp: int, prompts, out_lens, decode_tokens: int) -> dict:
     after = collective(llm)
     steps = engine.step_times.num_steps - steps0
     if before is not None:
+        res.update(_all_reduce_figures("w1", before, after, steps, elapsed))
         s0, s1 = before[0]["stats"], after[0]["stats"]
-        calls = s1.num_all_reduce - s0.num_all_reduce
-        secs = s1.all_reduce_seconds - s0.all_reduce_seconds
-        res["w1_all_reduce_us_per_call"] = secs / calls * 1e6
-        res["w1_all_reduce_us_per_step"] = secs / steps * 1e6
-        res["w1_all_reduce_share"] = secs / elapsed
         res["w1_gather_us_per_step"] = (s1.gather_seconds - s0.gather_seconds) / steps * 1e6
         res["rank_rss_mib"] = [a["rss_bytes"] / 2**20 for a in after]
         res["rank_weights_mib"] = [i.weight_bytes / 2**20 for i in engine.executor.rank_infos]
