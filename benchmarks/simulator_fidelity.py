@@ -93,6 +93,9 @@ def main() -> None:
               f"real failed {real['failed']}, preemptions real {real['num_preemptions']} "
               f"sim {sim['num_preemptions']})",
               flush=True)
+    if args.result_file:  # first: the figures outlive a bug in the printing below
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump({"profile": profile, "rows": rows}, f, indent=2)
     print()
     header = f"{'setting':<10} {'metric':<10} {'real':>9} {'sim':>9} {'error':>8}"
     print(header)
@@ -110,11 +113,26 @@ def main() -> None:
         real_pre = row["real"].get("num_preemptions")
         print(f"{name:<10} {'preempt':<10} {real_pre if real_pre is not None else '?':>9} "
               f"{row['sim']['num_preemptions']:9d}")
+    print("\nwhere TTFT goes (means, ms): the client's TTFT = latency outside the engine + the "
+          "engine's TTFT (queue + prefill), real (server histograms) / simulated")
+    print(f"{'setting':<10} {'client':>13} {'outside':>13} {'engine':>13} {'queue':>13} "
+          f"{'prefill':>13}")
+    for name, row in rows.items():
+        real, sim = row["real"], row["sim"]
+        rs, se = real.get("server", {}), sim.get("engine_clock", {})
+
+        def pair(a, b):
+            return f"{a:6.0f}/{b:<6.0f}" if a is not None and b is not None else f"{'?':>13}"
+
+        outside_real = real["mean_ttft_ms"] - rs["mean_ttft_ms"] if rs else None
+        outside_sim = sim["mean_ttft_ms"] - se["mean_ttft_ms"] if se else None
+        print(f"{name:<10} {pair(real['mean_ttft_ms'], sim['mean_ttft_ms'])} "
+              f"{pair(outside_real, outside_sim)} "
+              f"{pair(rs.get('mean_ttft_ms'), se.get('mean_ttft_ms'))} "
+              f"{pair(rs.get('mean_queue_ms'), se.get('mean_queue_ms'))} "
+              f"{pair(rs.get('mean_prefill_ms'), se.get('mean_prefill_ms'))}")
     print(f"\nworst error on throughput / median TTFT / median TPOT: {100 * worst:.1f}% "
           f"(target 10%; * marks a miss); total {time.perf_counter() - t0:.0f} s")
-    if args.result_file:
-        with open(args.result_file, "w", encoding="utf-8") as f:
-            json.dump({"profile": profile, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -53,10 +53,10 @@ def grid_shapes(name: str) -> list[Shape]:
             Shape(0, 0, 16), Shape(0, 0, 24, 8)]
     if name == "small":
         decodes, contexts, prefills = (1, 8, 32, 64), (128, 512), (0, 256)
-        alone, chunks = (32, 256, 1024), ((256, 512),)
+        alone, chunks = (32, 256, 1024), ((256, 512), (32, 512), (64, 1024))
     elif name == "default":
         decodes, contexts, prefills = (1, 4, 16, 32, 64), (64, 256, 768), (0, 128, 512)
-        alone, chunks = (32, 256, 1024, 2048), ((512, 512), (256, 1536))
+        alone, chunks = (32, 256, 1024, 2048), ((512, 512), (256, 1536), (32, 512), (64, 1024))
     else:
         raise ValueError(f"--grid must be tiny, small or default, got {name!r}")
     shapes = [Shape(d, c, p) for d in decodes for c in contexts for p in prefills]
@@ -213,7 +213,8 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
 
 
 def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dict:
-    """Run the real server on the calibration trace and fit `serving_s_per_seq` to it."""
+    """Run the real server on the calibration trace: measure the latency outside the engine and
+    fit the two serving rates to it (serving.py says which and why)."""
     import gc
 
     from tessera.bench import datasets
@@ -221,12 +222,14 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
     from tessera.config import GiB
     from tessera.simulator.cli import sim_requests
     from tessera.simulator.cost_model import ProfiledCostModel
+    from tessera.simulator.report import request_results
     from tessera.simulator.serving import (
         TRACE,
         TRACE_RATE,
         engine_flags,
-        fit_serving_overhead,
+        fit_serving_terms,
         real_server_metrics,
+        request_latency,
     )
     from tessera.simulator.simulator import Simulator
 
@@ -237,10 +240,11 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
                                      t["random_range_ratio"], seed=args.seed)
     real = real_server_metrics(engine_flags(args), samples, TRACE_RATE, args.seed,
                                label="calibration-server")
-    real_e2el = real["mean_e2el_ms"] / 1e3
+    latency = request_latency(real)
     config = args.create_engine_config(profile["max_position_embeddings"], profile["dtype"])
 
-    def simulate_e2el(candidate: dict) -> float:
+    def simulate_means(candidate: dict) -> tuple[float, float]:
+        """(mean TPOT, mean TTFT) in seconds, as bench serve computes them."""
         cost = ProfiledCostModel(candidate)
         block_bytes = cost.geometry.block_bytes(config.cache.block_size)
         num_gpu = (config.cache.num_gpu_blocks_override
@@ -248,13 +252,26 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
         sim = Simulator(config, cost, num_gpu, int(config.cache.swap_space * GiB) // block_bytes)
         outcome = sim.run(sim_requests(samples, TRACE_RATE, 1.0, args.seed),
                           record_timeline=False)
-        return sum(r.finished - r.sent for r in outcome.records) / len(outcome.records)
+        results = [r for r in request_results(outcome) if r.success]
+        tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+        return (sum(tpots) / len(tpots), sum(r.ttft for r in results) / len(results))
 
-    s = fit_serving_overhead(profile, simulate_e2el, real_e2el)
-    runner_only = simulate_e2el(profile)
-    logger.info("serving overhead: %.2f ms per sequence per step (real mean E2E %.2f s, "
-                "runner-only simulation %.2f s)", s * 1e3, real_e2el, runner_only)
-    return {"serving_s_per_seq": s,
+    with_latency = {**profile, "request_latency_s": latency}
+    terms = fit_serving_terms(with_latency, simulate_means, real["mean_tpot_ms"] / 1e3,
+                              real["mean_ttft_ms"] / 1e3)
+    runner_only = simulate_means(profile)
+    fitted = simulate_means({**with_latency, **terms})
+    logger.info("serving overhead: %.0f ms latency outside the engine, %.2f ms per sequence per "
+                "step, %.3f ms per prefill token (real mean TPOT %.1f ms, TTFT %.0f ms; fitted "
+                "%.1f / %.0f; runner-only %.1f / %.0f)", latency * 1e3,
+                terms["serving_s_per_seq"] * 1e3, terms["serving_s_per_prefill_token"] * 1e3,
+                real["mean_tpot_ms"], real["mean_ttft_ms"], fitted[0] * 1e3, fitted[1] * 1e3,
+                runner_only[0] * 1e3, runner_only[1] * 1e3)
+    keys = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms",
+            "output_throughput")
+    return {"request_latency_s": latency, **terms,
             "serving_fit": {"trace": {**TRACE, "num_prompts": num_requests},
-                            "request_rate": TRACE_RATE, "real_mean_e2el_s": real_e2el,
-                            "runner_only_mean_e2el_s": runner_only}}
+                            "request_rate": TRACE_RATE,
+                            "real": {k: real[k] for k in keys}, "server": real["server"],
+                            "fitted_mean_tpot_ttft_s": list(fitted),
+                            "runner_only_mean_tpot_ttft_s": list(runner_only)}}

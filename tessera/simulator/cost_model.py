@@ -57,6 +57,10 @@ class CostModel(ABC):
     name: str
     geometry: KVGeometry
     max_model_len: int  # the model's own limit (the default of --max-model-len, capped at 2048)
+    # seconds between a client's send and the engine's arrival of its request that no step
+    # explains (HTTP, tokenizer, streaming back: serving.py measures it); the simulator hands
+    # each request to the scheduler this long after its send
+    request_latency_s: float = 0.0
 
     def step_time(self, batch: BatchShape) -> float:
         return (self.compute_time(batch) + self.swap_time(batch) + self.all_reduce_time(batch)
@@ -85,7 +89,7 @@ class CostModel(ABC):
 class ProfiledCostModel(CostModel):
     """A linear model over `FEATURES`, fitted by `tessera simulate calibrate` (see fit.py for the
     fit and why), a per-byte swap cost measured on the same machine, and optionally the serving
-    overhead per sequence per step fitted from a real server run (serving.py)."""
+    overhead measured and fitted from a real server run (serving.py)."""
 
     name = "profiled"
 
@@ -94,9 +98,13 @@ class ProfiledCostModel(CostModel):
             coefs = profile["coefficients"]
             self.coefficients = [float(coefs[name]) for name, _ in FEATURES]
             self.swap_s_per_byte = float(profile["swap_s_per_byte"])
-            # streaming each token outside the runner (tessera/simulator/serving.py); 0 if the
-            # profile was calibrated on the runner alone
+            # CPU outside the runner (tessera/simulator/serving.py): per sequence per step
+            # (streaming each token) and per prefill token (prompt work), and the latency
+            # outside the engine; all 0 if the profile was calibrated on the runner alone
             self.serving_s_per_seq = float(profile.get("serving_s_per_seq", 0.0))
+            self.serving_s_per_prefill_token = float(
+                profile.get("serving_s_per_prefill_token", 0.0))
+            self.request_latency_s = float(profile.get("request_latency_s", 0.0))
             g = profile["kv_geometry"]
             self.geometry = KVGeometry(g["num_layers"], g["num_kv_heads"], g["head_dim"],
                                        g["elem_size"])
@@ -116,7 +124,8 @@ class ProfiledCostModel(CostModel):
         if batch.num_tokens == 0:
             return 0.0
         runner = sum(c * x for c, x in zip(self.coefficients, features(batch), strict=True))
-        return runner + self.serving_s_per_seq * batch.num_seqs
+        return (runner + self.serving_s_per_seq * batch.num_seqs
+                + self.serving_s_per_prefill_token * batch.num_prefill_tokens)
 
     def swap_time(self, batch: BatchShape) -> float:
         return batch.swap_bytes * self.swap_s_per_byte
@@ -124,4 +133,6 @@ class ProfiledCostModel(CostModel):
     def describe(self) -> dict:
         return {"cost_model": self.name, "profile": self.path, "model": self.profile.get("model"),
                 "dtype": self.dtype, "fit": self.profile.get("fit"),
-                "serving_s_per_seq": self.serving_s_per_seq}
+                "serving_s_per_seq": self.serving_s_per_seq,
+                "serving_s_per_prefill_token": self.serving_s_per_prefill_token,
+                "request_latency_s": self.request_latency_s}

@@ -42,6 +42,7 @@ def simulation_json(outcome: SimOutcome, config: dict, slos: dict[str, float] | 
     metrics = compute_metrics(results, outcome.duration_s, slos)
     metrics.update(outcome.counters)
     metrics["num_steps"] = outcome.num_steps
+    metrics["engine_clock"] = engine_means(outcome, config.get("request_latency_s") or 0.0)
     metrics["wall_time_s"] = outcome.wall_time_s
     metrics["simulated_requests_per_wall_s"] = len(results) / max(outcome.wall_time_s, 1e-9)
     data = result_json(metrics, results if include_requests else [], config)
@@ -50,6 +51,24 @@ def simulation_json(outcome: SimOutcome, config: dict, slos: dict[str, float] | 
     tl = outcome.timeline
     data["timeline"] = {name: getattr(tl, name) for name in Timeline.__dataclass_fields__}
     return data
+
+
+def engine_means(outcome: SimOutcome, latency_s: float) -> dict[str, float]:
+    """The means the server's own histograms report (engine clock, from the engine's arrival,
+    `latency_s` after the send): TTFT, queue time (to first scheduled) and prefill time (first
+    scheduled to first token), in ms; to set beside serving.server_means."""
+    ttft, queue, prefill = [], [], []
+    for rec in outcome.records:
+        if rec.error is not None or not rec.token_times or rec.first_scheduled is None:
+            continue
+        arrival = rec.sent + latency_s
+        ttft.append(rec.token_times[0] - arrival)
+        queue.append(rec.first_scheduled - arrival)
+        prefill.append(rec.token_times[0] - rec.first_scheduled)
+    if not ttft:
+        return {}
+    return {"mean_ttft_ms": 1e3 * float(np.mean(ttft)), "mean_queue_ms": 1e3 * float(np.mean(queue)),
+            "mean_prefill_ms": 1e3 * float(np.mean(prefill))}
 
 
 def plot_timeline(path: str, timeline: dict, title: str = "") -> None:

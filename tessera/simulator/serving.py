@@ -1,16 +1,24 @@
-"""The serving overhead a profile of the runner alone does not see, fitted from one short run of
-the real server (`tessera simulate calibrate --serving-requests N`).
+"""The serving overhead a profile of the runner alone does not see, measured and fitted from one
+short run of the real server (`tessera simulate calibrate --serving-requests N`).
 
-Behind `tessera serve` each generated token also costs CPU outside the runner: the output
-processor detokenizes it, the server encodes and writes one SSE chunk, and the `bench serve`
-client (on the same machine here) reads and parses it. On 2 cores that work competes with the
-runner's two threads; measured in the first fidelity run, the client alone took ~0.8 of a core,
-and the real server ran at 0.65-0.8x of the runner-only prediction. The profile models it as
-one more non-negative rate, seconds per sequence per step (`serving_s_per_seq`: a token is
-streamed per running sequence per step), fitted by bisection so the simulated mean E2E latency
-of the calibration trace equals the measured one (mean E2E, not duration: below saturation the
-duration is set by the arrivals). One number fitted on one trace (random prompts, default
-flags); the fidelity benchmark then checks it on other traces and flags.
+Behind `tessera serve` a request also costs time outside the runner, of two kinds:
+
+- **latency outside the engine** (`request_latency_s`): the HTTP request is parsed, its prompt
+  tokenized and handed to the engine thread, and each output crosses back to the event loop,
+  is written as an SSE chunk and parsed by the client. The server's own histograms time a
+  request from the engine's arrival to its first token (engine clock); bench serve times it
+  from the client's send. The difference of the two mean TTFTs is measured, not fitted: it is
+  what the client waits that no engine step explains. The simulator hands each request to the
+  scheduler that long after its send.
+- **CPU the runner competes for** on these 2 cores: the output processor detokenizes each
+  token, the server encodes its chunk, the bench client (on the same machine) parses it, and
+  the prompt is tokenized while the runner runs. Two non-negative rates model it, fitted by
+  alternating bisection so the simulated mean TPOT and mean TTFT of the calibration trace equal
+  the measured ones: seconds per sequence per step (`serving_s_per_seq`: a token streamed per
+  running sequence) and seconds per prefill token (`serving_s_per_prefill_token`: prompt work
+  outside the runner, which slows the prefill steps TTFT is made of). One pair fitted on one
+  trace (random prompts, default flags); the fidelity benchmark checks it on other traces and
+  flags.
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ def real_server_metrics(flags: list[str], samples, rate: float, seed: int,
                         log_dir: str | None = None, label: str = "server") -> dict:
     """Start `tessera serve` on 127.0.0.1 with `flags`, send `samples` with bench serve
     (ignore_eos: the dataset's output lengths), stop it; bench serve's metrics, with the
-    server's preemption count (from /metrics) as `num_preemptions`."""
+    server's preemption count (from /metrics) as `num_preemptions` and the means of its
+    engine-clock request histograms as `server` (`server_means`)."""
     from tessera.bench.config import BenchConfig
     from tessera.bench.serve import load_bench_tokenizer, run_bench
     from tessera.bench.sweep import ServerProcess, free_port, scrape_counters
@@ -65,26 +74,89 @@ def real_server_metrics(flags: list[str], samples, rate: float, seed: int,
                           disable_tqdm=True)
         metrics = run_bench(cfg, samples, load_bench_tokenizer(None), quiet=True)["metrics"]
         metrics["num_preemptions"] = scrape_counters(base_url).get("tessera:num_preemptions_total")
+        metrics["server"] = server_means(base_url)
         return metrics
 
 
-def fit_serving_overhead(profile: dict, simulate_duration, real_duration: float,
-                         hi: float = 0.05, iters: int = 30) -> float:
-    """The `serving_s_per_seq` >= 0 at which `simulate_duration(profile)` (any simulated time
-    that grows with it: the mean E2E latency) equals the measured one (bisection). 0 if the
-    runner alone is already as slow as the server."""
-    def duration(s: float) -> float:
-        return simulate_duration({**profile, "serving_s_per_seq": s})
+# the server's per-request histograms (engine clock, tessera/engine/metrics.py) whose means
+# `server_means` reports, by the key it reports them under
+SERVER_HISTOGRAMS = {
+    "mean_ttft_ms": "tessera:time_to_first_token_seconds",
+    "mean_queue_ms": "tessera:request_queue_time_seconds",
+    "mean_prefill_ms": "tessera:request_prefill_time_seconds",
+    "mean_tpot_ms": "tessera:request_time_per_output_token_seconds",
+    "mean_e2el_ms": "tessera:e2e_request_latency_seconds",
+}
 
-    if duration(0.0) >= real_duration:
+
+def parse_histogram_means(text: str) -> dict[str, float]:
+    """Means (ms) of `SERVER_HISTOGRAMS` from Prometheus text: `_sum` / `_count`, summed over
+    labels; a histogram with no observation is left out."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0].strip()
+        for suffix, into in (("_sum", sums), ("_count", counts)):
+            if name.endswith(suffix):
+                base = name.removesuffix(suffix)
+                into[base] = into.get(base, 0.0) + float(value)
+    return {key: 1e3 * sums[h] / counts[h] for key, h in SERVER_HISTOGRAMS.items()
+            if counts.get(h) and h in sums}
+
+
+def server_means(base_url: str) -> dict[str, float]:
+    import httpx
+
+    response = httpx.get(base_url + "/metrics", timeout=5.0, trust_env=False)
+    response.raise_for_status()
+    return parse_histogram_means(response.text)
+
+
+def request_latency(real: dict) -> float:
+    """Seconds a request waits outside the engine: the client's mean TTFT less the server's."""
+    server = real.get("server", {})
+    if "mean_ttft_ms" not in server:
+        raise ValueError("the server reported no time_to_first_token histogram")
+    return max(0.0, (real["mean_ttft_ms"] - server["mean_ttft_ms"]) / 1e3)
+
+
+def fit_serving_overhead(profile: dict, simulate, target: float, key: str = "serving_s_per_seq",
+                         hi: float = 0.05, iters: int = 30) -> float:
+    """The `profile[key]` >= 0 at which `simulate(profile)` (any simulated time that grows with
+    it: a mean latency) equals `target` (bisection). 0 if the profile is already as slow."""
+    def value(s: float) -> float:
+        return simulate({**profile, key: s})
+
+    if value(0.0) >= target:
         return 0.0
     lo = 0.0
-    while duration(hi) < real_duration:
+    while value(hi) < target:
         hi *= 2
+        if hi > 1e3:
+            raise ValueError(f"no {key} below 1000 s reaches the measured {target:.3f} s")
     for _ in range(iters):
         mid = (lo + hi) / 2
-        if duration(mid) < real_duration:
+        if value(mid) < target:
             lo = mid
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def fit_serving_terms(profile: dict, simulate_means, real_tpot_s: float, real_ttft_s: float,
+                      rounds: int = 6) -> dict:
+    """`serving_s_per_seq` and `serving_s_per_prefill_token` so the simulated (mean TPOT, mean
+    TTFT) equal the measured pair: alternating bisections (each term moves both means, the first
+    mostly TPOT, the second mostly TTFT), `rounds` times. `simulate_means(profile)` returns the
+    simulated (mean TPOT, mean TTFT) in seconds."""
+    terms = {"serving_s_per_seq": 0.0, "serving_s_per_prefill_token": 0.0}
+    for _ in range(rounds):
+        terms["serving_s_per_seq"] = fit_serving_overhead(
+            {**profile, **terms}, lambda p: simulate_means(p)[0], real_tpot_s, "serving_s_per_seq")
+        terms["serving_s_per_prefill_token"] = fit_serving_overhead(
+            {**profile, **terms}, lambda p: simulate_means(p)[1], real_ttft_s,
+            "serving_s_per_prefill_token", hi=1e-3)
+    return terms

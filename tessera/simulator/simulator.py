@@ -54,6 +54,7 @@ class RequestRecord:
     sent: float = 0.0
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
+    first_scheduled: float | None = None  # engine clock, as the server's queue-time histogram
     error: str | None = None
 
 
@@ -122,25 +123,32 @@ class Simulator:
         nxt = 0  # index into `order` of the next request to send
         t = 0.0
         num_steps = idle_steps = 0
+        latency = cost.request_latency_s
+
+        def sent_at(k: int) -> float:  # when the client sends request k
+            arrival = requests[k].arrival_time
+            return max(arrival, room_since) if cap is not None else arrival
+
         while True:
-            while nxt < len(order) and requests[order[nxt]].arrival_time <= t:
+            while nxt < len(order) and sent_at(order[nxt]) + latency <= t:
                 if cap is not None and in_flight >= cap:
                     break
                 k = order[nxt]
                 req = requests[k]
-                sent = max(req.arrival_time, room_since) if cap is not None else req.arrival_time
+                sent = sent_at(k)
                 records[k].sent = sent
+                # the engine sees the request `latency` after its send (HTTP, tokenizer)
                 sched.add_seq_group(SequenceGroup(
                     request_id=str(k), seqs=[Sequence(new_seq_id(), list(req.prompt_token_ids))],
                     sampling_params=SamplingParams(max_tokens=req.max_tokens, ignore_eos=True,
                                                    temperature=0.0),
-                    arrival_time=sent))
+                    arrival_time=sent + latency))
                 in_flight += 1
                 nxt += 1
             if not sched.has_unfinished_seqs():
                 if nxt >= len(order):
                     break
-                t = clock.now = max(t, requests[order[nxt]].arrival_time)
+                t = clock.now = max(t, sent_at(order[nxt]) + latency)
                 continue
             out = sched.schedule()
             batch, runner_out = runner.execute(out)
@@ -157,6 +165,8 @@ class Simulator:
                     rec.error = core.error
                 if core.finished:
                     rec.finished = t
+                    if core.metrics is not None:
+                        rec.first_scheduled = core.metrics.first_scheduled_time
                     if cap is not None and in_flight == cap:
                         room_since = t
                     in_flight -= 1
@@ -171,7 +181,7 @@ class Simulator:
             if dt == 0.0 and not core_outputs:
                 idle_steps += 1  # nothing ran and nothing changed: only an arrival can help
                 if nxt < len(order):
-                    t = clock.now = max(t, requests[order[nxt]].arrival_time)
+                    t = clock.now = max(t, sent_at(order[nxt]) + latency)
                 elif idle_steps > 3:
                     raise RuntimeError("the scheduler makes no progress and no request is left "
                                        "to arrive")
