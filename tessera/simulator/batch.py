@@ -7,10 +7,11 @@ The synthetic token is chosen so that no stop rule fires before the dataset's ou
 simulated request has `ignore_eos` and `max_tokens` = its output length, and the token is no stop
 token. So a request ends exactly where the dataset says (or at `max_model_len`, as on the server).
 
-Speculative decoding plugs in here: when the scheduler schedules draft tokens
-(`scheduled_spec_decode_tokens`), an `AcceptanceModel` says how many a verification step accepts.
-None exists yet, because the scheduler does not propose drafts yet; a step with drafts and no
-acceptance model is an error rather than a silent guess.
+Speculative decoding plugs in here (tessera/simulator/spec_decode.py): with a
+`SpeculativeConfig`, the runner drafts k synthetic tokens for every request that sampled one
+(unless the step ran `disable_by_batch_size` requests or more), and when the scheduler schedules
+them (`scheduled_spec_decode_tokens`) an `AcceptanceModel` says how many a verification step
+returns. A step with drafts and no acceptance model is an error rather than a silent guess.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from tessera.config import SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 
@@ -57,9 +59,14 @@ class SyntheticRunner:
     """Plays the runner from the messages alone: request lengths and computed counters per req_id,
     no tensors. `block_bytes` turns swapped blocks into bytes."""
 
-    def __init__(self, block_bytes: int, acceptance: AcceptanceModel | None = None) -> None:
+    def __init__(self, block_bytes: int, acceptance: AcceptanceModel | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
+        if speculative is not None and acceptance is None:
+            raise ValueError("--speculative-config needs an acceptance model "
+                             "(--spec-acceptance-rate)")
         self.block_bytes = block_bytes
         self.acceptance = acceptance
+        self.speculative = speculative
         self._num_tokens: dict[str, int] = {}  # req_id -> prompt + output length the runner knows
 
     def execute(self, out: SchedulerOutput) -> tuple[BatchShape, ModelRunnerOutput]:
@@ -98,4 +105,11 @@ class SyntheticRunner:
         num_swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         shape = BatchShape(prefill, decode, context, len(out.num_scheduled_tokens),
                            num_swapped * self.block_bytes, pairs)
-        return shape, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        sc = self.speculative
+        if sc is not None and sc.is_enabled_for(len(out.num_scheduled_tokens)):
+            # the proposer's drafts for the next step, for requests that sampled one token
+            drafts = [SYNTHETIC_TOKEN_ID] * sc.num_speculative_tokens
+            result.spec_token_ids = [drafts if out.num_samples.get(r, 1) == 1 else []
+                                     for r in req_ids]
+        return shape, result

@@ -32,9 +32,12 @@ from tessera.sampling.params import SamplingParams
 from tessera.simulator.batch import BatchShape
 from tessera.simulator.cost_model import FEATURES, features
 from tessera.simulator.fit import fit_step_times
+from tessera.simulator.specs import load_hardware
 from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
+
+MACHINE_SPEC = "cpu-zen4-2core"  # the hardware spec of the machine calibrated here
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,9 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
         "fit": {**fit, "grid": grid, "repeats": repeats,
                 "calibration_seconds": time.perf_counter() - start},
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        # the link a disaggregated consumer pulls KV over, measured on this machine
+        # (benchmarks/disagg.py; its source is in the spec)
+        "kv_link": load_hardware(MACHINE_SPEC).kv_link,
         "grid": points,
     }
     engine.shutdown()

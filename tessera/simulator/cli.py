@@ -29,13 +29,12 @@ from tessera.config import EngineConfig, GiB, resolve_dtype
 
 # engine flags the simulator replaces or does not model: the model and device are the cost
 # model's (--profile / --model-config, --hardware), quantization is in the calibrated profile
-# (`simulate calibrate --quantization ...`), logprob limits change no step's cost, and
-# speculative decoding waits for an acceptance-rate model (the seam in simulator.py)
-# tensor parallelism is not simulated (the cost model's all_reduce_time seam returns 0), nor
-# calibrated (calibration times one in-process runner)
-_PARALLEL = ("tensor_parallel_size", "distributed_init_method", "nnodes", "node_rank")
-_NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", "speculative_config",
-                  *_PARALLEL)
+# (`simulate calibrate --quantization ...`), logprob limits change no step's cost
+# --tensor-parallel-size is simulated (the roofline splits the model and adds the all-reduces)
+# but not calibrated (calibration times one in-process runner); where the ranks meet is no cost
+_PLACEMENT = ("distributed_init_method", "nnodes", "node_rank")
+_PARALLEL = ("tensor_parallel_size", *_PLACEMENT)
+_NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", *_PLACEMENT)
 
 
 def add_simulate_parser(subparsers) -> None:
@@ -63,6 +62,10 @@ def add_simulate_parser(subparsers) -> None:
     c.add_argument("--model-config", default="Llama-3-8B", metavar="NAME|PATH",
                    help="roofline model: a config.json (or its directory) or one of "
                         f"{', '.join(model_config_names())} (default: %(default)s)")
+    c.add_argument("--spec-acceptance-rate", type=float, default=None, metavar="RATE",
+                   help="with --speculative-config: the probability that a draft token is "
+                        "accepted (given the ones before it were); the server's "
+                        "spec_decode_num_accepted_tokens_total / _num_draft_tokens_total")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep", action="store_true",
                    help="run every --settings x --request-rates point; write the sweep JSON "
@@ -114,6 +117,10 @@ def make_cost_model(args: argparse.Namespace):
             raise ValueError("--cost-model profiled needs --profile PATH (from `tessera simulate "
                              "calibrate`)")
         model = ProfiledCostModel.load(args.profile)
+        if args.tensor_parallel_size > 1:
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: a profile "
+                             "times one in-process runner; simulate tensor parallelism with "
+                             "--cost-model roofline (--hardware cpu-zen4-2core for this machine)")
         if args.dtype != "auto" and model.dtype != resolve_dtype(args.dtype, None, "meta"):
             raise ValueError(f"--dtype {args.dtype} differs from the profile's {model.dtype}: "
                              f"pass --dtype {model.dtype} or calibrate with --dtype {args.dtype}")
@@ -121,7 +128,7 @@ def make_cost_model(args: argparse.Namespace):
     spec = load_model_config(args.model_config)
     # the simulated device is not this CPU: float16 is the GPU's own type here
     dtype = resolve_dtype(args.dtype, spec.torch_dtype, "meta")
-    return RooflineCostModel(spec, load_hardware(args.hardware), dtype)
+    return RooflineCostModel(spec, load_hardware(args.hardware), dtype, args.tensor_parallel_size)
 
 
 def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, int, int]:
@@ -166,7 +173,8 @@ def run_point(args: argparse.Namespace, samples, request_rate: float,
 
     cost_model = make_cost_model(args)
     config, num_gpu, num_cpu = engine_setup(args, cost_model)
-    sim = Simulator(config, cost_model, num_gpu, num_cpu, max_concurrency=args.max_concurrency)
+    sim = Simulator(config, cost_model, num_gpu, num_cpu, max_concurrency=args.max_concurrency,
+                    acceptance=acceptance_model(args, config))
     outcome = sim.run(sim_requests(samples, request_rate, args.burstiness, args.seed))
     described = {
         **cost_model.describe(), "dataset": args.dataset, "num_prompts": len(samples),
@@ -178,6 +186,27 @@ def run_point(args: argparse.Namespace, samples, request_rate: float,
     return simulation_json(outcome, described, parse_goodput(args.goodput), include_requests)
 
 
+def acceptance_model(args: argparse.Namespace, config: EngineConfig):
+    """The speculative-decoding acceptance model the flags ask for, or None without
+    --speculative-config (spec_decode.py)."""
+    from tessera.simulator.spec_decode import GeometricAcceptance
+
+    rate = getattr(args, "spec_acceptance_rate", None)
+    spec = config.speculative
+    if spec is None:
+        if rate is not None:
+            raise ValueError("--spec-acceptance-rate needs --speculative-config")
+        return None
+    if spec.method != "ngram":
+        raise ValueError(f"--speculative-config method {spec.method!r}: the simulator does not "
+                         "price draft-model passes; only ngram (whose proposals cost nothing)")
+    if rate is None:
+        raise ValueError("--speculative-config needs --spec-acceptance-rate (the server's "
+                         "tessera:spec_decode_num_accepted_tokens_total / "
+                         "tessera:spec_decode_num_draft_tokens_total)")
+    return GeometricAcceptance(rate, args.seed)
+
+
 def _engine_json(config: EngineConfig) -> dict:
     s, c = config.scheduler, config.cache
     return {"max_model_len": s.max_model_len, "max_num_batched_tokens": s.max_num_batched_tokens,
@@ -185,7 +214,10 @@ def _engine_json(config: EngineConfig) -> dict:
             "preemption_mode": s.preemption_mode.value if s.preemption_mode else None,
             "scheduling_policy": s.scheduling_policy.value, "block_size": c.block_size,
             "enable_prefix_caching": c.enable_prefix_caching, "swap_space": c.swap_space,
-            "kv_cache_space": c.kv_cache_space, "dtype": config.model.dtype}
+            "kv_cache_space": c.kv_cache_space, "dtype": config.model.dtype,
+            "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "speculative_config": (dataclasses.asdict(config.speculative)
+                                   if config.speculative else None)}
 
 
 def setting_args(args: argparse.Namespace, setting: str) -> argparse.Namespace:

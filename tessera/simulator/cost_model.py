@@ -1,16 +1,16 @@
 """Cost models: how long one engine step takes, as a function of its batch (`BatchShape`).
 
-    step_time = compute_time + swap_time + all_reduce_time + kv_transfer_time
+    step_time = compute_time + swap_time + all_reduce_time
 
 `compute_time` and `swap_time` are each model's own: `ProfiledCostModel` (a fit to timings of the
 real runner on this machine, `tessera simulate calibrate`) or `RooflineCostModel`
 (tessera/simulator/roofline.py: FLOPs and bytes against a hardware spec).
 
-The two other terms are seams for issues not landed yet, and return 0 because today's engine has
-neither: `all_reduce_time` (tensor parallelism: the per-layer all-reduces of a TP group; today
-tensor_parallel_size is 1) and `kv_transfer_time` (disaggregated prefill: shipping a prompt's KV
-to a decode peer; today no connector exists). A subclass that models them overrides them.
-Speculative decoding's seam is the runner's acceptance model (tessera/simulator/batch.py).
+`all_reduce_time` is tensor parallelism's: the ring all-reduces of a TP group over the hardware's
+`tp_link` (tessera/simulator/parallel.py), 0 for one rank. `kv_transfer_time` is disaggregated
+prefill's, and is no part of a step: a consumer's KV pull runs beside the step loop and delays
+only its own request's first decode (tessera/simulator/disagg.py). Speculative decoding's seam is
+the runner's acceptance model (tessera/simulator/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from tessera.simulator.batch import BatchShape
+from tessera.simulator.parallel import LinkSpec, TensorParallelCost, parse_link
 from tessera.utils import kv_bytes_per_token
 
 # the features of the profiled model, in order: (name, BatchShape attribute or None for 1)
@@ -61,10 +62,11 @@ class CostModel(ABC):
     # explains (HTTP, tokenizer, streaming back: serving.py measures it); the simulator hands
     # each request to the scheduler this long after its send
     request_latency_s: float = 0.0
+    tp: TensorParallelCost | None = None  # the TP group's communication, None for one rank
+    kv_link: LinkSpec | None = None  # where a disaggregated consumer pulls KV from
 
     def step_time(self, batch: BatchShape) -> float:
-        return (self.compute_time(batch) + self.swap_time(batch) + self.all_reduce_time(batch)
-                + self.kv_transfer_time(batch))
+        return self.compute_time(batch) + self.swap_time(batch) + self.all_reduce_time(batch)
 
     @abstractmethod
     def compute_time(self, batch: BatchShape) -> float:
@@ -75,12 +77,15 @@ class CostModel(ABC):
         """Moving `batch.swap_bytes` of KV between the device and swap space."""
 
     def all_reduce_time(self, batch: BatchShape) -> float:
-        """Seam for tensor parallelism (tensor_parallel_size is 1 today: no all-reduce)."""
-        return 0.0
+        """Tensor parallelism's collectives in this step (blocking, as the runner does them)."""
+        return 0.0 if self.tp is None else self.tp.all_reduce_time(batch)
 
-    def kv_transfer_time(self, batch: BatchShape) -> float:
-        """Seam for disaggregated prefill (no KV connector today: nothing crosses)."""
-        return 0.0
+    def kv_transfer_time(self, num_tokens: int) -> float:
+        """Seconds to pull `num_tokens` tokens of KV (every layer, K and V, this rank's heads)
+        from a prefill instance over `kv_link`."""
+        if self.kv_link is None:
+            raise ValueError("this cost model has no kv_link to price a KV transfer over")
+        return self.kv_link.transfer_time(num_tokens * self.geometry.block_bytes(1))
 
     def describe(self) -> dict:
         return {"cost_model": self.name}
@@ -105,6 +110,9 @@ class ProfiledCostModel(CostModel):
             self.serving_s_per_prefill_token = float(
                 profile.get("serving_s_per_prefill_token", 0.0))
             self.request_latency_s = float(profile.get("request_latency_s", 0.0))
+            # this machine's link between a prefill and a decode instance (calibrate copies it
+            # from the hardware spec of the machine, cpu-zen4-2core here)
+            self.kv_link = parse_link(profile.get("kv_link"), f"--profile {path or ''} kv_link")
             g = profile["kv_geometry"]
             self.geometry = KVGeometry(g["num_layers"], g["num_kv_heads"], g["head_dim"],
                                        g["elem_size"])

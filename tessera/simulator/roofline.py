@@ -9,6 +9,12 @@ A step is two kernels families, each bound by compute or by memory, whichever is
     step      = linear + attention + step_overhead_s (host work: scheduling, launches, sampling)
     swap      = swap bytes / host link bandwidth (blocking, as the runner's swap is)
 
+Under `--tensor-parallel-size N` each of N such devices holds 1/N of the weights, of the query
+heads and of the KV heads (or one replicated KV head when N is a multiple of their number, as the
+engine shards them: tessera/distributed/sharding.py), so the FLOPs and bytes above are divided
+among them, `--kv-cache-space` is per device (as on the server), and every step adds the ring
+all-reduces over the spec's `tp_link` (parallel.py).
+
 Decode batches are memory-bound until the batch is large (the weights are read once for all of
 them); prefill is compute-bound. What it leaves out (kernel launch gaps beyond the fixed overhead,
 wave quantisation, activation traffic, the prefill attention's re-reads of KV tiles) is listed in
@@ -20,27 +26,42 @@ from __future__ import annotations
 from tessera.config import GiB
 from tessera.simulator.batch import BatchShape
 from tessera.simulator.cost_model import CostModel, KVGeometry
+from tessera.simulator.parallel import TensorParallelCost, parse_link
 from tessera.simulator.specs import DTYPE_BYTES, HardwareSpec, ModelSpec
 
 
 class RooflineCostModel(CostModel):
     name = "roofline"
 
-    def __init__(self, model: ModelSpec, hardware: HardwareSpec, dtype: str) -> None:
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, dtype: str,
+                 tensor_parallel_size: int = 1) -> None:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        n = tensor_parallel_size
         self.model, self.hardware, self.dtype = model, hardware, dtype
-        self.geometry = KVGeometry(model.num_layers, model.num_kv_heads, model.head_dim,
-                                   DTYPE_BYTES[dtype])
+        self.tensor_parallel_size = n
+        kv_heads = model.num_kv_heads
+        if n > 1:
+            from tessera.distributed.sharding import check_shardable
+
+            check_shardable(model.num_heads, kv_heads, model.intermediate_size, n)
+            # a multiple of the KV heads replicates them: each rank keeps the one its queries read
+            kv_heads = 1 if kv_heads % n else kv_heads // n
+            self.tp = TensorParallelCost.for_model(n, model.num_layers, model.hidden_size,
+                                                   model.vocab_size, DTYPE_BYTES[dtype],
+                                                   hardware.link("tp_link"))
+        self.kv_link = parse_link(hardware.kv_link, f"--hardware {hardware.name} kv_link")
+        # one device's share (all of it at n = 1): KV geometry, FLOPs and bytes per rank
+        self.geometry = KVGeometry(model.num_layers, kv_heads, model.head_dim, DTYPE_BYTES[dtype])
         self.max_model_len = model.max_position_embeddings
-        self._flops = hardware.flops(dtype) * hardware.compute_efficiency
+        self._flops = hardware.flops(dtype) * hardware.compute_efficiency * n  # n devices
         self._bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
-        self._weight_bytes = model.weight_bytes_per_step(dtype)
-        self._kv_bytes_per_token = model.kv_bytes_per_token(dtype)
+        self._weight_bytes = model.weight_bytes_per_step(dtype) / n
+        self._kv_bytes_per_token = self.geometry.block_bytes(1)
 
     def check_fits(self, kv_cache_space_gib: float) -> None:
         """The weights and the KV cache (--kv-cache-space) must fit in the device's memory."""
-        weights = self.model.num_params * DTYPE_BYTES[self.dtype]
+        weights = self.model.num_params * DTYPE_BYTES[self.dtype] / self.tensor_parallel_size
         need = weights + kv_cache_space_gib * GiB
         if need > self.hardware.memory_bytes:
             raise ValueError(
@@ -69,4 +90,4 @@ class RooflineCostModel(CostModel):
     def describe(self) -> dict:
         return {"cost_model": self.name, "model_config": self.model.name,
                 "hardware": self.hardware.name, "hardware_source": self.hardware.source,
-                "dtype": self.dtype}
+                "dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size}

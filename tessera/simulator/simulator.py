@@ -93,7 +93,7 @@ class Simulator:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks, num_cpu_blocks,
                                    clock=self.clock)
         self.runner = SyntheticRunner(cost_model.geometry.block_bytes(config.cache.block_size),
-                                      acceptance)
+                                      acceptance, config.speculative)
         self.max_concurrency = max_concurrency
 
     def run(self, requests: list[SimRequest], record_timeline: bool = True) -> SimOutcome:
@@ -194,6 +194,8 @@ class Simulator:
             "generation_tokens": sched.num_generation_tokens_total,
             "prefix_cache_queries": bm.num_prefix_cache_queries,
             "prefix_cache_hits": bm.num_prefix_cache_hits,
+            "spec_decode_num_draft_tokens": sched.num_spec_draft_tokens_total,
+            "spec_decode_num_accepted_tokens": sched.num_spec_accepted_tokens_total,
         }
         first = min((r.sent for r in records), default=0.0)
         return SimOutcome(records, tl, max(t - first, 1e-9), time.perf_counter() - start_wall,

@@ -42,6 +42,19 @@ class HardwareSpec:
     memory_efficiency: float
     step_overhead_s: float
     source: str
+    tp_link: dict | None = None  # tensor parallelism's all-reduces (parallel.py)
+    kv_link: dict | None = None  # disaggregation's KV pulls between instances
+
+    def link(self, kind: str):
+        """`tp_link` or `kv_link` as a parallel.LinkSpec; ValueError if the spec has none."""
+        from tessera.simulator.parallel import parse_link
+
+        spec = getattr(self, kind)
+        if spec is None:
+            raise ValueError(f"--hardware {self.name} has no {kind} in its spec")
+        link = parse_link(spec, f"--hardware {self.name} {kind}")
+        assert link is not None
+        return link
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

@@ -90,7 +90,7 @@ def test_roofline_orders_hardware_and_batches():
     h100 = models["H100-SXM"]
     assert h100.step_time(decode) < 32 * h100.step_time(small)  # batching amortises weights
     assert h100.swap_time(BatchShape(swap_bytes=10**9)) == pytest.approx(1e9 / 50e9)
-    assert h100.all_reduce_time(decode) == 0.0 and h100.kv_transfer_time(decode) == 0.0
+    assert h100.all_reduce_time(decode) == 0.0  # one rank: no collectives
 
 
 def test_roofline_refuses_a_cache_that_does_not_fit():
