@@ -173,8 +173,17 @@ def run_point(args: argparse.Namespace, samples, request_rate: float,
 
     cost_model = make_cost_model(args)
     config, num_gpu, num_cpu = engine_setup(args, cost_model)
-    sim = Simulator(config, cost_model, num_gpu, num_cpu, max_concurrency=args.max_concurrency,
-                    acceptance=acceptance_model(args, config))
+    if config.kv_transfer is not None:  # a prefill and a decode instance (disagg.py)
+        from tessera.simulator.disagg import DisaggSimulator
+
+        if args.max_concurrency is not None or config.speculative is not None:
+            raise ValueError("--kv-transfer-config (a simulated P/D pair) does not take "
+                             "--max-concurrency or --speculative-config")
+        sim = DisaggSimulator(config, cost_model, num_gpu, num_cpu)
+    else:
+        sim = Simulator(config, cost_model, num_gpu, num_cpu,
+                        max_concurrency=args.max_concurrency,
+                        acceptance=acceptance_model(args, config))
     outcome = sim.run(sim_requests(samples, request_rate, args.burstiness, args.seed))
     described = {
         **cost_model.describe(), "dataset": args.dataset, "num_prompts": len(samples),
