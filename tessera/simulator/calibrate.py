@@ -57,14 +57,19 @@ def grid_shapes(name: str) -> list[Shape]:
     if name == "small":
         decodes, contexts, prefills = (1, 8, 32, 64), (128, 512), (0, 256)
         alone, chunks = (32, 256, 1024), ((256, 512), (32, 512), (64, 1024))
+        mixed = ((8, 128, 256), (8, 248, 128), (32, 32, 512))
     elif name == "default":
         decodes, contexts, prefills = (1, 4, 16, 32, 64), (64, 256, 768), (0, 128, 512)
         alone, chunks = (32, 256, 1024, 2048), ((512, 512), (256, 1536), (32, 512), (64, 1024))
+        mixed = ((8, 128, 256), (8, 248, 128), (32, 32, 512), (32, 480, 256))
     else:
         raise ValueError(f"--grid must be tiny, small or default, got {name!r}")
     shapes = [Shape(d, c, p) for d in decodes for c in contexts for p in prefills]
     shapes += [Shape(0, 0, p) for p in alone]
     shapes += [Shape(0, 0, p, pc) for p, pc in chunks]
+    # decodes beside a chunk that continues a cached context: every prefill step of chunked
+    # prefill, and the cached-prefix steps of prefix caching, look like this
+    shapes += [Shape(d, 256, p, pc) for d, p, pc in mixed]
     return shapes
 
 
