@@ -34,7 +34,13 @@ from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 from tessera.simulator.batch import SyntheticRunner
 from tessera.simulator.cost_model import CostModel
-from tessera.simulator.simulator import RequestRecord, SimOutcome, SimRequest, Timeline, VirtualClock
+from tessera.simulator.simulator import (
+    RequestRecord,
+    SimOutcome,
+    SimRequest,
+    Timeline,
+    VirtualClock,
+)
 
 
 class _Instance:

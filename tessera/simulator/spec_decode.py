@@ -27,7 +27,6 @@ from __future__ import annotations
 import random
 
 
-
 class GeometricAcceptance:
     """Drafts accepted one by one with probability `rate`, until the first rejection; seeded,
     so a simulation repeats."""

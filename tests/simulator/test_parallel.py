@@ -69,9 +69,9 @@ def test_tensor_parallel_size_flag_reaches_the_cost_model_and_the_pool():
 
 
 def test_profiled_model_refuses_tensor_parallelism(tmp_path):
-    from tests.simulator.test_cost_models import _profile
-
     import json
+
+    from tests.simulator.test_cost_models import _profile
 
     path = tmp_path / "p.json"
     path.write_text(json.dumps(_profile([0.01, 0, 0, 0, 0, 0])))
