@@ -54,6 +54,10 @@ class AcceptanceModel(Protocol):
 
     def num_tokens_returned(self, req_id: str, num_draft_tokens: int) -> int: ...
 
+    def proposes(self, req_id: str) -> bool:
+        """Whether the proposer drafts for `req_id` after this step."""
+        ...
+
 
 class SyntheticRunner:
     """Plays the runner from the messages alone: request lengths and computed counters per req_id,
@@ -110,6 +114,7 @@ class SyntheticRunner:
         if sc is not None and sc.is_enabled_for(len(out.num_scheduled_tokens)):
             # the proposer's drafts for the next step, for requests that sampled one token
             drafts = [SYNTHETIC_TOKEN_ID] * sc.num_speculative_tokens
-            result.spec_token_ids = [drafts if out.num_samples.get(r, 1) == 1 else []
-                                     for r in req_ids]
+            proposes = self.acceptance.proposes  # type: ignore[union-attr]
+            result.spec_token_ids = [
+                drafts if out.num_samples.get(r, 1) == 1 and proposes(r) else [] for r in req_ids]
         return shape, result

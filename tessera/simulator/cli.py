@@ -63,9 +63,12 @@ def add_simulate_parser(subparsers) -> None:
                    help="roofline model: a config.json (or its directory) or one of "
                         f"{', '.join(model_config_names())} (default: %(default)s)")
     c.add_argument("--spec-acceptance-rate", type=float, default=None, metavar="RATE",
-                   help="with --speculative-config: the probability that a draft token is "
-                        "accepted (given the ones before it were); the server's "
-                        "spec_decode_num_accepted_tokens_total / _num_draft_tokens_total")
+                   help="with --speculative-config: the fraction of draft tokens accepted, as "
+                        "the server counts it (spec_decode_num_accepted_tokens_total / "
+                        "spec_decode_num_draft_tokens_total)")
+    c.add_argument("--spec-proposal-rate", type=float, default=1.0, metavar="RATE",
+                   help="with --speculative-config: the fraction of decode steps for which the "
+                        "proposer finds drafts (default: %(default)s)")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep", action="store_true",
                    help="run every --settings x --request-rates point; write the sweep JSON "
@@ -201,10 +204,12 @@ def acceptance_model(args: argparse.Namespace, config: EngineConfig):
     from tessera.simulator.spec_decode import GeometricAcceptance
 
     rate = getattr(args, "spec_acceptance_rate", None)
+    proposal = getattr(args, "spec_proposal_rate", 1.0)
     spec = config.speculative
     if spec is None:
-        if rate is not None:
-            raise ValueError("--spec-acceptance-rate needs --speculative-config")
+        if rate is not None or proposal != 1.0:
+            raise ValueError("--spec-acceptance-rate and --spec-proposal-rate need "
+                             "--speculative-config")
         return None
     if spec.method != "ngram":
         raise ValueError(f"--speculative-config method {spec.method!r}: the simulator does not "
@@ -213,7 +218,7 @@ def acceptance_model(args: argparse.Namespace, config: EngineConfig):
         raise ValueError("--speculative-config needs --spec-acceptance-rate (the server's "
                          "tessera:spec_decode_num_accepted_tokens_total / "
                          "tessera:spec_decode_num_draft_tokens_total)")
-    return GeometricAcceptance(rate, args.seed)
+    return GeometricAcceptance(rate, spec.num_speculative_tokens, proposal, args.seed)
 
 
 def _engine_json(config: EngineConfig) -> dict:

@@ -105,21 +105,28 @@ def test_kv_transfer_time_is_latency_plus_bytes_over_the_link():
 
 
 def test_geometric_acceptance_mean_and_bounds():
-    model = GeometricAcceptance(0.6, seed=1)
+    # README's A1 workload: 60.9% of 4 drafts accepted and 3.44 tokens per verification step
+    model = GeometricAcceptance(0.609, 4, seed=1)
+    assert model.alpha == pytest.approx(0.81, abs=0.01)
+    assert model.mean_tokens_returned(4) == pytest.approx(3.44, abs=0.01)
     draws = [model.num_tokens_returned("r", 4) for _ in range(20000)]
     assert min(draws) == 1 and max(draws) == 5
-    assert sum(draws) / len(draws) == pytest.approx(model.mean_tokens_returned(4), rel=0.02)
-    assert model.mean_tokens_returned(4) == pytest.approx((1 - 0.6 ** 5) / 0.4)
-    assert GeometricAcceptance(0.0).num_tokens_returned("r", 4) == 1
+    assert sum(draws) / len(draws) == pytest.approx(3.44, rel=0.02)
+    assert GeometricAcceptance(0.0, 4).num_tokens_returned("r", 4) == 1
+    assert GeometricAcceptance(1.0, 4).num_tokens_returned("r", 4) == 5
+    half = GeometricAcceptance(0.5, 4, proposal_rate=0.25, seed=2)
+    assert sum(half.proposes("r") for _ in range(4000)) == pytest.approx(1000, rel=0.1)
     with pytest.raises(ValueError, match="--spec-acceptance-rate"):
-        GeometricAcceptance(1.0)
+        GeometricAcceptance(1.5, 4)
+    with pytest.raises(ValueError, match="--spec-proposal-rate"):
+        GeometricAcceptance(0.5, 4, proposal_rate=0.0)
 
 
-def _spec_run(rate: float | None, k: int = 4, **extra):
+def _spec_run(rate: float | None, k: int = 4, proposal: float = 1.0, **extra):
     spec = {"method": "ngram", "num_speculative_tokens": k, **extra} if rate is not None else None
     config = EngineArgs(max_model_len=512, block_size=4,
                         speculative_config=spec).create_engine_config(512)
-    acceptance = GeometricAcceptance(rate) if rate is not None else None
+    acceptance = GeometricAcceptance(rate, k, proposal) if rate is not None else None
     cost = FixedCost(per_step=0.01, per_token=0.001)
     sim = Simulator(config, cost, 512, 0, acceptance=acceptance)
     reqs = [SimRequest([100 * j + i + 1 for i in range(20)], 40, 0.0) for j in range(4)]
@@ -128,13 +135,15 @@ def _spec_run(rate: float | None, k: int = 4, **extra):
 
 def test_speculation_advances_by_the_accepted_drafts():
     base, _ = _spec_run(None)
-    spec, cost = _spec_run(0.8)
+    spec, cost = _spec_run(0.6)
     assert all(r.output_tokens == 40 for r in request_results(spec))  # lengths unchanged
     c = spec.counters
     assert c["spec_decode_num_draft_tokens"] > 0
     accepted = c["spec_decode_num_accepted_tokens"] / c["spec_decode_num_draft_tokens"]
-    assert 0.4 < accepted < 0.8  # per draft, below the per-position rate (runs end early)
-    assert spec.num_steps < base.num_steps * 0.6  # ~3 tokens per verification step
+    assert accepted == pytest.approx(0.6, abs=0.1)  # the server's ratio comes back
+    assert spec.num_steps < base.num_steps * 0.5  # ~3.4 tokens per verification step
+    fewer, _ = _spec_run(0.6, proposal=0.3)  # prompt lookup finds drafts on 30% of steps
+    assert spec.num_steps < fewer.num_steps < base.num_steps
     # a verification step runs 1 + k tokens per request: the cost model sees them
     assert max(b.num_prefill_tokens for b in cost.batches) >= 4 * 5
     none, _ = _spec_run(0.0)  # nothing accepted: one token per step, as without drafts
@@ -153,7 +162,7 @@ def test_speculative_flags_are_checked():
         return acceptance_model(args, engine_setup(args, make_cost_model(args))[0])
 
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
-    assert accept("--speculative-config", spec, "--spec-acceptance-rate", "0.5").rate == 0.5
+    assert accept("--speculative-config", spec, "--spec-acceptance-rate", "0.5").acceptance == 0.5
     assert accept() is None
     with pytest.raises(ValueError, match="--spec-acceptance-rate"):
         accept("--speculative-config", spec)
@@ -170,3 +179,34 @@ def test_request_latency_delays_the_engine_arrival():
     assert outcome.records[0].sent == 1.0
     assert r.ttft == pytest.approx(0.2 + 0.01)  # the client waits the latency, then a step
     assert outcome.records[0].first_scheduled == pytest.approx(1.2)
+
+
+def test_server_histogram_means_and_the_latency_outside_the_engine():
+    from tessera.simulator.serving import parse_histogram_means, request_latency
+
+    text = "\n".join([
+        "# HELP tessera:time_to_first_token_seconds Time from arrival to the first output token.",
+        'tessera:time_to_first_token_seconds_bucket{le="0.5",model_name="m"} 2.0',
+        'tessera:time_to_first_token_seconds_sum{model_name="m"} 1.2',
+        'tessera:time_to_first_token_seconds_count{model_name="m"} 4.0',
+        'tessera:request_queue_time_seconds_sum{model_name="m"} 0.4',
+        'tessera:request_queue_time_seconds_count{model_name="m"} 4.0',
+        'tessera:num_preemptions_total{model_name="m"} 3.0',
+    ])
+    means = parse_histogram_means(text)
+    assert means == pytest.approx({"mean_ttft_ms": 300.0, "mean_queue_ms": 100.0})
+    assert request_latency({"mean_ttft_ms": 340.0, "server": means}) == pytest.approx(0.04)
+    with pytest.raises(ValueError, match="time_to_first_token"):
+        request_latency({"mean_ttft_ms": 340.0, "server": {}})
+
+
+def test_two_serving_rates_are_fitted_to_mean_tpot_and_ttft():
+    from tessera.simulator.serving import fit_serving_terms
+
+    def means(p):  # a stand-in simulation, linear in both rates
+        s, q = p["serving_s_per_seq"], p["serving_s_per_prefill_token"]
+        return 0.04 + 5 * s + 20 * q, 0.5 + 8 * s + 300 * q
+
+    terms = fit_serving_terms({}, means, 0.04 + 5 * 0.003 + 20 * 2e-4, 0.5 + 8 * 0.003 + 300 * 2e-4)
+    assert terms["serving_s_per_seq"] == pytest.approx(0.003, rel=0.02)
+    assert terms["serving_s_per_prefill_token"] == pytest.approx(2e-4, rel=0.02)
