@@ -231,7 +231,7 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
     from tessera.bench import datasets
     from tessera.bench.serve import load_bench_tokenizer
     from tessera.config import GiB
-    from tessera.simulator.cli import sim_requests
+    from tessera.simulator.cli import probe_request, sim_requests
     from tessera.simulator.cost_model import ProfiledCostModel
     from tessera.simulator.report import request_results
     from tessera.simulator.serving import (
@@ -261,8 +261,8 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
         num_gpu = (config.cache.num_gpu_blocks_override
                    or int(config.cache.kv_cache_space * GiB) // block_bytes)
         sim = Simulator(config, cost, num_gpu, int(config.cache.swap_space * GiB) // block_bytes)
-        outcome = sim.run(sim_requests(samples, TRACE_RATE, 1.0, args.seed),
-                          record_timeline=False)
+        requests = sim_requests(samples, TRACE_RATE, 1.0, args.seed)
+        outcome = sim.run(requests, record_timeline=False, probe=probe_request(requests))
         results = [r for r in request_results(outcome) if r.success]
         tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
         return (sum(tpots) / len(tpots), sum(r.ttft for r in results) / len(results))

@@ -167,6 +167,17 @@ def sim_requests(samples, request_rate: float, burstiness: float, seed: int):
     return requests
 
 
+def probe_request(requests):
+    """bench serve's test request before the trace: the first sample, at most 4 tokens
+    (tessera/bench/serve.py)."""
+    from tessera.simulator.simulator import SimRequest
+
+    if not requests:
+        return None
+    first = requests[0]
+    return SimRequest(first.prompt_token_ids, min(first.max_tokens, 4), 0.0)
+
+
 def run_point(args: argparse.Namespace, samples, request_rate: float,
               include_requests: bool = True) -> dict:
     """One simulation with the flags in `args`: the result JSON (bench serve's, plus timeline)."""
@@ -187,7 +198,11 @@ def run_point(args: argparse.Namespace, samples, request_rate: float,
         sim = Simulator(config, cost_model, num_gpu, num_cpu,
                         max_concurrency=args.max_concurrency,
                         acceptance=acceptance_model(args, config))
-    outcome = sim.run(sim_requests(samples, request_rate, args.burstiness, args.seed))
+    requests = sim_requests(samples, request_rate, args.burstiness, args.seed)
+    if isinstance(sim, Simulator):
+        outcome = sim.run(requests, probe=probe_request(requests))
+    else:
+        outcome = sim.run(requests)
     described = {
         **cost_model.describe(), "dataset": args.dataset, "num_prompts": len(samples),
         "request_rate": json_rate(request_rate), "burstiness": args.burstiness,

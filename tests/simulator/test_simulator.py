@@ -135,3 +135,21 @@ def test_result_json_has_bench_serve_metrics_and_timeline():
     assert 0 < m["request_goodput"] < m["request_throughput"]  # the second waits a step
     assert len(data["requests"]) == 2
     assert len(data["timeline"]["time"]) == outcome.num_steps
+
+
+def test_the_probe_runs_first_and_warms_the_prefix_cache():
+    """bench serve's test request (the first sample, 4 tokens) runs alone before the trace: on
+    a shared prefix the first timed request then hits the cache, as on the server."""
+    cost = FixedCost(per_step=0.01, per_token=0.001)
+    shared = list(range(1, 33))
+    reqs = [_req(0, 3), _req(0, 3, arrival=0.5)]
+    reqs = [SimRequest(shared + [100 + k], 3, r.arrival_time) for k, r in enumerate(reqs)]
+    cold = request_results(_sim(cost, enable_prefix_caching=True).run(reqs))
+    sim = _sim(FixedCost(per_step=0.01, per_token=0.001), enable_prefix_caching=True)
+    probe = SimRequest(reqs[0].prompt_token_ids, 3, 0.0)
+    outcome = sim.run(reqs, probe=probe)
+    warm = request_results(outcome)
+    assert outcome.records[0].sent == pytest.approx(0.01 + 0.033 + 2 * 0.011)  # after the probe
+    assert cold[0].ttft == pytest.approx(0.01 + 0.033)  # all 33 prompt tokens
+    assert warm[0].ttft < cold[0].ttft  # the probe's blocks were cached
+    assert len(warm) == 2  # the probe is not reported
