@@ -185,9 +185,57 @@ def profile_engine(engine, batches: list[int], ctx: int, steps: int) -> list[dic
         sched = engine.scheduler
         context = sum(g.seqs[0].get_len() for g in sched.running) / max(len(sched.running), 1)
         parts = {k: v / steps for k, v in timers.seconds.items()}
+        book = sum(v for k, v in parts.items()
+                   if k.startswith("bookkeeping: ") and "runner" not in k and "input batch" not in k)
+        alone, overlapped = overlap_probe(engine, steps, book)
         rows.append({"batch": b, "plain_ms": plain * 1e3, "instr_ms": timed * 1e3,
-                     "total_ms": total * 1e3, "context": context, "parts": parts})
+                     "total_ms": total * 1e3, "context": context, "parts": parts,
+                     "book_ms": book * 1e3, "exec_ms": alone * 1e3, "exec_overlap_ms": overlapped * 1e3})
     return rows
+
+
+def _python_work(seconds: float) -> None:
+    """Pure-Python work for about `seconds` (dict and list churn, like the scheduler's)."""
+    end = time.perf_counter() + seconds
+    d: dict[int, list[int]] = {}
+    while time.perf_counter() < end:
+        for i in range(200):
+            d[i] = [i, i + 1]
+        d.clear()
+
+
+def overlap_probe(engine, steps: int, book_seconds: float) -> tuple[float, float]:
+    """Would async scheduling pay? Median execute_model time alone, and with `book_seconds` of
+    Python (the step's measured bookkeeping) running on a second thread during it, as the next
+    step's scheduling would. Overlap only pays if the second number stays well below the first
+    plus `book_seconds`: on two cores the forward's threads already use both."""
+    import threading
+
+    executor = engine.executor
+    plain_exec = executor.execute_model
+
+    def timed_exec(out, samples, with_thread):
+        worker = threading.Thread(target=_python_work, args=(book_seconds,)) if with_thread else None
+        t0 = time.perf_counter()
+        if worker is not None:
+            worker.start()
+        res = plain_exec(out)
+        t1 = time.perf_counter()
+        if worker is not None:
+            worker.join()
+        samples.append((t1 - t0, time.perf_counter() - t0))
+        return res
+
+    results = []
+    for with_thread in (False, True):
+        samples: list[tuple[float, float]] = []
+        executor.execute_model = lambda out, s=samples, w=with_thread: timed_exec(out, s, w)
+        try:
+            _steps(engine, steps)
+        finally:
+            del executor.execute_model
+        results.append(statistics.median(max(a, b) for a, b in samples))
+    return results[0], results[1]
 
 
 def format_rows(rows: list[dict], title: str) -> str:
@@ -217,6 +265,12 @@ def format_rows(rows: list[dict], title: str) -> str:
         f"**{r['plain_ms']:.2f}**" for r in rows) + " |")
     lines.append("| decode tok/s, plain | " + " | ".join(
         f"{1e3 * r['batch'] / r['plain_ms']:.0f}" for r in rows) + " |")
+    lines.append("| async probe: engine-side bookkeeping B (schedule, update, outputs) | " + " | ".join(
+        f"{r['book_ms']:.2f}" for r in rows) + " |")
+    lines.append("| async probe: execute_model alone F | " + " | ".join(
+        f"{r['exec_ms']:.2f}" for r in rows) + " |")
+    lines.append("| async probe: execute_model with B of Python on a 2nd thread | " + " | ".join(
+        f"{r['exec_overlap_ms']:.2f}" for r in rows) + " |")
     lines.append("| mean context (tokens) | " + " | ".join(f"{r['context']:.0f}" for r in rows) + " |")
     return "\n".join(lines)
 
