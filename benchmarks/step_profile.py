@@ -80,6 +80,20 @@ class Patches:
         self._undo.clear()
 
 
+class _TimedNorm:
+    """An RMSNorm whose call is timed (special methods cannot be patched on an instance); its
+    add_and_norm is the norm's own (patched there)."""
+
+    def __init__(self, norm, timed_call: Callable) -> None:
+        self._norm, self._call = norm, timed_call
+
+    def __call__(self, x):
+        return self._call(x)
+
+    def add_and_norm(self, residual, delta):
+        return self._norm.add_and_norm(residual, delta)
+
+
 def _shape(lin) -> str:
     return f"{lin.out_features}x{lin.in_features}"
 
@@ -106,7 +120,8 @@ def instrument(engine, timers: ExclusiveTimers) -> Patches:
     p.set(model, "forward", w("elementwise: model forward (python)", model.forward))
     p.set(model, "lm_head", w(f"linear: lm_head {_shape(model.lm_head)}", model.lm_head))
     p.set(model, "embed", w("elementwise: embedding", model.embed))
-    p.set(model, "norm", w("elementwise: rms_norm", model.norm))
+    p.set(model.norm, "add_and_norm", w("elementwise: add+rms_norm", model.norm.add_and_norm))
+    p.set(model, "norm", _TimedNorm(model.norm, w("elementwise: rms_norm", model.norm)))
     p.set(model.rope, "lookup", w("elementwise: rope cos/sin lookup", model.rope.lookup))
     p.set(model.rope, "apply_", w("elementwise: rope", model.rope.apply_))
     p.set(attn_backend, "write_kv", w("attention: kv write", attn_backend.write_kv))
@@ -115,9 +130,10 @@ def instrument(engine, timers: ExclusiveTimers) -> Patches:
         for attr, role in (("wqkv", "qkv"), ("wo", "o"), ("w13", "gate_up"), ("w2", "down")):
             lin = getattr(layer, attr)
             p.set(layer, attr, w(f"linear: {role} {_shape(lin)}", lin))
-        p.set(layer, "input_norm", w("elementwise: rms_norm", layer.input_norm))
-        norm = layer.post_attn_norm
-        p.set(norm, "add_and_norm", w("elementwise: add+rms_norm", norm.add_and_norm))
+        for norm in (layer.input_norm, layer.post_attn_norm):  # the same object may be both
+            p.set(norm, "add_and_norm", w("elementwise: add+rms_norm", norm.add_and_norm))
+        p.set(layer, "input_norm", _TimedNorm(layer.input_norm, w("elementwise: rms_norm",
+                                                                  layer.input_norm)))
         p.set(layer, "act", w("elementwise: silu*up", layer.act))
         layers[i] = w("elementwise: layer (residual add, views, python)", layer)
     p.set(model, "layers", layers)
