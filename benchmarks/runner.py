@@ -17,6 +17,7 @@ the GB/s of weights that reaches.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -162,6 +163,8 @@ def main() -> None:
     ap.add_argument("--profile", metavar="BATCHES",
                     help="only profile whole engine decode steps at these batches (e.g. 8,16,32,64): "
                          "ms and %% per part (benchmarks/step_profile.py)")
+    ap.add_argument("--speculative-config", help="with --profile: the engine's speculative "
+                    "config (JSON), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     args = ap.parse_args()
     torch.set_num_threads(default_num_threads())
     dtype = getattr(torch, args.dtype)
@@ -172,8 +175,9 @@ def main() -> None:
     if args.profile:
         from step_profile import main_profile  # benchmarks/step_profile.py
 
+        spec = json.loads(args.speculative_config) if args.speculative_config else None
         main_profile([int(b) for b in args.profile.split(",")], args.dtype, args.quantization,
-                     args.ctx, args.steps)
+                     args.ctx, args.steps, spec)
         return
     cfg, weights = load_model(resolve_model_path(None), args.quantization)
     peak = matmul_peak(dtype)

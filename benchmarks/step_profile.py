@@ -151,21 +151,25 @@ def _metadata_class(backend) -> type:
     return PagedKernelMetadata if isinstance(backend, PagedKernelBackend) else SdpaMetadata
 
 
-def _fill(engine, batch: int, ctx: int, seed: int = 0) -> list[str]:
+def _fill(engine, batch: int, ctx: int, seed: int = 0, repeat: bool = False) -> list[str]:
+    """`batch` never-stopping greedy requests of `ctx` random prompt tokens (`repeat`: a random
+    16-token phrase over and over, which greedy decoding tends to continue, so that n-gram
+    drafts get accepted), stepped until every one decodes."""
     from tessera.sampling.params import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
     ids = []
     for i in range(batch):
-        prompt = torch.randint(100, 49000, (ctx,), generator=gen).tolist()
+        prompt = torch.randint(100, 49000, (16 if repeat else ctx,), generator=gen).tolist()
+        prompt = (prompt * (ctx // len(prompt) + 1))[:ctx]
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
         ids.append(f"p{i}")
     # until a step is all decodes (every prompt is in the cache)
     while True:
         before = engine.step_times.num_tokens
         engine.step()
-        if engine.step_times.num_tokens - before == batch and not engine.scheduler.waiting:
+        if (engine.step_times.num_tokens - before == batch or repeat) and not engine.scheduler.waiting:
             return ids
 
 
@@ -181,7 +185,8 @@ def _steps(engine, n: int) -> list[float]:
 def profile_engine(engine, batches: list[int], ctx: int, steps: int) -> list[dict]:
     """One row per batch (largest first): plain and instrumented step ms, ms per part."""
     batches = sorted(batches, reverse=True)
-    running = _fill(engine, batches[0], ctx)
+    spec = engine.config.speculative is not None
+    running = _fill(engine, batches[0], ctx, repeat=spec)
     rows = []
     for b in batches:
         engine.abort_request(running[b:])
@@ -200,12 +205,15 @@ def profile_engine(engine, batches: list[int], ctx: int, steps: int) -> list[dic
             patches.undo()
         sched = engine.scheduler
         context = sum(g.seqs[0].get_len() for g in sched.running) / max(len(sched.running), 1)
+        tokens0 = engine.step_times.num_tokens
+        _steps(engine, steps)  # tokens per step (verified drafts included)
+        tokens = (engine.step_times.num_tokens - tokens0) / steps
         parts = {k: v / steps for k, v in timers.seconds.items()}
         book = sum(v for k, v in parts.items()
                    if k.startswith("bookkeeping: ") and "runner" not in k and "input batch" not in k)
         alone, overlapped = overlap_probe(engine, steps, book)
         rows.append({"batch": b, "plain_ms": plain * 1e3, "instr_ms": timed * 1e3,
-                     "total_ms": total * 1e3, "context": context, "parts": parts,
+                     "total_ms": total * 1e3, "context": context, "parts": parts, "tokens": tokens,
                      "book_ms": book * 1e3, "exec_ms": alone * 1e3, "exec_overlap_ms": overlapped * 1e3})
     return rows
 
@@ -279,8 +287,10 @@ def format_rows(rows: list[dict], title: str) -> str:
         f"{r['total_ms']:.2f}" for r in rows) + " |")
     lines.append("| **step, plain (median)** | " + " | ".join(
         f"**{r['plain_ms']:.2f}**" for r in rows) + " |")
-    lines.append("| decode tok/s, plain | " + " | ".join(
+    lines.append("| decode tok/s, plain (requests / step) | " + " | ".join(
         f"{1e3 * r['batch'] / r['plain_ms']:.0f}" for r in rows) + " |")
+    lines.append("| tokens computed per step | " + " | ".join(
+        f"{r['tokens']:.1f}" for r in rows) + " |")
     lines.append("| async probe: engine-side bookkeeping B (schedule, update, outputs) | " + " | ".join(
         f"{r['book_ms']:.2f}" for r in rows) + " |")
     lines.append("| async probe: execute_model alone F | " + " | ".join(
@@ -291,14 +301,18 @@ def format_rows(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def main_profile(batches: list[int], dtype: str, quantization: str, ctx: int, steps: int) -> None:
+def main_profile(batches: list[int], dtype: str, quantization: str, ctx: int, steps: int,
+                 speculative_config: dict | None = None) -> None:
     from tessera.entrypoints.llm import LLM
 
     t0 = time.perf_counter()
+    extra = {} if speculative_config is None else {"speculative_config": speculative_config}
     llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max(batches),
-              max_model_len=max(2048, ctx + 64 * steps), kv_cache_space=1.0)
+              max_model_len=max(2048, ctx + 64 * steps), kv_cache_space=1.0, **extra)
     engine = llm.llm_engine
     print(f"engine ready in {time.perf_counter() - t0:.1f} s; threads={torch.get_num_threads()}",
           flush=True)
     rows = profile_engine(engine, batches, ctx, steps)
-    print(format_rows(rows, f"decode step, {quantization} weights, {dtype}, ctx {ctx}"), flush=True)
+    what = "" if speculative_config is None else f", speculative {speculative_config}"
+    print(format_rows(rows, f"decode step, {quantization} weights, {dtype}, ctx {ctx}{what}"),
+          flush=True)
