@@ -4,7 +4,7 @@ Prints prefill tok/s for 1x512 tokens, decode tok/s at batch 1/16/64 with 256-to
 achieved GFLOP/s against a matmul peak measured here. Ratios are what carry across machines.
 
     python benchmarks/runner.py [--dtype bfloat16] [--batches 1,16,64] [--skip-hf]
-    python benchmarks/runner.py --profile 64 [--dtype bfloat16]   # where a decode step's time goes
+    python benchmarks/runner.py --profile 8,16,32,64 [--dtype bfloat16]   # where engine decode steps go
     python benchmarks/runner.py --quantization none   # today's dequantized weights (default: gguf)
     python benchmarks/runner.py --compare-quantization   # GGUF-quantized vs bf16 vs fp32, one run
 
@@ -17,6 +17,7 @@ the GB/s of weights that reaches.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -24,7 +25,6 @@ from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from tessera.config import default_num_threads
-from tessera.kernels.quant_linear import QuantLinear
 from tessera.model.default_model import resolve_model_path
 from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.llama import LlamaForCausalLM
@@ -123,55 +123,6 @@ def run(engine, cfg, batches, ctx, steps, prefill_len):
     return res
 
 
-def profile_decode(engine: Ours, batch: int, ctx: int, steps: int = 8) -> None:
-    """Where a decode step's time goes: torch profiler over `steps` steps at `batch` x `ctx`, with
-    the model's building blocks (our C++ kernels are invisible to it otherwise) wrapped in
-    record_function ranges for the duration of the profile."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    import tessera.model.layers as layers
-    import tessera.model.llama as llama
-
-    def labelled(name, fn):
-        def wrapper(*a, **k):
-            with record_function(name):
-                return fn(*a, **k)
-
-        return wrapper
-
-    patches = [
-        (layers.Linear, "__call__", "linear"),
-        (QuantLinear, "__call__", "linear"),
-        (layers.RMSNorm, "__call__", "rms_norm"),
-        (layers.RMSNorm, "add_and_norm", "add+rms_norm"),
-        (layers.SiluAndMul, "__call__", "silu*up"),
-        (layers.RotaryEmbedding, "apply_", "rope"),
-        (llama, "paged_attention", "attention (+kv write)"),
-    ]
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
-    for obj, attr, name in patches:
-        setattr(obj, attr, labelled("tessera::" + name, getattr(obj, attr)))
-    try:
-        with torch.inference_mode():
-            prompts = [torch.randint(100, 49000, (ctx,)).tolist() for _ in range(batch)]
-            tok = engine.decode(engine.prefill(prompts))
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(steps):
-                    with record_function("tessera::step"):
-                        tok = engine.decode(tok)
-    finally:
-        for obj, attr, fn in saved:
-            setattr(obj, attr, fn)
-    events = {e.key: e for e in prof.key_averages()}
-    step_us = events["tessera::step"].cpu_time_total
-    print(f"decode step at batch {batch}, ctx {ctx}: {step_us / steps / 1e3:.1f} ms")
-    parts = sorted((e.cpu_time_total, k) for k, e in events.items() if k.startswith("tessera::") and k != "tessera::step")
-    for total, key in reversed(parts):
-        print(f"  {key[9:]:<24}{total / steps / 1e3:>8.2f} ms  {100 * total / step_us:>5.1f}%")
-    rest = step_us - sum(t for t, _ in parts)
-    print(f"  {'rest (embed, lm-head sampling, metadata, python)':<24}{rest / steps / 1e3:>8.2f} ms  {100 * rest / step_us:>5.1f}%")
-
-
 COMPARED = [("gguf", "float32"), ("gguf", "bfloat16"), ("none", "bfloat16"), ("none", "float32")]
 
 
@@ -209,7 +160,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--profile", type=int, metavar="BATCH", help="only profile a decode step at this batch")
+    ap.add_argument("--profile", metavar="BATCHES",
+                    help="only profile whole engine decode steps at these batches (e.g. 8,16,32,64): "
+                         "ms and %% per part (benchmarks/step_profile.py)")
+    ap.add_argument("--speculative-config", help="with --profile: the engine's speculative "
+                    "config (JSON), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     args = ap.parse_args()
     torch.set_num_threads(default_num_threads())
     dtype = getattr(torch, args.dtype)
@@ -217,10 +172,14 @@ def main() -> None:
     if args.compare_quantization:
         compare_quantization(batches, args.ctx, args.steps, args.prefill_len)
         return
-    cfg, weights = load_model(resolve_model_path(None), args.quantization)
     if args.profile:
-        profile_decode(Ours(cfg, weights, dtype), args.profile, args.ctx)
+        from step_profile import main_profile  # benchmarks/step_profile.py
+
+        spec = json.loads(args.speculative_config) if args.speculative_config else None
+        main_profile([int(b) for b in args.profile.split(",")], args.dtype, args.quantization,
+                     args.ctx, args.steps, spec)
         return
+    cfg, weights = load_model(resolve_model_path(None), args.quantization)
     peak = matmul_peak(dtype)
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} matmul peak {peak:.0f} GFLOP/s")
     results = {"tessera": run(Ours(cfg, weights, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)}

@@ -73,16 +73,20 @@ class LlamaLayer:
     def __call__(
         self,
         h: torch.Tensor,  # [num_tokens, hidden]
+        pending: torch.Tensor | None,  # [num_tokens, hidden] the previous layer's MLP output
         rope: RotaryEmbedding,
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """h is the residual stream, updated in place and returned."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h is the residual stream, updated in place. Returns (h, this layer's MLP output): the
+        residual add of the MLP output is left to the next norm, which adds and normalises in
+        one pass (`RMSNorm.add_and_norm`), the same values as adding here."""
         n = h.shape[0]
-        qkv = self.wqkv(self.input_norm(h))  # [n, (H + 2 * KVH) * D]
+        x = self.input_norm(h) if pending is None else self.input_norm.add_and_norm(h, pending)
+        qkv = self.wqkv(x)  # [n, (H + 2 * KVH) * D]
         rope.apply_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k are adjacent
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.qk_size].view(n, self.num_kv_heads, self.head_dim)
@@ -95,7 +99,7 @@ class LlamaLayer:
         down = self.w2(self.act(self.w13(x)))
         if self.tp is not None:
             self.tp.all_reduce_(down)
-        return h.add_(down)
+        return h, down
 
 
 class LlamaForCausalLM:
@@ -161,9 +165,10 @@ class LlamaForCausalLM:
         where the runner samples."""
         h = self.embed(input_ids) if self.tp is None else self._embed_vocab_parallel(input_ids)
         cos, sin = self.rope.lookup(positions)  # once per step, shared by every layer
+        pending = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, self.rope, cos, sin, k_cache, v_cache, meta)
-        return self.norm(h)
+            h, pending = layer(h, pending, self.rope, cos, sin, k_cache, v_cache, meta)
+        return self.norm(h) if pending is None else self.norm.add_and_norm(h, pending)
 
     def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Each rank looks up the ids in its vocabulary slice (zeros for the others); the sum

@@ -97,3 +97,18 @@ def test_layers_fallbacks_agree_with_the_kernels():
     for a, b in zip(fast, slow, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
     assert torch.allclose(normed_fast, normed_slow, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (5, 100), (3, 7)])
+def test_argmax_lse_against_torch(rows, vocab):
+    ops = _ops(torch.float32)
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(rows, vocab, generator=gen) * 8
+    x[0, vocab // 3] = x[0, vocab - 1] = x[0].max() + 1  # a tie: the first index wins, as torch
+    x[-1, : vocab // 2] = float("-inf")  # masked tokens
+    idx, lse = ops.argmax_lse(x)
+    assert idx.tolist() == x.argmax(-1).tolist()
+    ref = x.double().logsumexp(-1)
+    assert (lse.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    wide = torch.randn(4, 64, generator=gen).expand(4, 64)[:, :50]  # a row stride past the width
+    assert ops.argmax_lse(wide)[0].tolist() == wide.argmax(-1).tolist()

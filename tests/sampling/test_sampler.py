@@ -269,3 +269,19 @@ def test_inverse_cdf_never_picks_a_zero_weight():
     w = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]] * 4)
     u = torch.tensor([0.0, 0.3, 0.9999, 1.0 - 2**-24])
     assert _inverse_cdf(w, u).tolist() == [1, 3, 3, 3]
+
+
+def test_greedy_logprobs_on_a_real_vocabulary():
+    """The greedy step's token and logprob (the fused argmax + logsumexp kernel on CPU) against
+    argmax and log_softmax, with rows that ask for top logprobs beside rows that do not."""
+    lg = torch.randn(6, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    lg[2, 17] = lg[2, 4000] = lg[2].max() + 2  # a tie
+    rows = [row(SamplingParams(temperature=0, logprobs=3 if i % 3 == 0 else None))
+            for i in range(6)]
+    out = Sampler()(lg, rows)
+    ref = lg.double().log_softmax(-1)
+    assert tokens(out) == [[t] for t in lg.argmax(-1).tolist()]
+    for i, (s,) in enumerate(out.samples):
+        assert s.logprob == pytest.approx(ref[i, s.token_id].item(), abs=1e-5)
+        if i % 3 == 0:
+            assert s.top_logprobs[s.token_id] == s.logprob  # one source for both
