@@ -9,6 +9,9 @@ ms/layer for each path, the speedup, and the K/V bytes read once at the kernel's
     python benchmarks/attention.py [--batch 64] [--contexts 256,512] [--dtypes float32,bfloat16]
                                    [--threads N]
 
+A dtype entry may name the cache's dtype after a slash: `float32/bfloat16` is fp32 activations
+over a bf16 KV cache (--kv-cache-dtype bfloat16), half the bytes of `float32`.
+
 Timings are the best of three means of --reps calls (wall clock): run it on an otherwise idle
 machine; other busy processes on two cores inflate the two-thread numbers erratically.
 """
@@ -25,12 +28,12 @@ from tessera.kernels.paged_attention import paged_attention_available
 from tessera.utils import cdiv
 
 
-def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, gen):
+def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype, gen):
     max_blocks = cdiv(ctx, block_size)
     num_blocks = 2 * batch * max_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks)
     # Lengths spread over the last block, as decodes of one batch are.
     seq_lens = ctx - torch.randint(0, block_size, (batch,), generator=gen)
@@ -91,30 +94,35 @@ def main() -> None:
         f"B={args.batch} heads={num_heads}/{num_kv_heads} head_dim={args.head_dim} "
         f"block_size={args.block_size}"
     )
-    print(f"{'dtype':>9} {'ctx':>5} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} {'GB/s':>6}")
+    print(f"{'dtype':>16} {'ctx':>5} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} {'GB/s':>6}")
     gen = torch.Generator().manual_seed(0)
-    for dtype_name in args.dtypes.split(","):
+    for entry in args.dtypes.split(","):
+        q_name, _, kv_name = entry.partition("/")
+        dtype = getattr(torch, q_name)
+        kv_dtype = getattr(torch, kv_name) if kv_name else dtype
         for ctx in (int(c) for c in args.contexts.split(",")):
             geometry = (num_heads, num_kv_heads, args.head_dim, args.block_size)
-            bench_case(args.batch, ctx, geometry, getattr(torch, dtype_name), args.reps, gen)
+            bench_case(args.batch, ctx, geometry, dtype, kv_dtype, args.reps, gen)
 
 
-def bench_case(batch, ctx, geometry, dtype, reps, gen) -> None:
+def bench_case(batch, ctx, geometry, dtype, kv_dtype, reps, gen) -> None:
     num_heads, num_kv_heads, head_dim, block_size = geometry
-    q, k_cache, v_cache, tables, seq_lens = make_inputs(batch, ctx, *geometry, dtype, gen)
+    q, k_cache, v_cache, tables, seq_lens = make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen)
     scale = head_dim**-0.5
     # attend() only: the new K/V count as already written (k, v give the backends their shapes)
     k = v = torch.zeros(batch, num_kv_heads, head_dim, dtype=dtype)
-    meta_t = decode_metadata("sdpa", tables, seq_lens, block_size, dtype)
-    meta_k = decode_metadata("paged_kernel", tables, seq_lens, block_size, dtype)
+    meta_t = decode_metadata("sdpa", tables, seq_lens, block_size, kv_dtype)
+    meta_k = decode_metadata("paged_kernel", tables, seq_lens, block_size, kv_dtype)
     out_t, out_k = torch.empty_like(q), torch.empty_like(q)
     ms_t = time_ms(lambda: meta_t.attend(q, k, v, k_cache, v_cache, scale, out_t), reps)
     ms_k = time_ms(lambda: meta_k.attend(q, k, v, k_cache, v_cache, scale, out_k), reps)
     diff = (out_t.float() - out_k.float()).abs().max().item()
-    kv_bytes = 2 * int(seq_lens.sum()) * num_kv_heads * head_dim * q.element_size()
+    kv_bytes = 2 * int(seq_lens.sum()) * num_kv_heads * head_dim * k_cache.element_size()
     name = str(dtype).removeprefix("torch.")
+    if kv_dtype != dtype:
+        name += "/" + str(kv_dtype).removeprefix("torch.")
     print(
-        f"{name:>9} {ctx:>5} {ms_t:>9.3f} {ms_k:>10.3f} {ms_t / ms_k:>7.2f}x "
+        f"{name:>16} {ctx:>5} {ms_t:>9.3f} {ms_k:>10.3f} {ms_t / ms_k:>7.2f}x "
         f"{kv_bytes / ms_k / 1e6:>6.1f}   (max |diff| {diff:.1e})"
     )
 

@@ -13,8 +13,12 @@ Two measurements, each in a fresh process:
 The peer: llama-server F16 with `-c 12288` held 0.6 GB peak on this machine (issue 15's
 measurement; llama.cpp is not installed here, so it is quoted, not re-measured).
 
-    python benchmarks/memory.py [--dtype float32|bfloat16] [--num-requests 64]
-    python benchmarks/memory.py --breakdown [--dtype bfloat16]
+    python benchmarks/memory.py [--dtype float32|bfloat16] [--kv-cache-dtype auto|bfloat16|float32]
+                                [--num-requests 64]
+    python benchmarks/memory.py --breakdown [--dtype bfloat16] [--kv-cache-dtype bfloat16]
+
+`--kv-cache-dtype bfloat16` stores the 12,288-token cache in bf16 whatever the compute dtype, as
+llama-server keeps an f16 KV cache by default.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def peak_mb(pid: int | str = "self") -> float:
     return status_kb("VmHWM", pid) / 1024
 
 
-def breakdown(dtype: str, num_requests: int) -> None:
+def breakdown(dtype: str, kv_cache_dtype: str, num_requests: int) -> None:
     stages: list[tuple[str, float]] = [("interpreter", rss_mb())]
     from tessera.engine.malloc_tuning import limit_malloc_retention, release_free_memory
 
@@ -77,7 +81,7 @@ def breakdown(dtype: str, num_requests: int) -> None:
     tokenizer = load_tokenizer(path)
     stages.append(("tokenizer", rss_mb()))
     args = EngineArgs(dtype=dtype, num_gpu_blocks_override=KV_TOKENS // BLOCK_SIZE,
-                      block_size=BLOCK_SIZE)
+                      block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype)
     stored = checkpoint_dtype(path)
     config = args.create_engine_config(None, stored)
     arch, weights = load_model(path, config.model.quantization)
@@ -106,7 +110,7 @@ def breakdown(dtype: str, num_requests: int) -> None:
     stages.append(("peak during W1 (VmHWM)", peak_mb()))
 
     weights_mb = sum(model.weight_bytes().values()) / 2**20
-    print(f"dtype {config.model.dtype}, KV {KV_TOKENS} tokens: weights {weights_mb:.0f} MiB, "
+    print(f"dtype {config.model.dtype}, KV {kv.dtype} {KV_TOKENS} tokens: weights {weights_mb:.0f} MiB, "
           f"KV pool {kv_mb:.0f} MiB (tensor sizes)")
     print(f"{'stage':<34}{'RSS MiB':>9}{'delta':>8}")
     prev = 0.0
@@ -137,7 +141,7 @@ async def send_w1(url: str, num_requests: int) -> tuple[int, float]:
         return sum(counts), time.perf_counter() - start
 
 
-def serve(dtype: str, num_requests: int, extra: list[str]) -> None:
+def serve(dtype: str, kv_cache_dtype: str, num_requests: int, extra: list[str]) -> None:
     import socket
 
     import httpx
@@ -148,7 +152,8 @@ def serve(dtype: str, num_requests: int, extra: list[str]) -> None:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tessera.entrypoints.cli", "serve", "--port", str(port),
            "--log-level", "warning", "--dtype", dtype, "--block-size", str(BLOCK_SIZE),
-           "--num-gpu-blocks-override", str(KV_TOKENS // BLOCK_SIZE), *extra]
+           "--num-gpu-blocks-override", str(KV_TOKENS // BLOCK_SIZE),
+           "--kv-cache-dtype", kv_cache_dtype, *extra]
     print(" ".join(cmd[1:]))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
@@ -184,15 +189,16 @@ def serve(dtype: str, num_requests: int, extra: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--breakdown", action="store_true", help="in-process RSS by start-up stage")
     ap.add_argument("--server-args", default="", help="extra `tessera serve` flags")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.breakdown:
-        breakdown(args.dtype, args.num_requests)
+        breakdown(args.dtype, args.kv_cache_dtype, args.num_requests)
     else:
-        serve(args.dtype, args.num_requests, args.server_args.split())
+        serve(args.dtype, args.kv_cache_dtype, args.num_requests, args.server_args.split())
 
 
 if __name__ == "__main__":

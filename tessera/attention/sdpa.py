@@ -62,8 +62,8 @@ class SdpaMetadata(AttentionMetadata):
         if nd:
             assert self.decode_block_tables is not None and self.decode_mask is not None
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, kvh, group, D]
-            kd = _gather(k_cache, self.decode_block_tables, nd)  # [B, kvh, L, D]
-            vd = _gather(v_cache, self.decode_block_tables, nd)
+            kd = _gather(k_cache, self.decode_block_tables, nd, q.dtype)  # [B, kvh, L, D]
+            vd = _gather(v_cache, self.decode_block_tables, nd, q.dtype)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
 
@@ -71,15 +71,17 @@ class SdpaMetadata(AttentionMetadata):
             s, e = span.start, span.end
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if span.num_context == 0:
-                kp = k[s:e].transpose(0, 1).unsqueeze(0)  # [1, kvh, n, D]
-                vp = v[s:e].transpose(0, 1).unsqueeze(0)
+                # rounded as the cache stores them (--kv-cache-dtype), so a token attends to the
+                # same K/V whether its prompt came whole or after a cached prefix
+                kp = _as_cached(k[s:e], k_cache, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, n, D]
+                vp = _as_cached(v[s:e], v_cache, q.dtype).transpose(0, 1).unsqueeze(0)
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1
                 )
             else:
                 assert span.block_table is not None and span.mask is not None
-                kp = _gather(k_cache, span.block_table, 1)  # [1, kvh, L, D]
-                vp = _gather(v_cache, span.block_table, 1)
+                kp = _gather(k_cache, span.block_table, 1, q.dtype)  # [1, kvh, L, D]
+                vp = _gather(v_cache, span.block_table, 1, q.dtype)
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=span.mask, scale=scale, enable_gqa=group > 1
                 )
@@ -87,10 +89,18 @@ class SdpaMetadata(AttentionMetadata):
         return out
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """Whole blocks, as [num_seqs, kv_heads, num_blocks * block_size, head_dim] (a strided view)."""
+def _as_cached(x: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to the cache's dtype and back to the compute dtype (no-op when they agree)."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(dtype)
+
+
+def _gather(
+    cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Whole blocks, as [num_seqs, kv_heads, num_blocks * block_size, head_dim] (a strided view),
+    in the compute dtype `dtype` (a bf16 cache beside fp32 activations is widened)."""
     _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache.index_select(0, blocks)  # [num_seqs * num_blocks, block_size, kvh, D]
+    gathered = cache.index_select(0, blocks).to(dtype)  # [num_seqs * num_blocks, block_size, kvh, D]
     return gathered.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 

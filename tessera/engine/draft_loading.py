@@ -20,7 +20,7 @@ from tessera.model.default_model import resolve_model_path
 from tessera.model.loader import load_model
 from tessera.model.registry import get_model_class
 from tessera.tokenizer import load_tokenizer
-from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
+from tessera.worker.cache_engine import CacheEngine, KVCacheSpec, kv_cache_torch_dtype
 from tessera.worker.spec_decode import DraftModelProposer
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,13 @@ def build_draft_proposer(config: EngineConfig, target_path: str, target_model, t
                                                    config.model.max_model_len)
         del weights
     kv = KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
-                     head_dim=arch.head_dim, block_size=config.cache.block_size, dtype=dtype)
+                     head_dim=arch.head_dim, block_size=config.cache.block_size,
+                     dtype=kv_cache_torch_dtype(config))
     cache = CacheEngine(kv, num_gpu_blocks, num_cpu_blocks, device)
     logger.info("draft model %s%s: %d layers, KV cache %d blocks (%.0f MiB)",
                 os.path.basename(path), " (the target itself)" if same else "",
                 arch.num_hidden_layers, num_gpu_blocks, num_gpu_blocks * kv.block_bytes / 2**20)
-    backend = select_attention_backend(device, dtype, config.cache.block_size,
+    backend = select_attention_backend(device, kv.dtype, config.cache.block_size,
                                        name=attention_backend)
     return DraftModelProposer(model, cache, backend, config.cache.block_size,
                               spec.num_speculative_tokens, config.model.max_model_len, device)

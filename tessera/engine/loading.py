@@ -24,7 +24,7 @@ from tessera.model.loader import load_model
 from tessera.model.registry import get_model_class
 from tessera.sampling.grammar import GrammarBackend
 from tessera.tokenizer import load_tokenizer
-from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
+from tessera.worker.cache_engine import CacheEngine, KVCacheSpec, kv_cache_torch_dtype
 from tessera.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def kv_cache_spec(arch: ModelArchConfig, config, num_kv_heads: int) -> KVCacheSp
     """The KV cache of one worker: `num_kv_heads` are its own (a tensor-parallel rank's)."""
     return KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=num_kv_heads,
                        head_dim=arch.head_dim, block_size=config.cache.block_size,
-                       dtype=getattr(torch, config.model.dtype))
+                       dtype=kv_cache_torch_dtype(config))
 
 
 def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:

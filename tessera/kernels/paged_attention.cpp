@@ -15,6 +15,14 @@
 // update (running max m, running sum l, fp32 accumulator acc) per head. Work items are handed out
 // through an atomic counter, because mixed sequence lengths make a static split uneven.
 //
+// The cache may hold another dtype than q/out (--kv-cache-dtype: bf16 K/V beside fp32 activations
+// halves the bytes read); K/V rows are widened to fp32 on load, so the arithmetic is fp32 either way.
+//
+// Scores are computed 16 tokens at a time: 16 lane-wise partial dot products, then one transposed
+// reduction (hsum16: 45 vector ops) into a vector of 16 scores, instead of 16 horizontal sums
+// (~8 ops each plus a scalar store). That was the kernel's biggest cost: bf16 decode attention ran
+// compute-bound at 14 GB/s.
+//
 // Two code paths with the same algorithm: AVX-512 (built with -march=native on a CPU that has it;
 // head_dim 32/64/96/128/256; vdpbf16ps for bf16 scores where available) and portable scalar C++
 // (anything else).
@@ -36,7 +44,7 @@
 
 namespace {
 
-constexpr int64_t kTile = 32;  // tokens per online-softmax update
+constexpr int64_t kTile = 32;  // tokens per online-softmax update (two score vectors of 16)
 
 struct Geometry {
   int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
@@ -44,10 +52,9 @@ struct Geometry {
 };
 
 // Row pointers of kv head g (the item's first) for tokens [t0, t0 + n) of one sequence.
-template <typename scalar_t, typename index_t>
-inline void tile_rows(const scalar_t* k, const scalar_t* v, const index_t* table, int64_t g,
-                      int64_t t0, int64_t n, const Geometry& geo, const scalar_t** kp,
-                      const scalar_t** vp) {
+template <typename kv_t, typename index_t>
+inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t g, int64_t t0,
+                      int64_t n, const Geometry& geo, const kv_t** kp, const kv_t** vp) {
   // One division per tile, not per token (a 64-bit divide costs as much as a head's dot product).
   int64_t idx = t0 / geo.block_size, in_block = t0 % geo.block_size;
   const int64_t row_stride = geo.num_kv_heads * geo.head_dim;
@@ -78,11 +85,11 @@ struct Scratch {
         l(geo.num_heads), corr(geo.num_heads) {}
 };
 
-template <typename scalar_t>
-inline void load_q(const scalar_t* q, const Geometry& geo, int64_t b, int64_t h0, int64_t nh,
+template <typename q_t>
+inline void load_q(const q_t* q, const Geometry& geo, int64_t b, int64_t h0, int64_t nh,
                    float scale, Scratch& sc) {
   for (int64_t j = 0; j < nh; ++j) {
-    const scalar_t* qh = q + b * geo.q_stride_b + (h0 + j) * geo.q_stride_h;
+    const q_t* qh = q + b * geo.q_stride_b + (h0 + j) * geo.q_stride_h;
     for (int64_t d = 0; d < geo.head_dim; ++d)
       sc.q[j * geo.head_dim + d] = static_cast<float>(qh[d]) * scale;
   }
@@ -91,15 +98,15 @@ inline void load_q(const scalar_t* q, const Geometry& geo, int64_t b, int64_t h0
   std::fill(sc.l.begin(), sc.l.end(), 0.f);
 }
 
-template <typename scalar_t>
-inline void store_out(scalar_t* out, const Geometry& geo, int64_t b, int64_t h0, int64_t nh,
+template <typename q_t>
+inline void store_out(q_t* out, const Geometry& geo, int64_t b, int64_t h0, int64_t nh,
                       const Scratch& sc) {
   for (int64_t j = 0; j < nh; ++j) {
-    scalar_t* oh = out + b * geo.out_stride_b + (h0 + j) * geo.out_stride_h;
+    q_t* oh = out + b * geo.out_stride_b + (h0 + j) * geo.out_stride_h;
     // l > 0 whenever the sequence has at least one token; an empty context gives zeros.
     const float inv = sc.l[j] > 0.f ? 1.f / sc.l[j] : 0.f;
     for (int64_t d = 0; d < geo.head_dim; ++d)
-      oh[d] = static_cast<scalar_t>(sc.acc[j * geo.head_dim + d] * inv);
+      oh[d] = static_cast<q_t>(sc.acc[j * geo.head_dim + d] * inv);
   }
 }
 
@@ -117,13 +124,13 @@ inline float rescale_head(Scratch& sc, int64_t j, int64_t head_dim, float tile_m
 
 // ---------------------------------------------------------------------------------------------
 // Portable path.
-template <typename scalar_t, typename index_t>
-void attend_scalar(const scalar_t* q, const scalar_t* k, const scalar_t* v, const index_t* table,
+template <typename q_t, typename kv_t, typename index_t>
+void attend_scalar(const q_t* q, const kv_t* k, const kv_t* v, const index_t* table,
                    int64_t seq_len, int64_t b, int64_t g0, int64_t nkv, float scale,
-                   const Geometry& geo, Scratch& sc, scalar_t* out) {
+                   const Geometry& geo, Scratch& sc, q_t* out) {
   const int64_t D = geo.head_dim, G = geo.group, h0 = g0 * G, nh = nkv * G;
-  const scalar_t* kp[kTile];
-  const scalar_t* vp[kTile];
+  const kv_t* kp[kTile];
+  const kv_t* vp[kTile];
   load_q(q, geo, b, h0, nh, scale, sc);
   for (int64_t t0 = 0; t0 < seq_len; t0 += kTile) {
     const int64_t n = std::min(kTile, seq_len - t0);
@@ -181,60 +188,79 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// dots[j] = q_j * k lane by lane, summed over head_dim chunks (the 16 lanes not yet added up), in
-// fp32 FMAs over k widened to fp32: the path for fp32 caches, and for bf16 without vdpbf16ps.
-template <int NC, typename kv_t>
-inline void dot_rows_fma(const float* q, const kv_t* k, int64_t G, __m512* dots) {
-  __m512 kc[NC];
-  for (int c = 0; c < NC; ++c) kc[c] = load16(k + 16 * c);
-  for (int64_t j = 0; j < G; ++j) {
-    __m512 d = _mm512_setzero_ps();
-    for (int c = 0; c < NC; ++c)
-      d = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * 16 * NC + 16 * c), kc[c], d);
-    dots[j] = d;
+// Transposed horizontal sum: lane i of the result is the sum of d[i]'s 16 lanes. A tree of pairwise
+// shuffles and adds, within 128-bit lanes first, then across them.
+inline __m512 hsum16(const __m512* d) {
+  __m512 w[4];
+  for (int g = 0; g < 4; ++g) {
+    const __m512* x = d + 4 * g;
+    // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    // per 128-bit lane: [a, b, c, d] partial sums of that lane
+    w[g] = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
   }
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-template <int NC>
-inline void dot_rows(const float* q, const at::BFloat16*, const float* k, int64_t G,
-                     __m512* dots) {
-  dot_rows_fma<NC>(q, k, G, dots);
-}
-
-template <int NC>
-inline void dot_rows(const float* q, const at::BFloat16* qb, const at::BFloat16* k, int64_t G,
-                     __m512* dots) {
-#if defined(__AVX512BF16__)
-  // bf16 x bf16 products are exact in fp32; vdpbf16ps sums pairs of them, 32 values an instruction.
-  __m512bh kc[NC / 2];
-  for (int c = 0; c < NC / 2; ++c) kc[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
-  for (int64_t j = 0; j < G; ++j) {
-    __m512 d = _mm512_setzero_ps();
-    for (int c = 0; c < NC / 2; ++c)
-      d = _mm512_dpbf16_ps(d, (__m512bh)_mm512_loadu_si512(qb + j * 16 * NC + 32 * c), kc[c]);
-    dots[j] = d;
-  }
-#else
-  (void)qb;
-  dot_rows_fma<NC>(q, k, G, dots);
-#endif
-}
-
-template <typename scalar_t>
+// vdpbf16ps for the scores when both q and the cache are bf16 (q -> bf16 is then exact, and
+// bf16 x bf16 products are exact in fp32). With fp32 q and a bf16 cache, K is widened instead, so
+// q keeps its precision.
+template <typename q_t, typename kv_t>
 constexpr bool use_dpbf16() {
 #if defined(__AVX512BF16__)
-  return std::is_same<scalar_t, at::BFloat16>::value;
+  return std::is_same<q_t, at::BFloat16>::value && std::is_same<kv_t, at::BFloat16>::value;
 #else
   return false;
 #endif
+}
+
+// Scores of one query head (q: fp32 [D], qb: bf16 copy) against rows k[0..n) (n <= 16), lane i =
+// q . k[i]; lanes past n are 0.
+template <int NC, bool kDp, typename kv_t>
+inline __m512 scores16(const float* q, const at::BFloat16* qb, const kv_t* const* kp, int64_t off,
+                       int64_t n) {
+  __m512 dots[16];
+  if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+    __m512bh qc[NC / 2];
+    for (int c = 0; c < NC / 2; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(qb + 32 * c);
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512 d = _mm512_setzero_ps();
+      if (i < n) {
+        for (int c = 0; c < NC / 2; ++c)
+          d = _mm512_dpbf16_ps(d, qc[c], (__m512bh)_mm512_loadu_si512(kp[i] + off + 32 * c));
+      }
+      dots[i] = d;
+    }
+#endif
+  } else {
+    (void)qb;
+    __m512 qc[NC];
+    for (int c = 0; c < NC; ++c) qc[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512 d = _mm512_setzero_ps();
+      if (i < n) {
+        for (int c = 0; c < NC; ++c) d = _mm512_fmadd_ps(qc[c], load16(kp[i] + off + 16 * c), d);
+      }
+      dots[i] = d;
+    }
+  }
+  return hsum16(dots);
 }
 
 constexpr int64_t kMaxGroup = 16;  // query heads per kv head on the vector path
 
 // acc[g] = acc[g] * corr[g] + sum_i p[g][i] V_i for the GG query heads of one kv head; p[g] is
 // kTile apart, acc[g] head_dim apart, V_i = vp[i] + off.
-template <int NC, int GG, typename scalar_t>
-inline void pv_group(const float* p, const float* corr, const scalar_t* const* vp, int64_t off,
+template <int NC, int GG, typename kv_t>
+inline void pv_group(const float* p, const float* corr, const kv_t* const* vp, int64_t off,
                      int64_t n, int64_t D, float* a) {
   __m512 acc[GG][NC];
   for (int g = 0; g < GG; ++g) {
@@ -253,16 +279,17 @@ inline void pv_group(const float* p, const float* corr, const scalar_t* const* v
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + g * D + 16 * c, acc[g][c]);
 }
 
-template <int NC, typename scalar_t, typename index_t>
-void attend_avx512(const scalar_t* q, const scalar_t* k, const scalar_t* v, const index_t* table,
+template <int NC, typename q_t, typename kv_t, typename index_t>
+void attend_avx512(const q_t* q, const kv_t* k, const kv_t* v, const index_t* table,
                    int64_t seq_len, int64_t b, int64_t g0, int64_t nkv, float scale,
-                   const Geometry& geo, Scratch& sc, scalar_t* out) {
+                   const Geometry& geo, Scratch& sc, q_t* out) {
   static_assert(NC % 2 == 0, "vdpbf16ps takes head_dim in chunks of 32");
+  constexpr bool kDp = use_dpbf16<q_t, kv_t>();
   const int64_t D = geo.head_dim, G = geo.group, h0 = g0 * G, nh = nkv * G;
-  const scalar_t* kp[kTile];
-  const scalar_t* vp[kTile];
+  const kv_t* kp[kTile];
+  const kv_t* vp[kTile];
   load_q(q, geo, b, h0, nh, 1.f, sc);  // unscaled: the scale is applied to the scores
-  if constexpr (use_dpbf16<scalar_t>()) {
+  if constexpr (kDp) {
     for (int64_t x = 0; x < nh * D; ++x) sc.qb[x] = static_cast<at::BFloat16>(sc.q[x]);  // exact
   }
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -270,21 +297,18 @@ void attend_avx512(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
   for (int64_t t0 = 0; t0 < seq_len; t0 += kTile) {
     const int64_t n = std::min(kTile, seq_len - t0);
     tile_rows(k, v, table, g0, t0, n, geo, kp, vp);
-    // Scores: each K row is loaded once for all of the group's heads.
-    __m512 dots[kMaxGroup];
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t kv = 0; kv < nkv; ++kv) {
-        dot_rows<NC>(sc.q.data() + kv * G * D, sc.qb.data() + kv * G * D, kp[i] + kv * D, G, dots);
-        for (int64_t j = 0; j < G; ++j)
-          sc.s[(kv * G + j) * kTile + i] = _mm512_reduce_add_ps(dots[j]);
-      }
-    }
     const __mmask16 lo = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
     for (int64_t j = 0; j < nh; ++j) {
-      float* s = sc.s.data() + j * kTile;
-      const __m512 s0 = _mm512_mask_mul_ps(ninf, lo, _mm512_loadu_ps(s), vscale);
-      const __m512 s1 = _mm512_mask_mul_ps(ninf, hi, _mm512_loadu_ps(s + 16), vscale);
+      // Scores, 16 tokens a vector. The group's heads read the same K rows one after the other:
+      // from DRAM for the first, from L1 for the rest (a tile's rows of one kv head are 2-4 KiB).
+      const float* qj = sc.q.data() + j * D;
+      const at::BFloat16* qbj = sc.qb.data() + j * D;
+      const int64_t off = (j / G) * D;
+      const __m512 r0 = scores16<NC, kDp>(qj, qbj, kp, off, std::min<int64_t>(n, 16));
+      const __m512 s0 = _mm512_mask_mul_ps(ninf, lo, r0, vscale);
+      __m512 s1 = ninf;
+      if (n > 16) s1 = _mm512_mask_mul_ps(ninf, hi, scores16<NC, kDp>(qj, qbj, kp + 16, off, n - 16), vscale);
       const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
       const float m_new = std::max(sc.m[j], tile_max);
       const float corr = std::exp(sc.m[j] - m_new);  // exp(-inf) = 0 on the first tile
@@ -292,6 +316,7 @@ void attend_avx512(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
       const __m512 p0 = _mm512_maskz_mov_ps(lo, exp16(_mm512_sub_ps(s0, _mm512_set1_ps(m_new))));
       const __m512 p1 = _mm512_maskz_mov_ps(hi, exp16(_mm512_sub_ps(s1, _mm512_set1_ps(m_new))));
       sc.l[j] = sc.l[j] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      float* s = sc.s.data() + j * kTile;
       _mm512_storeu_ps(s, p0);
       _mm512_storeu_ps(s + 16, p1);
       sc.corr[j] = corr;
@@ -317,16 +342,16 @@ void attend_avx512(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
 }
 #endif
 
-template <typename scalar_t, typename index_t>
+template <typename q_t, typename kv_t, typename index_t>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
          torch::Tensor& out, const Geometry& geo) {
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const q_t* qp = q.data_ptr<q_t>();
+  const kv_t* kp = k_cache.data_ptr<kv_t>();
+  const kv_t* vp = v_cache.data_ptr<kv_t>();
   const index_t* tables = block_tables.data_ptr<index_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
+  q_t* op = out.data_ptr<q_t>();
   const int64_t num_blocks = k_cache.size(0);
 
   // Validate every block the kernel will touch: a bad index would read outside the cache.
@@ -342,15 +367,15 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     }
   }
 
-  auto attend = attend_scalar<scalar_t, index_t>;
+  auto attend = attend_scalar<q_t, kv_t, index_t>;
 #if defined(__AVX512F__)
   if (geo.group <= kMaxGroup) {
     switch (geo.head_dim) {
-      case 32: attend = attend_avx512<2, scalar_t, index_t>; break;
-      case 64: attend = attend_avx512<4, scalar_t, index_t>; break;
-      case 96: attend = attend_avx512<6, scalar_t, index_t>; break;
-      case 128: attend = attend_avx512<8, scalar_t, index_t>; break;
-      case 256: attend = attend_avx512<16, scalar_t, index_t>; break;
+      case 32: attend = attend_avx512<2, q_t, kv_t, index_t>; break;
+      case 64: attend = attend_avx512<4, q_t, kv_t, index_t>; break;
+      case 96: attend = attend_avx512<6, q_t, kv_t, index_t>; break;
+      case 128: attend = attend_avx512<8, q_t, kv_t, index_t>; break;
+      case 256: attend = attend_avx512<16, q_t, kv_t, index_t>; break;
       default: break;  // other head sizes: portable path
     }
   }
@@ -375,6 +400,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   });
 }
 
+template <typename q_t, typename kv_t>
+void run_index(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+               const torch::Tensor& bt, const torch::Tensor& seq_lens, double scale,
+               torch::Tensor& out, const Geometry& geo) {
+  if (bt.scalar_type() == torch::kInt64)
+    run<q_t, kv_t, int64_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
+  else
+    run<q_t, kv_t, int32_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               double scale, torch::Tensor out) {
@@ -384,9 +419,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
-                  out.scalar_type() == dtype,
-              "q, caches and out must share one dtype");
+  const auto kv_dtype = k_cache.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
+              "paged_attention: q float32 or bfloat16 only, got ", dtype);
+  TORCH_CHECK(kv_dtype == torch::kFloat32 || kv_dtype == torch::kBFloat16,
+              "paged_attention: caches float32 or bfloat16 only, got ", kv_dtype);
+  TORCH_CHECK(v_cache.scalar_type() == kv_dtype, "k_cache and v_cache differ in dtype");
+  TORCH_CHECK(out.scalar_type() == dtype, "out must have q's dtype");
   TORCH_CHECK(q.sizes() == out.sizes(), "out must have q's shape");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out rows must be contiguous");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() &&
@@ -411,17 +450,17 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   geo.out_stride_h = out.stride(1);
   if (geo.num_seqs == 0) return out;
 
-  const bool i64 = block_tables.scalar_type() == torch::kInt64;
-  TORCH_CHECK(i64 || block_tables.scalar_type() == torch::kInt32, "block_tables: int64 or int32");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 ||
+                  block_tables.scalar_type() == torch::kInt32,
+              "block_tables: int64 or int32");
   const auto& bt = block_tables;
+  const bool kv32 = kv_dtype == torch::kFloat32;
   if (dtype == torch::kFloat32) {
-    if (i64) run<float, int64_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
-    else run<float, int32_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
-  } else if (dtype == torch::kBFloat16) {
-    if (i64) run<at::BFloat16, int64_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
-    else run<at::BFloat16, int32_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
+    if (kv32) run_index<float, float>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
+    else run_index<float, at::BFloat16>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
   } else {
-    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
+    if (kv32) run_index<at::BFloat16, float>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
+    else run_index<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
   }
   return out;
 }

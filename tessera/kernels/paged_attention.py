@@ -9,7 +9,8 @@ gather + SDPA path (the same math, slower).
 Inputs, as the paged-kernel attention backend (tessera/attention/paged_kernel.py) builds them for
 every token of a step:
     q             [B, num_heads, head_dim]   last dim contiguous (a slice of the flat batch is fine)
-    k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]  contiguous, same dtype as q
+    k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]  contiguous, float32 or bfloat16
+                  (may differ from q's dtype: --kv-cache-dtype; rows are widened to fp32 on load)
     block_tables  [B, max_blocks] int64 or int32, contiguous; entries past a sequence's last used
                   block are never read (any padding value works)
     seq_lens      [B] int64: tokens to attend, the new one included (already written in the cache)
@@ -36,9 +37,16 @@ def _load() -> ModuleType | None:
     return _module
 
 
-def paged_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when the C++ kernel serves this device/dtype (builds it on the first call)."""
-    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def paged_attention_available(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> bool:
+    """True when the C++ kernel serves this device, activation dtype and cache dtype (`kv_dtype`,
+    default: the activation dtype); builds it on the first call."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    if torch.device(device).type != "cpu" or dtype not in _DTYPES or kv_dtype not in _DTYPES:
         return False
     return _load() is not None
 
@@ -56,7 +64,7 @@ def paged_attention(
     context."""
     if out is None:
         out = torch.empty_like(q)
-    if paged_attention_available(q.device, q.dtype):
+    if paged_attention_available(q.device, q.dtype, k_cache.dtype):
         assert _module is not None
         return _module.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, float(scale), out
@@ -79,8 +87,10 @@ def _torch_fallback(
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     blocks = block_tables.reshape(-1).long()
-    kd = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    vd = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    kd = k_cache.index_select(0, blocks).to(q.dtype)  # a bf16 cache beside fp32 q: widen
+    vd = v_cache.index_select(0, blocks).to(q.dtype)
+    kd = kd.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    vd = vd.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(kd.shape[2], device=q.device)
     mask = (positions.unsqueeze(0) < seq_lens.to(q.device).unsqueeze(1)).view(num_seqs, 1, 1, -1)
     qd = q.reshape(num_seqs, num_kv_heads, group, head_dim)  # [B, kvh, group, D]

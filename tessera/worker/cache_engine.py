@@ -12,8 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.config import GiB
+from tessera.config import GiB, resolve_kv_cache_dtype
 from tessera.utils import kv_bytes_per_token
+
+
+def kv_cache_torch_dtype(config) -> torch.dtype:
+    """The KV cache's dtype for an EngineConfig: --kv-cache-dtype, auto meaning the compute dtype.
+    Every pool (device, CPU swap, the draft model's, a TP rank's shard) is built from a spec with
+    it, and every block move (swap, copy, KV transfer) copies those tensors, so all follow."""
+    return getattr(torch, resolve_kv_cache_dtype(config.cache.cache_dtype, config.model.dtype))
 
 
 @dataclass(frozen=True)

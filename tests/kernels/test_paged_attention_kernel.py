@@ -131,3 +131,45 @@ def test_torch_fallback_matches_reference(dtype):
     ref = _reference(q, k_cache, v_cache, tables, lens, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0)
+
+
+MIXED = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("dtypes", MIXED, ids=["q32-kv16", "q16-kv32"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_cache_dtype_differs_from_q(kernel, dtypes, head_dim):
+    """--kv-cache-dtype: the cache may be bf16 beside fp32 activations (or the reverse); K/V are
+    widened on load, so the result is the fp32 reference on the stored (rounded) K/V."""
+    q_dtype, kv_dtype = dtypes
+    gen = torch.Generator().manual_seed(head_dim + (q_dtype == torch.float32))
+    seq_lens = [1, 15, 16, 17, 33, 100, 257]
+    q, k_cache, v_cache, tables, lens = _make_case(
+        9, 3, head_dim, 16, seq_lens, kv_dtype, gen, torch.int64
+    )
+    q = q.to(q_dtype)
+    out = pa.paged_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    assert out.dtype == q_dtype
+    ref = _reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0)
+    tables[tables >= k_cache.shape[0]] = 0  # the fallback gathers padding blocks too
+    fb = pa._torch_fallback(q, k_cache, v_cache, tables, lens, head_dim**-0.5, torch.empty_like(q))
+    torch.testing.assert_close(fb.float(), ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.bfloat16,) * 2, MIXED[0]])
+def test_row_independent_bitwise(kernel, dtypes):
+    """A row's result never depends on its batch neighbours, nor on how the rows are split into work
+    items (one kv head per item at small batches, whole sequences at large ones): bitwise."""
+    q_dtype, kv_dtype = dtypes
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = torch.randint(1, 400, (40,), generator=gen).tolist()
+    q, k_cache, v_cache, tables, lens = _make_case(
+        9, 3, 64, 16, seq_lens, kv_dtype, gen, torch.int64
+    )
+    q = q.to(q_dtype)
+    batched = pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    for b in (0, 7, 39):
+        alone = pa.paged_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125)
+        assert torch.equal(alone[0], batched[b]), b
