@@ -25,7 +25,7 @@ import logging
 import math
 import shlex
 
-from tessera.config import EngineConfig, GiB, resolve_dtype
+from tessera.config import EngineConfig, GiB, resolve_dtype, resolve_kv_cache_dtype
 
 # engine flags the simulator replaces or does not model: the model and device are the cost
 # model's (--profile / --model-config, --hardware), quantization is in the calibrated profile
@@ -131,7 +131,9 @@ def make_cost_model(args: argparse.Namespace):
     spec = load_model_config(args.model_config)
     # the simulated device is not this CPU: float16 is the GPU's own type here
     dtype = resolve_dtype(args.dtype, spec.torch_dtype, "meta")
-    return RooflineCostModel(spec, load_hardware(args.hardware), dtype, args.tensor_parallel_size)
+    kv_dtype = resolve_kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype)
+    return RooflineCostModel(spec, load_hardware(args.hardware), dtype, args.tensor_parallel_size,
+                             kv_dtype)
 
 
 def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, int, int]:

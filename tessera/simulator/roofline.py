@@ -34,9 +34,13 @@ class RooflineCostModel(CostModel):
     name = "roofline"
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, dtype: str,
-                 tensor_parallel_size: int = 1) -> None:
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str | None = None) -> None:
+        """`kv_cache_dtype` is the resolved --kv-cache-dtype (None: the compute dtype): it sizes
+        the KV blocks and the bytes attention reads, as the engine's cache does."""
+        kv_dtype = kv_cache_dtype or dtype
+        for flag, value in (("--dtype", dtype), ("--kv-cache-dtype", kv_dtype)):
+            if value not in DTYPE_BYTES:
+                raise ValueError(f"{flag} {value!r} is not one of {', '.join(DTYPE_BYTES)}")
         n = tensor_parallel_size
         self.model, self.hardware, self.dtype = model, hardware, dtype
         self.tensor_parallel_size = n
@@ -52,7 +56,7 @@ class RooflineCostModel(CostModel):
                                                    hardware.link("tp_link"))
         self.kv_link = parse_link(hardware.kv_link, f"--hardware {hardware.name} kv_link")
         # one device's share (all of it at n = 1): KV geometry, FLOPs and bytes per rank
-        self.geometry = KVGeometry(model.num_layers, kv_heads, model.head_dim, DTYPE_BYTES[dtype])
+        self.geometry = KVGeometry(model.num_layers, kv_heads, model.head_dim, DTYPE_BYTES[kv_dtype])
         self.max_model_len = model.max_position_embeddings
         self._flops = hardware.flops(dtype) * hardware.compute_efficiency * n  # n devices
         self._bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency

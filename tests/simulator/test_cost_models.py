@@ -77,6 +77,20 @@ def test_llama3_8b_kv_and_roofline_by_hand():
     assert model.step_time(prefill) == pytest.approx(linear + attention + hw.step_overhead_s)
 
 
+def test_roofline_kv_cache_dtype_sizes_blocks_and_attention_bytes():
+    """--kv-cache-dtype bfloat16 beside fp32 compute: half the KV bytes per block and per read."""
+    spec, hw = load_model_config("Llama-3-8B"), load_hardware("H100-SXM")
+    fp32 = RooflineCostModel(spec, hw, "float32")
+    bf16_kv = RooflineCostModel(spec, hw, "float32", kv_cache_dtype="bfloat16")
+    assert bf16_kv.geometry.block_bytes(16) * 2 == fp32.geometry.block_bytes(16)
+    decode = BatchShape(num_decode_tokens=1, num_context_tokens=4000, num_seqs=1,
+                        num_attention_pairs=4000)
+    saved = 4000 * spec.kv_bytes_per_token("bfloat16") / (hw.memory_bandwidth * hw.memory_efficiency)
+    assert fp32.step_time(decode) - bf16_kv.step_time(decode) == pytest.approx(saved)
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        RooflineCostModel(spec, hw, "float32", kv_cache_dtype="fp8")
+
+
 def test_roofline_orders_hardware_and_batches():
     spec = load_model_config("Llama-3-8B")
     models = {h: RooflineCostModel(spec, load_hardware(h), "bfloat16")
