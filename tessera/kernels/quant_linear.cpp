@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear_amx.h"
 #include "linear_tiles.h"
 
 namespace {
@@ -139,15 +140,15 @@ void qtile_f32(const float* x, const uint8_t* panel, int64_t K, float* y, int64_
   for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
 }
 
-// One panel dequantized into the dense fp32 layout [K][kPanel] (for many rows).
+// Blocks [b0, b1) of a panel dequantized into the dense fp32 layout [(b1 - b0) * kBlock][kPanel].
 template <typename F>
-void dequant_panel_f32(const uint8_t* panel, int64_t K, float* out) {
-  for (int64_t blk = 0; blk < K / F::kBlock; ++blk) {
+void dequant_panel_f32(const uint8_t* panel, int64_t b0, int64_t b1, float* out) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* rec = panel + blk * F::kRecord;
     __m512 sc[kVecs], mn[kVecs];
     block_scales<F>(rec, sc, mn);
     for (int j = 0; j < F::kBlock / 2; ++j) {
-      float* o = out + (blk * F::kBlock + 2 * j) * kPanel;
+      float* o = out + ((blk - b0) * F::kBlock + 2 * j) * kPanel;
       for (int v = 0; v < kVecs; ++v) {
         __m512 w0, w1;
         dequant_pair<F>(rec, j, v, sc[v], mn[v], w0, w1);
@@ -199,13 +200,13 @@ void qtile_bf16(const at::BFloat16* x, const uint8_t* panel, int64_t K, at::BFlo
 }
 
 template <typename F>
-void dequant_panel_bf16(const uint8_t* panel, int64_t K, at::BFloat16* out) {
-  for (int64_t blk = 0; blk < K / F::kBlock; ++blk) {
+void dequant_panel_bf16(const uint8_t* panel, int64_t b0, int64_t b1, at::BFloat16* out) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* rec = panel + blk * F::kRecord;
     __m512 sc[kVecs], mn[kVecs];
     block_scales<F>(rec, sc, mn);
     for (int j = 0; j < F::kBlock / 2; ++j) {
-      at::BFloat16* o = out + (blk * (F::kBlock / 2) + j) * 2 * kPanel;
+      at::BFloat16* o = out + ((blk - b0) * (F::kBlock / 2) + j) * 2 * kPanel;
       for (int v = 0; v < kVecs; ++v) {
         __m512 w0, w1;
         dequant_pair<F>(rec, j, v, sc[v], mn[v], w0, w1);
@@ -229,6 +230,39 @@ struct QBf16Tile {
 };
 #endif
 
+#if defined(TESSERA_HAVE_AMX)
+// bf16 activations on AMX (linear_amx.h): each panel is dequantized once per thread into a dense
+// bf16 panel and the AMX tiles run over it, for every M, as the dense kernel's AMX path does (so
+// the two agree bit for bit).
+template <typename F>
+void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
+             int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
+  std::vector<at::BFloat16> xa(round_up(M, kAmxRows) * K);
+  amx_pack_rows(x, ldx, M, K, xa.data());
+  const int64_t rows_per_block = std::min(M, kRowsPerBlock);
+  const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
+  at::parallel_for(0, num_row_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<at::BFloat16> buf;
+    if (static_cast<int64_t>(buf.size()) < K * kPanel) buf.resize(K * kPanel);
+    int64_t buf_panel = -1;
+    amx_configure();
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
+      const int64_t m0 = rb * rows_per_block;
+      const int64_t n0 = p * kPanel;
+      if (buf_panel != p) {
+        dequant_panel_bf16<F>(packed + p * (K / F::kBlock) * F::kRecord, 0, K / F::kBlock,
+                              buf.data());
+        buf_panel = p;
+      }
+      amx_rows_against_panel(xa.data() + m0 * K, std::min(rows_per_block, M - m0), buf.data(), K,
+                             y + m0 * ldy + n0, ldy, N - n0, bias ? bias + n0 : nullptr);
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // x [M, K] against every panel; see the header for the two ways through a panel.
 template <typename F, typename T>
 void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t num_panels,
@@ -236,7 +270,8 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, i
   constexpr bool kF32 = std::is_same_v<T, float>;
   constexpr int P = kF32 ? 1 : 2;
   using Fn = void (*)(const T*, const uint8_t*, int64_t, T*, int64_t, int64_t, const float*);
-  using DenseFn = void (*)(const T*, const T*, int64_t, T*, int64_t, int64_t, const float*);
+  using DenseFn = void (*)(const T*, const T*, int64_t, const Span&, T*, int64_t, int64_t,
+                           const float*, const T*);
   static const auto qtiles = [] {
     if constexpr (kF32) return make_tiles<Fn, QF32Tile<F>>();
 #if defined(__AVX512BF16__)
@@ -249,6 +284,11 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, i
     else return make_tiles<DenseFn, Bf16Tile>();
 #endif
   }();
+#if defined(TESSERA_HAVE_AMX)
+  if constexpr (!kF32) {
+    if (amx_ready()) return run_amx<F>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias);
+  }
+#endif
   std::vector<T> xp_store;
   const T* xp = x;
   if (M > 1 || ldx != K) {  // M == 1 with a contiguous row is already in the packed layout
@@ -260,8 +300,20 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, i
   const int64_t rows_per_block = std::min(M, kRowsPerBlock);
   const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
   const int64_t units = num_row_blocks * num_panels;
+  auto dequant = [&](const uint8_t* panel, int64_t b0, int64_t b1, T* out) {
+    if constexpr (kF32) dequant_panel_f32<F>(panel, b0, b1, out);
+#if defined(__AVX512BF16__)
+    else dequant_panel_bf16<F>(panel, b0, b1, out);
+#endif
+  };
+  // Dense way, one row block: each K slice of the panel is dequantized into L1 once and every row
+  // tile runs over it. Several row blocks (prefill): the whole panel is dequantized once per thread
+  // into an L2 buffer and each row block runs over that.
+  const bool whole_panel = dense && num_row_blocks > 1;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(dense ? K * kPanel : 0);
+    thread_local std::vector<T> buf;
+    const int64_t buf_elems = whole_panel ? K * kPanel : kSliceK * kPanel;
+    if (dense && static_cast<int64_t>(buf.size()) < buf_elems) buf.resize(buf_elems);
     int64_t buf_panel = -1;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
@@ -278,15 +330,22 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, i
         }
         continue;
       }
-      if (buf_panel != p) {  // units are panel-major: a thread dequantizes each panel once
-        if constexpr (kF32) dequant_panel_f32<F>(panel, K, buf.data());
-#if defined(__AVX512BF16__)
-        else dequant_panel_bf16<F>(panel, K, buf.data());
-#endif
-        buf_panel = p;
+      if (whole_panel) {
+        if (buf_panel != p) {  // units are panel-major: a thread dequantizes each panel once
+          dequant(panel, 0, K / F::kBlock, buf.data());
+          buf_panel = p;
+        }
+        rows_against_panel(xp + m0 * K, rows, buf.data(), K, y0, ldy, N - n0, b0,
+                           dense_tiles.data());
+        continue;
       }
-      rows_against_panel(xp + m0 * K, rows, buf.data(), K, y0, ldy, N - n0, b0,
-                         dense_tiles.data());
+      float* partial = partial_sums(rows);
+      for (int64_t k0 = 0; k0 < K; k0 += kSliceK) {
+        const int64_t k1 = std::min(K, k0 + kSliceK);
+        dequant(panel, k0 / F::kBlock, k1 / F::kBlock, buf.data());
+        rows_against_slice(xp + m0 * K, rows, K, k0, k1, buf.data(), partial, y0, ldy, N - n0,
+                           b0, dense_tiles.data(), static_cast<const T*>(nullptr));
+      }
     }
   });
 }

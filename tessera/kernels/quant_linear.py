@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.kernels.build import load_extension
-from tessera.kernels.linear import TILES_HEADER
+from tessera.kernels.linear import AMX_HEADER, TILES_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ Q8_FLOAT16 = QuantFormat("q8_float16", 3, 8, 16, np.float32, False)
 
 
 def _module() -> ModuleType | None:
-    return load_extension("tessera_quant_linear", _SOURCE, depends=(TILES_HEADER,))
+    return load_extension("tessera_quant_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER))
 
 
 def quant_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:
