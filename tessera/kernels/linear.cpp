@@ -12,6 +12,11 @@
 // is: a row's result does not depend on the rows batched with it, which is what keeps greedy
 // decoding invariant under batching, chunking and prefix caching in bf16 as well as fp32.
 //
+// Tiles by M (same sums either way, see linear_tiles.h): M <= 8 rows run one register tile over
+// the whole panel; more rows run every 8-row tile over each 64-wide K slice of the panel in turn,
+// so a panel is read from memory once per step, not once per 8 rows. bf16 on a CPU with AMX runs
+// every M on tdpbf16ps tiles instead (linear_amx.h).
+//
 // The panel layout and the tiles live in linear_tiles.h, shared with quant_linear.cpp.
 #include <torch/extension.h>
 
@@ -119,7 +124,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
     const at::BFloat16* w_ptr = packed.data_ptr<at::BFloat16>();
     at::BFloat16* y_ptr = y.data_ptr<at::BFloat16>();
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      amx_configure();  // tile state is per thread
+      amx_configure(M);  // tile state is per thread
       for (int64_t u = begin; u < end; ++u) {
         const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
         const int64_t m0 = rb * rows_per_block;

@@ -45,11 +45,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-2: C (fp32 [16][16]); 3: A (16 rows x 32 bf16); 4-6: B (16 pair-rows x 16 outputs).
-inline void amx_configure() {
+// Tiles 0-2: C (fp32 [rows][16]); 3: A (rows x 32 bf16); 4-6: B (16 pair-rows x 16 outputs).
+// `rows` = min(M, 16): a tdpbf16ps costs by its rows, and a lone decode row needs one, not 16
+// (each C element's sum is the same whatever the tile's row count).
+inline void amx_configure(int64_t rows) {
   TileConfig cfg;
   for (int t = 0; t < 7; ++t) {
-    cfg.rows[t] = 16;
+    cfg.rows[t] = t < 4 ? static_cast<uint8_t>(std::min<int64_t>(rows, 16)) : 16;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
@@ -67,7 +69,8 @@ inline void amx_pack_rows(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t
 }
 
 // Rows [0, M) of x (amx_pack_rows) against one bf16 panel [K/2][kPanel][2]; the caller has
-// configured the tiles on this thread (amx_configure).
+// configured the tiles on this thread (amx_configure with the batch's row count; a smaller last
+// group computes zero padding rows it never stores).
 inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::BFloat16* panel,
                                    int64_t K, at::BFloat16* y, int64_t ldy, int64_t n_valid,
                                    const float* bias) {

@@ -212,7 +212,7 @@ void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uin
     thread_local std::vector<at::BFloat16> buf;
     if (static_cast<int64_t>(buf.size()) < K * kPanel) buf.resize(K * kPanel);
     int64_t buf_panel = -1;
-    amx_configure();
+    amx_configure(M);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
       const int64_t m0 = rb * rows_per_block;
