@@ -12,6 +12,11 @@
 // is: a row's result does not depend on the rows batched with it, which is what keeps greedy
 // decoding invariant under batching, chunking and prefix caching in bf16 as well as fp32.
 //
+// Tiles by M (same sums either way, see linear_tiles.h): M <= 8 rows run one register tile over
+// the whole panel; more rows run every 8-row tile over each 64-wide K slice of the panel in turn,
+// so a panel is read from memory once per step, not once per 8 rows. bf16 on a CPU with AMX runs
+// every M on tdpbf16ps tiles instead (linear_amx.h).
+//
 // The panel layout and the tiles live in linear_tiles.h, shared with quant_linear.cpp.
 #include <torch/extension.h>
 
@@ -19,6 +24,7 @@
 
 #include <type_traits>
 
+#include "linear_amx.h"
 #include "linear_tiles.h"
 
 namespace {
@@ -103,16 +109,39 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   };
 
   if (x.scalar_type() == torch::kFloat32) {
-    using Fn = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, const float*);
+    using Fn = void (*)(const float*, const float*, int64_t, const Span&, float*, int64_t, int64_t,
+                        const float*, const float*);
     static const auto tiles = make_tiles<Fn, F32Tile>();
     run(x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), tiles.data(),
         K * kPanel);
     return y;
   }
+#if defined(TESSERA_HAVE_AMX)
+  if (x.scalar_type() == torch::kBFloat16 && amx_ready()) {
+    auto xa = torch::empty({round_up(M, kAmxRows) * K}, x.options());
+    const at::BFloat16* xa_ptr = xa.data_ptr<at::BFloat16>();
+    amx_pack_rows(x.data_ptr<at::BFloat16>(), ldx, M, K, xa.data_ptr<at::BFloat16>());
+    const at::BFloat16* w_ptr = packed.data_ptr<at::BFloat16>();
+    at::BFloat16* y_ptr = y.data_ptr<at::BFloat16>();
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      amx_configure(M);  // tile state is per thread
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
+        const int64_t m0 = rb * rows_per_block;
+        const int64_t n0 = p * kPanel;
+        amx_rows_against_panel(xa_ptr + m0 * K, std::min(rows_per_block, M - m0),
+                               w_ptr + p * K * kPanel, K, y_ptr + m0 * N + n0, N, N - n0,
+                               b ? b + n0 : nullptr);
+      }
+      _tile_release();
+    });
+    return y;
+  }
+#endif
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == torch::kBFloat16) {
-    using Fn = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, at::BFloat16*, int64_t,
-                        int64_t, const float*);
+    using Fn = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, const Span&,
+                        at::BFloat16*, int64_t, int64_t, const float*, const at::BFloat16*);
     static const auto tiles = make_tiles<Fn, Bf16Tile>();
     run(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(),
         tiles.data(), K * kPanel);

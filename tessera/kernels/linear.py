@@ -31,10 +31,11 @@ from tessera.kernels.build import load_extension
 
 _SOURCE = Path(__file__).with_name("linear.cpp")
 TILES_HEADER = Path(__file__).with_name("linear_tiles.h")  # the panel layout, shared with quant_linear
+AMX_HEADER = Path(__file__).with_name("linear_amx.h")  # bf16 tiles on AMX, shared with quant_linear
 
 
 def _module() -> ModuleType | None:
-    return load_extension("tessera_linear", _SOURCE, depends=(TILES_HEADER,))
+    return load_extension("tessera_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER))
 
 
 def linear_kernel_supported(weight: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -58,25 +59,6 @@ inline void store_row(float* y, int64_t n_valid, __m512* acc, const float* bias)
   }
 }
 
-// R rows of x, packed [K][R], against one fp32 panel [K][kPanel].
-template <int R>
-void tile_f32(const float* x, const float* panel, int64_t K, float* y, int64_t ldy,
-              int64_t n_valid, const float* bias) {
-  __m512 acc[R][kVecs];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = panel + k * kPanel;
-    __m512 wv[kVecs];
-    for (int v = 0; v < kVecs; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[k * R + r]);
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
-}
-
 #if defined(__AVX512BF16__)
 inline void store_row(at::BFloat16* y, int64_t n_valid, __m512* acc, const float* bias) {
   for (int v = 0; v < kVecs; ++v) {
@@ -85,27 +67,84 @@ inline void store_row(at::BFloat16* y, int64_t n_valid, __m512* acc, const float
     _mm256_mask_storeu_epi16(y + 16 * v, lanes(n_valid, v), (__m256i)_mm512_cvtneps_pbh(a));
   }
 }
+#endif
 
-// R rows of x, packed [K/2][R][2], against one bf16 panel [K/2][kPanel][2].
+// Where a tile's K range sits in the whole reduction. A tile that covers all of K starts from
+// zero and stores y; a slice of K (see rows_against_slice) resumes the fp32 partial sums its
+// previous slice left in `partial` ([R][kPanel]) and leaves them there again, until the last slice
+// stores y. Storing and reloading fp32 is exact, so a sliced reduction is the same sequence of
+// fmas in K order as an unsliced one: bit for bit the same result.
+struct Span {
+  float* partial;  // [R][kPanel] fp32, or nullptr when the tile covers all of K
+  bool first, last;
+};
+
 template <int R>
-void tile_bf16(const at::BFloat16* x, const at::BFloat16* panel, int64_t K,
-               at::BFloat16* y, int64_t ldy, int64_t n_valid, const float* bias) {
-  __m512 acc[R][kVecs];
+inline void begin_acc(__m512 (&acc)[R][kVecs], const Span& s) {
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t K2 = K / 2;
-  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    for (int v = 0; v < kVecs; ++v)
+      acc[r][v] = s.first ? _mm512_setzero_ps() : _mm512_loadu_ps(s.partial + r * kPanel + 16 * v);
+}
+
+template <int R, typename T>
+inline void end_acc(__m512 (&acc)[R][kVecs], const Span& s, T* y, int64_t ldy, int64_t n_valid,
+                    const float* bias) {
+  if (s.last) {
+    for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
+    return;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(s.partial + r * kPanel + 16 * v, acc[r][v]);
+}
+
+// Prefetch distance (K positions) of a single tile streaming a whole panel from memory.
+constexpr int64_t kPrefetchK = 16;
+
+// R rows of x, packed [nk][R], against nk K-positions of one fp32 panel [nk][kPanel].
+// `prefetch`, when set, is the weight row to pull into L1 at each k (the next slice, or ahead).
+template <int R>
+void tile_f32(const float* x, const float* panel, int64_t nk, const Span& span, float* y,
+              int64_t ldy, int64_t n_valid, const float* bias, const float* prefetch) {
+  __m512 acc[R][kVecs];
+  begin_acc<R>(acc, span);
+  for (int64_t k = 0; k < nk; ++k) {
+    const float* w = panel + k * kPanel;
+    if (prefetch != nullptr)
+      for (int v = 0; v < kVecs; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel + 16 * v), _MM_HINT_T0);
+    __m512 wv[kVecs];
+    for (int v = 0; v < kVecs; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[k * R + r]);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+    }
+  }
+  end_acc<R>(acc, span, y, ldy, n_valid, bias);
+}
+
+#if defined(__AVX512BF16__)
+
+// R rows of x, packed [nk/2][R][2], against nk (even) K-positions of a bf16 panel [nk/2][kPanel][2].
+template <int R>
+void tile_bf16(const at::BFloat16* x, const at::BFloat16* panel, int64_t nk, const Span& span,
+               at::BFloat16* y, int64_t ldy, int64_t n_valid, const float* bias,
+               const at::BFloat16* prefetch) {
+  __m512 acc[R][kVecs];
+  begin_acc<R>(acc, span);
+  const int32_t* xpairs = reinterpret_cast<const int32_t*>(x);
+  for (int64_t k2 = 0; k2 < nk / 2; ++k2) {
     const at::BFloat16* w = panel + k2 * 2 * kPanel;
+    if (prefetch != nullptr)
+      for (int v = 0; v < kVecs; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + k2 * 2 * kPanel + 32 * v), _MM_HINT_T0);
     __m512bh wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + (k2 * R + r) * 2, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xpairs[k2 * R + r]);
       for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
     }
   }
-  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
+  end_acc<R>(acc, span, y, ldy, n_valid, bias);
 }
 #endif  // __AVX512BF16__
 
@@ -145,13 +184,54 @@ void pack_rows(const T* x, int64_t ldx, int64_t M, int64_t K, T* out) {
   }
 }
 
-// Rows [0, M) of packed x (M a multiple of kMaxRows unless it is the last run) against a panel.
+// K positions per slice when several row tiles share a panel: a slice of the panel (12 KB in
+// fp32) is loaded from memory once, by the first tile, which also prefetches the next slice, and
+// every other tile reads it from L1. Without slicing each 8-row tile streamed the whole panel
+// again (from L2 at best), so M = 16-64 paid the weight stream M/8 times.
+#ifndef TESSERA_LINEAR_SLICE_K
+#define TESSERA_LINEAR_SLICE_K 64
+#endif
+constexpr int64_t kSliceK = TESSERA_LINEAR_SLICE_K;
+static_assert(kSliceK % 32 == 0, "a slice holds whole quant blocks and bf16 pairs");
+
+// The fp32 partial sums of every row tile of a row block between K slices: [rows][kPanel].
+inline float* partial_sums(int64_t rows) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < rows * kPanel) buf.resize(rows * kPanel);
+  return buf.data();
+}
+
+// Rows [0, M) of packed x (tiles of kMaxRows, see pack_rows) against K positions [k0, k1) of a
+// panel, given as `w` = that slice ([k1 - k0] rows of the panel layout). `K` is x's full width.
+template <typename T, typename TileFn>
+void rows_against_slice(const T* xp, int64_t M, int64_t K, int64_t k0, int64_t k1, const T* w,
+                        float* partial, T* y, int64_t ldy, int64_t n_valid, const float* bias,
+                        TileFn tiles[], const T* prefetch) {
+  const Span span{partial, k0 == 0, k1 == K};
+  for (int64_t m = 0; m < M; m += kMaxRows) {
+    const int64_t r = std::min<int64_t>(kMaxRows, M - m);
+    Span s = span;
+    if (s.partial != nullptr) s.partial += m * kPanel;
+    tiles[r](xp + m * K + k0 * r, w, k1 - k0, s, y + m * ldy, ldy, n_valid, bias,
+             m == 0 ? prefetch : nullptr);
+  }
+}
+
+// Rows [0, M) of packed x against a whole dense panel: one tile streams it (prefetching ahead),
+// or, for more rows than a tile holds, slice by slice with every tile against each slice.
 template <typename T, typename TileFn>
 void rows_against_panel(const T* xp, int64_t M, const T* panel, int64_t K, T* y, int64_t ldy,
                         int64_t n_valid, const float* bias, TileFn tiles[]) {
-  for (int64_t m = 0; m < M; m += kMaxRows) {
-    const int64_t r = std::min<int64_t>(kMaxRows, M - m);
-    tiles[r](xp + m * K, panel, K, y + m * ldy, ldy, n_valid, bias);
+  if (M <= kMaxRows) {
+    tiles[M](xp, panel, K, Span{nullptr, true, true}, y, ldy, n_valid, bias,
+             panel + kPrefetchK * kPanel);
+    return;
+  }
+  float* partial = partial_sums(M);
+  for (int64_t k0 = 0; k0 < K; k0 += kSliceK) {
+    const int64_t k1 = std::min(K, k0 + kSliceK);
+    rows_against_slice(xp, M, K, k0, k1, panel + k0 * kPanel, partial, y, ldy, n_valid, bias,
+                       tiles, panel + k1 * kPanel);
   }
 }
 

@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear_amx.h"
 #include "linear_tiles.h"
 
 namespace {
@@ -109,55 +110,6 @@ inline void block_scales(const uint8_t* rec, __m512* sc, __m512* mn) {
   }
 }
 
-// R rows of x, packed [K][R] (linear_tiles.h pack_rows), against one quantized panel; the same
-// accumulation as tile_f32 on the dequantized panel.
-template <typename F, int R>
-void qtile_f32(const float* x, const uint8_t* panel, int64_t K, float* y, int64_t ldy,
-               int64_t n_valid, const float* bias) {
-  __m512 acc[R][kVecs];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t num_blocks = K / F::kBlock;
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const uint8_t* rec = panel + blk * F::kRecord;
-    __m512 sc[kVecs], mn[kVecs];
-    block_scales<F>(rec, sc, mn);
-    const float* xb = x + blk * F::kBlock * R;
-    for (int j = 0; j < F::kBlock / 2; ++j) {
-      __m512 w0[kVecs], w1[kVecs];
-      for (int v = 0; v < kVecs; ++v) dequant_pair<F>(rec, j, v, sc[v], mn[v], w0[v], w1[v]);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(xb[(2 * j) * R + r]);
-        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w0[v], acc[r][v]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(xb[(2 * j + 1) * R + r]);
-        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w1[v], acc[r][v]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
-}
-
-// One panel dequantized into the dense fp32 layout [K][kPanel] (for many rows).
-template <typename F>
-void dequant_panel_f32(const uint8_t* panel, int64_t K, float* out) {
-  for (int64_t blk = 0; blk < K / F::kBlock; ++blk) {
-    const uint8_t* rec = panel + blk * F::kRecord;
-    __m512 sc[kVecs], mn[kVecs];
-    block_scales<F>(rec, sc, mn);
-    for (int j = 0; j < F::kBlock / 2; ++j) {
-      float* o = out + (blk * F::kBlock + 2 * j) * kPanel;
-      for (int v = 0; v < kVecs; ++v) {
-        __m512 w0, w1;
-        dequant_pair<F>(rec, j, v, sc[v], mn[v], w0, w1);
-        _mm512_storeu_ps(o + 16 * v, w0);
-        _mm512_storeu_ps(o + kPanel + 16 * v, w1);
-      }
-    }
-  }
-}
-
 #if defined(__AVX512BF16__)
 // (w0, w1) fp32 -> bf16 pairs per output lane: the operand layout of vdpbf16ps and of the dense
 // bf16 panels ([K/2][kPanel][2]). Rounds to nearest even, as torch's fp32 -> bf16 cast.
@@ -167,66 +119,114 @@ inline __m512i bf16_pairs(__m512 w0, __m512 w1) {
       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
 }
+#endif  // __AVX512BF16__
 
-template <typename F, int R>
-void qtile_bf16(const at::BFloat16* x, const uint8_t* panel, int64_t K, at::BFloat16* y,
-                int64_t ldy, int64_t n_valid, const float* bias) {
+// R rows of x, packed as linear_tiles.h pack_rows does (fp32 [K][R], bf16 [K/2][R][2]), against
+// one quantized panel: each block is dequantized in registers and used by every row, with the
+// accumulation of tile_f32 / tile_bf16 on the dequantized panel (bf16: weights rounded to bf16
+// pairs first, as the dense bf16 panel holds them).
+template <typename F, typename T, int R>
+void qtile(const T* x, const uint8_t* panel, int64_t K, T* y, int64_t ldy, int64_t n_valid,
+           const float* bias) {
   __m512 acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t num_blocks = K / F::kBlock;
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+  for (int64_t blk = 0; blk < K / F::kBlock; ++blk) {
     const uint8_t* rec = panel + blk * F::kRecord;
     __m512 sc[kVecs], mn[kVecs];
     block_scales<F>(rec, sc, mn);
     for (int j = 0; j < F::kBlock / 2; ++j) {
-      __m512bh wv[kVecs];
-      for (int v = 0; v < kVecs; ++v) {
-        __m512 w0, w1;
-        dequant_pair<F>(rec, j, v, sc[v], mn[v], w0, w1);
-        wv[v] = (__m512bh)bf16_pairs(w0, w1);
-      }
-      const int64_t k2 = blk * (F::kBlock / 2) + j;
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + (k2 * R + r) * 2, sizeof(pair));
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+      __m512 w0[kVecs], w1[kVecs];
+      for (int v = 0; v < kVecs; ++v) dequant_pair<F>(rec, j, v, sc[v], mn[v], w0[v], w1[v]);
+      const int64_t k = blk * F::kBlock + 2 * j;  // the K position of w0
+      if constexpr (std::is_same_v<T, float>) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[k * R + r]);
+          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w0[v], acc[r][v]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[(k + 1) * R + r]);
+          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w1[v], acc[r][v]);
+        }
+      } else {
+#if defined(__AVX512BF16__)
+        __m512bh wv[kVecs];
+        for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)bf16_pairs(w0[v], w1[v]);
+        const int32_t* xpairs = reinterpret_cast<const int32_t*>(x) + (k / 2) * R;
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(xpairs[r]);
+          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+        }
+#endif
       }
     }
   }
   for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
 }
 
-template <typename F>
-void dequant_panel_bf16(const uint8_t* panel, int64_t K, at::BFloat16* out) {
-  for (int64_t blk = 0; blk < K / F::kBlock; ++blk) {
+// Blocks [b0, b1) of a panel dequantized into the dense panel layout of T (fp32 [k][kPanel],
+// bf16 [k/2][kPanel][2]): the weights the register tiles compute with, so the dense tiles over
+// this buffer give the same sums.
+template <typename F, typename T>
+void dequant_panel(const uint8_t* panel, int64_t b0, int64_t b1, T* out) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* rec = panel + blk * F::kRecord;
     __m512 sc[kVecs], mn[kVecs];
     block_scales<F>(rec, sc, mn);
     for (int j = 0; j < F::kBlock / 2; ++j) {
-      at::BFloat16* o = out + (blk * (F::kBlock / 2) + j) * 2 * kPanel;
+      T* o = out + ((blk - b0) * F::kBlock + 2 * j) * kPanel;  // K position 2j, either layout
       for (int v = 0; v < kVecs; ++v) {
         __m512 w0, w1;
         dequant_pair<F>(rec, j, v, sc[v], mn[v], w0, w1);
-        _mm512_storeu_si512(o + 32 * v, bf16_pairs(w0, w1));
+        if constexpr (std::is_same_v<T, float>) {
+          _mm512_storeu_ps(o + 16 * v, w0);
+          _mm512_storeu_ps(o + kPanel + 16 * v, w1);
+        } else {
+#if defined(__AVX512BF16__)
+          _mm512_storeu_si512(o + 32 * v, bf16_pairs(w0, w1));
+#endif
+        }
       }
     }
   }
 }
-#endif  // __AVX512BF16__
 
-template <typename F>
-struct QF32Tile {
+template <typename F, typename T>
+struct QTile {
   template <int R>
-  static constexpr auto fn = qtile_f32<F, R>;
+  static constexpr auto fn = qtile<F, T, R>;
 };
-#if defined(__AVX512BF16__)
+
+#if defined(TESSERA_HAVE_AMX)
+// bf16 activations on AMX (linear_amx.h): each panel is dequantized once per thread into a dense
+// bf16 panel and the AMX tiles run over it, for every M, as the dense kernel's AMX path does (so
+// the two agree bit for bit).
 template <typename F>
-struct QBf16Tile {
-  template <int R>
-  static constexpr auto fn = qtile_bf16<F, R>;
-};
+void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
+             int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
+  std::vector<at::BFloat16> xa(round_up(M, kAmxRows) * K);
+  amx_pack_rows(x, ldx, M, K, xa.data());
+  const int64_t rows_per_block = std::min(M, kRowsPerBlock);
+  const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
+  at::parallel_for(0, num_row_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<at::BFloat16> buf;
+    if (static_cast<int64_t>(buf.size()) < K * kPanel) buf.resize(K * kPanel);
+    int64_t buf_panel = -1;
+    amx_configure(M);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
+      const int64_t m0 = rb * rows_per_block;
+      const int64_t n0 = p * kPanel;
+      if (buf_panel != p) {
+        dequant_panel<F>(packed + p * (K / F::kBlock) * F::kRecord, 0, K / F::kBlock, buf.data());
+        buf_panel = p;
+      }
+      amx_rows_against_panel(xa.data() + m0 * K, std::min(rows_per_block, M - m0), buf.data(), K,
+                             y + m0 * ldy + n0, ldy, N - n0, bias ? bias + n0 : nullptr);
+    }
+    _tile_release();
+  });
+}
 #endif
 
 // x [M, K] against every panel; see the header for the two ways through a panel.
@@ -236,19 +236,20 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, i
   constexpr bool kF32 = std::is_same_v<T, float>;
   constexpr int P = kF32 ? 1 : 2;
   using Fn = void (*)(const T*, const uint8_t*, int64_t, T*, int64_t, int64_t, const float*);
-  using DenseFn = void (*)(const T*, const T*, int64_t, T*, int64_t, int64_t, const float*);
-  static const auto qtiles = [] {
-    if constexpr (kF32) return make_tiles<Fn, QF32Tile<F>>();
-#if defined(__AVX512BF16__)
-    else return make_tiles<Fn, QBf16Tile<F>>();
-#endif
-  }();
+  using DenseFn = void (*)(const T*, const T*, int64_t, const Span&, T*, int64_t, int64_t,
+                           const float*, const T*);
+  static const auto qtiles = make_tiles<Fn, QTile<F, T>>();
   static const auto dense_tiles = [] {
     if constexpr (kF32) return make_tiles<DenseFn, F32Tile>();
 #if defined(__AVX512BF16__)
     else return make_tiles<DenseFn, Bf16Tile>();
 #endif
   }();
+#if defined(TESSERA_HAVE_AMX)
+  if constexpr (!kF32) {
+    if (amx_ready()) return run_amx<F>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias);
+  }
+#endif
   std::vector<T> xp_store;
   const T* xp = x;
   if (M > 1 || ldx != K) {  // M == 1 with a contiguous row is already in the packed layout
@@ -260,8 +261,14 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, i
   const int64_t rows_per_block = std::min(M, kRowsPerBlock);
   const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
   const int64_t units = num_row_blocks * num_panels;
+  // Dense way, one row block: each K slice of the panel is dequantized into L1 once and every row
+  // tile runs over it. Several row blocks (prefill): the whole panel is dequantized once per thread
+  // into an L2 buffer and each row block runs over that.
+  const bool whole_panel = dense && num_row_blocks > 1;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(dense ? K * kPanel : 0);
+    thread_local std::vector<T> buf;
+    const int64_t buf_elems = whole_panel ? K * kPanel : kSliceK * kPanel;
+    if (dense && static_cast<int64_t>(buf.size()) < buf_elems) buf.resize(buf_elems);
     int64_t buf_panel = -1;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
@@ -278,15 +285,22 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, i
         }
         continue;
       }
-      if (buf_panel != p) {  // units are panel-major: a thread dequantizes each panel once
-        if constexpr (kF32) dequant_panel_f32<F>(panel, K, buf.data());
-#if defined(__AVX512BF16__)
-        else dequant_panel_bf16<F>(panel, K, buf.data());
-#endif
-        buf_panel = p;
+      if (whole_panel) {
+        if (buf_panel != p) {  // units are panel-major: a thread dequantizes each panel once
+          dequant_panel<F>(panel, 0, K / F::kBlock, buf.data());
+          buf_panel = p;
+        }
+        rows_against_panel(xp + m0 * K, rows, buf.data(), K, y0, ldy, N - n0, b0,
+                           dense_tiles.data());
+        continue;
       }
-      rows_against_panel(xp + m0 * K, rows, buf.data(), K, y0, ldy, N - n0, b0,
-                         dense_tiles.data());
+      float* partial = partial_sums(rows);
+      for (int64_t k0 = 0; k0 < K; k0 += kSliceK) {
+        const int64_t k1 = std::min(K, k0 + kSliceK);
+        dequant_panel<F>(panel, k0 / F::kBlock, k1 / F::kBlock, buf.data());
+        rows_against_slice(xp + m0 * K, rows, K, k0, k1, buf.data(), partial, y0, ldy, N - n0,
+                           b0, dense_tiles.data(), static_cast<const T*>(nullptr));
+      }
     }
   });
 }

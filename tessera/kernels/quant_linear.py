@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.kernels.build import load_extension
-from tessera.kernels.linear import TILES_HEADER
+from tessera.kernels.linear import AMX_HEADER, TILES_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,10 @@ PANEL = 48  # output features per panel: kPanel in linear_tiles.h
 #   fp32: M=8 17.5 / 28.7, M=16 29.9 / 37.6, M=32 ~50 / ~47, M=64 100 / 65, M=512 869 / 624
 #   bf16: M=8 33.6 / 48.7, M=16 78.9 / 60.5, M=32 134 / 109, M=64 180 / 127, M=512 1360 / 977
 # (on two cores shared with other jobs: differences under ~15% are noise).
+# With a dense way of one row block, each 64-wide K slice of a panel is dequantized into L1 once and
+# every row tile runs over it (linear_tiles.h); prefill sizes dequantize whole panels into L2.
+# bf16 on a CPU with AMX ignores the threshold: every M dequantizes panels to bf16 and runs the AMX
+# tiles, as the dense bf16 kernel does there (linear_amx.h), so the two stay equal bit for bit.
 DENSE_MIN_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 
 
@@ -96,7 +100,7 @@ Q8_FLOAT16 = QuantFormat("q8_float16", 3, 8, 16, np.float32, False)
 
 
 def _module() -> ModuleType | None:
-    return load_extension("tessera_quant_linear", _SOURCE, depends=(TILES_HEADER,))
+    return load_extension("tessera_quant_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER))
 
 
 def quant_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:

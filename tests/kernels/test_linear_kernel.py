@@ -55,6 +55,25 @@ def test_row_result_does_not_depend_on_the_batch(dtype):
     assert torch.equal(packed(x[5:45]), batched[5:45])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [100, 576])
+def test_decode_batch_rows_equal_rows_alone(dtype, k):
+    """Decode batches (M = 7-64) take the K-sliced tiles (and AMX in bf16 where the CPU has it),
+    a lone row the single-tile path: the same sums bit for bit. K = 100 leaves a partial slice and
+    a K tail after the last 32-wide AMX step."""
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(150, k, generator=gen).to(dtype)
+    b = torch.randn(150, generator=gen).to(dtype)
+    _require(w)
+    packed = PackedLinearWeight(w, b)
+    x = torch.randn(64, k, generator=gen).to(dtype)
+    alone = torch.cat([packed(x[i : i + 1]) for i in range(64)])
+    ref = _reference(x, w, b)
+    assert ((alone.double() - ref).abs().max() / ref.abs().max()).item() <= TOL[dtype]
+    for m in (7, 9, 16, 17, 33, 64):
+        assert torch.equal(packed(x[:m]), alone[:m]), f"M={m}"
+
+
 def test_strided_rows_and_leading_dims():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=gen)

@@ -85,19 +85,22 @@ def test_kernel_matches_float64_matmul(qtype, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_kernel_equals_dense_kernel_and_rows_are_independent(qtype, dtype):
+@pytest.mark.parametrize("k", [512, 288])  # 288: the last 64-wide K slice is half full
+def test_kernel_equals_dense_kernel_and_rows_are_independent(qtype, dtype, k):
     _kernel_or_skip(dtype)
     probe = torch.zeros(48, 64, dtype=dtype)
     if not linear_kernel_supported(probe):
         pytest.skip("dense kernel not built here")
-    n, k = 100, 512
+    if k % 256 and qtype in (T.Q4_K, T.Q6_K):
+        pytest.skip("K-quants come in 256-wide super-blocks")
+    n = 100
     w = random_weight(qtype, n, k, seed=3)
     lin = ql.QuantLinear([w.pack()], dtype, CPU)
     dense = PackedLinearWeight(w.dequantize().to(dtype))
     x = torch.randn(70, k).to(dtype)
     alone = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])
     edge = ql.DENSE_MIN_ROWS[dtype]
-    for m in (1, 4, 8, 9, edge - 1, edge, 40, 70):
+    for m in (1, 4, 8, 9, 16, edge - 1, edge, 40, 64, 70):
         y = lin(x[:m])
         assert torch.equal(y, dense(x[:m])), f"differs from the dense kernel at M={m}"
         assert torch.equal(y, alone[:m]), f"a row depends on its batch at M={m}"

@@ -1,0 +1,122 @@
+// bf16 tiles on AMX (Intel's tile matrix unit), shared by linear.cpp and quant_linear.cpp.
+//
+// Why: on this CPU (Sapphire/Emerald Rapids) vdpbf16ps on zmm reaches ~100 GFLOP/s on two cores
+// at M = 16-64 in these kernels, while tdpbf16ps does a 16x16x32 product per instruction: oneDNN's
+// bf16 linear (which uses it) was 1.6-8x faster than our vdpbf16ps tiles at M = 16-256.
+//
+// Layout: the bf16 panels of linear_tiles.h ([K/2][kPanel][2]) are already AMX's B operand: a B
+// tile is 16 pair-rows (32 K positions) of 16 outputs, 64 bytes a row, 192 bytes apart. x is
+// copied into a zero-padded row-major [M rounded up to 16][K] buffer (the A operand: 16 rows of 32
+// K positions). C tiles hold fp32 [16][16] sums, three per panel.
+//
+// Row independence: every M goes through the same tiles. An output's sum is built from the same
+// tdpbf16ps sequence over the K steps whatever rows share its tile (padding rows are zeros and
+// never stored), and the K tail (K % 32) is added after in K order with vdpbf16ps, per row. So a
+// row's result is bitwise the same alone, in a decode batch or in a prefill. It is not the same
+// bits as the vdpbf16ps tiles, so a process uses one or the other for every bf16 linear (amx_ready
+// decides once, for the whole process).
+#pragma once
+
+#include "linear_tiles.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TESSERA_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace tessera_tiles {
+
+#if defined(TESSERA_HAVE_AMX)
+
+// Linux hands out the 8 KB of tile state only to processes that ask (arch_prctl), once.
+inline bool amx_ready() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-2: C (fp32 [rows][16]); 3: A (rows x 32 bf16); 4-6: B (16 pair-rows x 16 outputs).
+// `rows` = min(M, 16): a tdpbf16ps costs by its rows, and a lone decode row needs one, not 16
+// (each C element's sum is the same whatever the tile's row count).
+inline void amx_configure(int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = t < 4 ? static_cast<uint8_t>(std::min<int64_t>(rows, 16)) : 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kAmxRows = 16;   // rows of x per A tile
+constexpr int64_t kAmxK = 32;      // K positions per tdpbf16ps
+
+// x [M, K] (rows ldx apart) -> [round_up(M, 16)][K], padding rows zero.
+inline void amx_pack_rows(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K,
+                          at::BFloat16* out) {
+  const int64_t m_pad = round_up(M, kAmxRows);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * K, x + m * ldx, K * sizeof(at::BFloat16));
+  std::memset(static_cast<void*>(out + M * K), 0, (m_pad - M) * K * sizeof(at::BFloat16));
+}
+
+// Rows [0, M) of x (amx_pack_rows) against one bf16 panel [K/2][kPanel][2]; the caller has
+// configured the tiles on this thread (amx_configure with the batch's row count; a smaller last
+// group computes zero padding rows it never stores).
+inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::BFloat16* panel,
+                                   int64_t K, at::BFloat16* y, int64_t ldy, int64_t n_valid,
+                                   const float* bias) {
+  alignas(64) float c[kAmxRows * kPanel];  // [16][kPanel] fp32 sums of one row group
+  const int64_t k_main = K / kAmxK * kAmxK;
+  constexpr int64_t kBStride = 2 * kPanel * sizeof(at::BFloat16);  // bytes between pair-rows
+  const int64_t a_stride = K * sizeof(at::BFloat16);
+  for (int64_t g = 0; g < M; g += kAmxRows) {
+    const at::BFloat16* xg = xp + g * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t k0 = 0; k0 < k_main; k0 += kAmxK) {
+      const at::BFloat16* b = panel + k0 * kPanel;  // pair-row k0 / 2
+      _tile_loadd(3, xg + k0, a_stride);
+      _tile_loadd(4, b, kBStride);
+      _tile_loadd(5, b + 32, kBStride);
+      _tile_loadd(6, b + 64, kBStride);
+      _tile_dpbf16ps(0, 3, 4);
+      _tile_dpbf16ps(1, 3, 5);
+      _tile_dpbf16ps(2, 3, 6);
+    }
+    constexpr int64_t kCStride = kPanel * sizeof(float);
+    _tile_stored(0, c, kCStride);
+    _tile_stored(1, c + 16, kCStride);
+    _tile_stored(2, c + 32, kCStride);
+    const int64_t rows = std::min(kAmxRows, M - g);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 acc[kVecs];
+      for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_loadu_ps(c + r * kPanel + 16 * v);
+      const int32_t* xpairs = reinterpret_cast<const int32_t*>(xg + r * K);
+      for (int64_t k2 = k_main / 2; k2 < K / 2; ++k2) {  // the K tail, in K order
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xpairs[k2]);
+        for (int v = 0; v < kVecs; ++v)
+          acc[v] = _mm512_dpbf16_ps(
+              acc[v], xv, (__m512bh)_mm512_loadu_si512(panel + k2 * 2 * kPanel + 32 * v));
+      }
+      store_row(y + (g + r) * ldy, n_valid, acc, bias);
+    }
+  }
+}
+
+#else
+
+inline bool amx_ready() { return false; }
+
+#endif  // TESSERA_HAVE_AMX
+
+}  // namespace tessera_tiles
