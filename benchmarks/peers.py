@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -266,6 +267,8 @@ def summarize(results: list[PeerResult], out_lens: list[int], dtype: str, worklo
 
 def main(argv: list[str] | None = None) -> int:
     args = build_args(argv)
+    # a SIGTERM (timeout, kill) unwinds like an exception, so the baseline worktree is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.vllm_python:
         args.vllm_model = ensure_hf_model(args.vllm_model)
     _, out_lens = build_workload(args.workload, args.num_requests)
