@@ -243,6 +243,18 @@ def num_equal(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
 
+def first_differences(a: list[list[int]], b: list[list[int]], limit: int = 5) -> str:
+    """Where the first `limit` differing requests part ways: " (differs: request i from output
+    token j, ...)", or "" when all are equal."""
+    where = []
+    for i, (s, t) in enumerate(zip(a, b, strict=True)):
+        if s != t:
+            j = next((j for j, (x, y) in enumerate(zip(s, t, strict=False)) if x != y), min(len(s), len(t)))
+            where.append(f"request {i} from output token {j}")
+    more = ", ..." if len(where) > limit else ""
+    return f" (differs: {', '.join(where[:limit])}{more})" if where else ""
+
+
 def summarize(results: list[PeerResult], out_lens: list[int], dtype: str, workload: str) -> list[str]:
     """The printed lines for one dtype: each peer, then the ratios and the greedy comparison."""
     lines = [f"{workload.upper()} {dtype}: {len(out_lens)} requests, {sum(out_lens)} output tokens",
@@ -261,7 +273,7 @@ def summarize(results: list[PeerResult], out_lens: list[int], dtype: str, worklo
         for r in results:
             if r.token_ids is not None and r is not by["vllm-cpu"]:
                 lines.append(f"  greedy outputs equal to vLLM's ({r.name}): "
-                             f"{num_equal(r.token_ids, ref)}/{len(ref)}")
+                             f"{num_equal(r.token_ids, ref)}/{len(ref)}" + first_differences(r.token_ids, ref))
     return lines
 
 
