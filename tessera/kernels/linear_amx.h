@@ -23,6 +23,7 @@
 #define TESSERA_HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <cstdlib>
 #endif
 
 namespace tessera_tiles {
@@ -30,8 +31,12 @@ namespace tessera_tiles {
 #if defined(TESSERA_HAVE_AMX)
 
 // Linux hands out the 8 KB of tile state only to processes that ask (arch_prctl), once.
+// TESSERA_DISABLE_AMX=1 runs the vdpbf16ps tiles instead, so an AMX machine can test the path
+// that CPUs without AMX (Zen4) take.
 inline bool amx_ready() {
   static const bool ok = [] {
+    const char* off = std::getenv("TESSERA_DISABLE_AMX");
+    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
     constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
