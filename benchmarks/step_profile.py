@@ -283,21 +283,18 @@ def format_rows(rows: list[dict], title: str) -> str:
         for k in mine:
             lines.append(f"| &nbsp; {k.split(': ', 1)[1]} | " + " | ".join(
                 cell(r["parts"].get(k, 0.0) * 1e3, r["total_ms"]) for r in rows) + " |")
-    lines.append("| step, instrumented (sum of parts) | " + " | ".join(
-        f"{r['total_ms']:.2f}" for r in rows) + " |")
-    lines.append("| **step, plain (median)** | " + " | ".join(
-        f"**{r['plain_ms']:.2f}**" for r in rows) + " |")
-    lines.append("| decode tok/s, plain (requests / step) | " + " | ".join(
-        f"{1e3 * r['batch'] / r['plain_ms']:.0f}" for r in rows) + " |")
-    lines.append("| tokens computed per step | " + " | ".join(
-        f"{r['tokens']:.1f}" for r in rows) + " |")
-    lines.append("| async probe: engine-side bookkeeping B (schedule, update, outputs) | " + " | ".join(
-        f"{r['book_ms']:.2f}" for r in rows) + " |")
-    lines.append("| async probe: execute_model alone F | " + " | ".join(
-        f"{r['exec_ms']:.2f}" for r in rows) + " |")
-    lines.append("| async probe: execute_model with B of Python on a 2nd thread | " + " | ".join(
-        f"{r['exec_overlap_ms']:.2f}" for r in rows) + " |")
-    lines.append("| mean context (tokens) | " + " | ".join(f"{r['context']:.0f}" for r in rows) + " |")
+    summary = [
+        ("step, instrumented (sum of parts)", lambda r: f"{r['total_ms']:.2f}"),
+        ("**step, plain (median)**", lambda r: f"**{r['plain_ms']:.2f}**"),
+        ("decode tok/s, plain (requests / step)", lambda r: f"{1e3 * r['batch'] / r['plain_ms']:.0f}"),
+        ("tokens computed per step", lambda r: f"{r['tokens']:.1f}"),
+        ("async probe: engine-side bookkeeping B (schedule, update, outputs)", lambda r: f"{r['book_ms']:.2f}"),
+        ("async probe: execute_model alone F", lambda r: f"{r['exec_ms']:.2f}"),
+        ("async probe: execute_model with B of Python on a 2nd thread", lambda r: f"{r['exec_overlap_ms']:.2f}"),
+        ("mean context (tokens)", lambda r: f"{r['context']:.0f}"),
+    ]
+    for label, fmt in summary:
+        lines.append(f"| {label} | " + " | ".join(fmt(r) for r in rows) + " |")
     return "\n".join(lines)
 
 
