@@ -73,12 +73,36 @@ inline void amx_pack_rows(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t
   std::memset(static_cast<void*>(out + M * K), 0, (m_pad - M) * K * sizeof(at::BFloat16));
 }
 
+// Elements of one K step of B (32 K positions = 16 pair-rows of a panel): the three B tiles.
+constexpr int64_t kAmxStepElems = kAmxK * kPanel;
+// K steps ahead that a tile group prefetches while it streams a panel from memory. A tile load
+// stalls on a miss, and with few rows (decode) there is too little TMUL work to hide it.
+constexpr int64_t kAmxPrefetchSteps = 4;
+
+// B pair-rows of a dense bf16 panel, read in place (prefetching ahead when asked).
+struct DensePanelB {
+  const at::BFloat16* panel;
+  int64_t K;
+  bool prefetch;
+  const at::BFloat16* operator()(int64_t k0) const {
+    const at::BFloat16* b = panel + k0 * kPanel;  // pair-row k0 / 2
+    const int64_t ahead = k0 + kAmxPrefetchSteps * kAmxK;
+    if (prefetch && ahead < K)
+      for (int64_t l = 0; l < kAmxStepElems * 2; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(panel + ahead * kPanel) + l, _MM_HINT_T0);
+    return b;
+  }
+};
+
 // Rows [0, M) of x (amx_pack_rows) against one bf16 panel [K/2][kPanel][2]; the caller has
 // configured the tiles on this thread (amx_configure with the batch's row count; a smaller last
-// group computes zero padding rows it never stores).
+// group computes zero padding rows it never stores). `b_at(k0)` gives the 16 pair-rows of K step
+// k0 in the panel layout: the dense panel itself, or a block dequantized into L1 just before
+// (quant_linear.cpp); the K tail (K % 32, dense panels only) is read from `panel`.
+template <typename BAt>
 inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::BFloat16* panel,
                                    int64_t K, at::BFloat16* y, int64_t ldy, int64_t n_valid,
-                                   const float* bias) {
+                                   const float* bias, const BAt& b_at) {
   alignas(64) float c[kAmxRows * kPanel];  // [16][kPanel] fp32 sums of one row group
   const int64_t k_main = K / kAmxK * kAmxK;
   constexpr int64_t kBStride = 2 * kPanel * sizeof(at::BFloat16);  // bytes between pair-rows
@@ -89,7 +113,7 @@ inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::
     _tile_zero(1);
     _tile_zero(2);
     for (int64_t k0 = 0; k0 < k_main; k0 += kAmxK) {
-      const at::BFloat16* b = panel + k0 * kPanel;  // pair-row k0 / 2
+      const at::BFloat16* b = b_at(k0);
       _tile_loadd(3, xg + k0, a_stride);
       _tile_loadd(4, b, kBStride);
       _tile_loadd(5, b + 32, kBStride);
@@ -116,6 +140,15 @@ inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::
       store_row(y + (g + r) * ldy, n_valid, acc, bias);
     }
   }
+}
+
+// A dense panel: streamed from memory with prefetch when one row group reads it once (decode);
+// several groups re-read it from cache, and the first one's misses are hidden by the others' work.
+inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::BFloat16* panel,
+                                   int64_t K, at::BFloat16* y, int64_t ldy, int64_t n_valid,
+                                   const float* bias) {
+  amx_rows_against_panel(xp, M, panel, K, y, ldy, n_valid, bias,
+                         DensePanelB{panel, K, M <= kAmxRows});
 }
 
 #else

@@ -110,6 +110,22 @@ inline void block_scales(const uint8_t* rec, __m512* sc, __m512* mn) {
   }
 }
 
+#ifndef TESSERA_QUANT_PREFETCH_BLOCKS
+#define TESSERA_QUANT_PREFETCH_BLOCKS 8
+#endif
+// Records ahead of the one being dequantized that are pulled into L1. A record keeps its scales
+// after its codes, so each block starts by reading 768 bytes ahead: the hardware's stream
+// prefetcher does not run far enough ahead of that, and streaming from L3/DRAM ran at half the
+// cache-hot rate (benchmarks/quant_linear.py).
+constexpr int64_t kPrefetchBlocks = TESSERA_QUANT_PREFETCH_BLOCKS;
+
+template <typename F>
+inline void prefetch_ahead(const uint8_t* rec) {
+  const uint8_t* ahead = rec + kPrefetchBlocks * F::kRecord;
+  for (int64_t l = 0; l < F::kRecord; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+}
+
 #if defined(__AVX512BF16__)
 // (w0, w1) fp32 -> bf16 pairs per output lane: the operand layout of vdpbf16ps and of the dense
 // bf16 panels ([K/2][kPanel][2]). Rounds to nearest even, as torch's fp32 -> bf16 cast.
@@ -133,6 +149,7 @@ void qtile(const T* x, const uint8_t* panel, int64_t K, T* y, int64_t ldy, int64
     for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < K / F::kBlock; ++blk) {
     const uint8_t* rec = panel + blk * F::kRecord;
+    prefetch_ahead<F>(rec);
     __m512 sc[kVecs], mn[kVecs];
     block_scales<F>(rec, sc, mn);
     for (int j = 0; j < F::kBlock / 2; ++j) {
@@ -171,6 +188,7 @@ template <typename F, typename T>
 void dequant_panel(const uint8_t* panel, int64_t b0, int64_t b1, T* out) {
   for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* rec = panel + blk * F::kRecord;
+    prefetch_ahead<F>(rec);
     __m512 sc[kVecs], mn[kVecs];
     block_scales<F>(rec, sc, mn);
     for (int j = 0; j < F::kBlock / 2; ++j) {
@@ -198,9 +216,11 @@ struct QTile {
 };
 
 #if defined(TESSERA_HAVE_AMX)
-// bf16 activations on AMX (linear_amx.h): each panel is dequantized once per thread into a dense
-// bf16 panel and the AMX tiles run over it, for every M, as the dense kernel's AMX path does (so
-// the two agree bit for bit).
+// bf16 activations on AMX (linear_amx.h), for every M, as the dense kernel's AMX path does (so
+// the two agree bit for bit). One row group (decode, M <= 16): each K step's block is dequantized
+// into a 3 KB buffer just before its tiles load it, so the quantized bytes are the only stream
+// from memory. More rows: each panel is dequantized once per thread into a dense bf16 panel in
+// L2, and every row group runs over it.
 template <typename F>
 void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
              int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
@@ -208,17 +228,33 @@ void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uin
   amx_pack_rows(x, ldx, M, K, xa.data());
   const int64_t rows_per_block = std::min(M, kRowsPerBlock);
   const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
+  const int64_t panel_bytes = (K / F::kBlock) * F::kRecord;
   at::parallel_for(0, num_row_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
+    amx_configure(M);
+    if (M <= kAmxRows && K % kAmxK == 0) {
+      alignas(64) at::BFloat16 step[kAmxStepElems];
+      for (int64_t p = begin; p < end; ++p) {
+        const uint8_t* panel = packed + p * panel_bytes;
+        const auto dequant_step = [&](int64_t k0) -> const at::BFloat16* {
+          dequant_panel<F>(panel, k0 / F::kBlock, (k0 + kAmxK) / F::kBlock, step);
+          return step;
+        };
+        const int64_t n0 = p * kPanel;
+        amx_rows_against_panel(xa.data(), M, step, K, y + n0, ldy, N - n0,
+                               bias ? bias + n0 : nullptr, dequant_step);
+      }
+      _tile_release();
+      return;
+    }
     thread_local std::vector<at::BFloat16> buf;
     if (static_cast<int64_t>(buf.size()) < K * kPanel) buf.resize(K * kPanel);
     int64_t buf_panel = -1;
-    amx_configure(M);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
       const int64_t m0 = rb * rows_per_block;
       const int64_t n0 = p * kPanel;
       if (buf_panel != p) {
-        dequant_panel<F>(packed + p * (K / F::kBlock) * F::kRecord, 0, K / F::kBlock, buf.data());
+        dequant_panel<F>(packed + p * panel_bytes, 0, K / F::kBlock, buf.data());
         buf_panel = p;
       }
       amx_rows_against_panel(xa.data() + m0 * K, std::min(rows_per_block, M - m0), buf.data(), K,
