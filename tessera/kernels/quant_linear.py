@@ -220,7 +220,7 @@ class QuantLinear:
 
     def __init__(self, parts: list[QuantPart], dtype: torch.dtype, device: torch.device):
         assert len({p.k for p in parts}) == 1, "fused parts share the input width"
-        self.parts = parts
+        self.parts = merge_parts(parts)
         self.in_features = parts[0].k
         self.out_features = sum(p.n for p in parts)
         module = _module() if quant_kernel_supported(dtype, device) else None
@@ -260,6 +260,32 @@ class QuantLinear:
             b = None if p.bias is None else p.bias[: p.n].to(x.dtype)
             outs.append(F.linear(x, w, b))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
+    """Adjacent parts of one format as one part: their panels (and padded biases) end to end.
+
+    Why: q|k|v and gate|up of a GGUF model usually share a type. One kernel call then covers the
+    fused output: a decode step makes 4 calls a layer instead of 7, and the two threads split 20
+    panels instead of 12, 4 and 4. Each output's arithmetic is unchanged (a panel is computed
+    alone), so the result is the same bit for bit. A part whose width is not a whole number of
+    panels ends a run: its padding columns would land inside the merged output.
+    """
+    merged: list[QuantPart] = []
+    for p in parts:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.fmt == p.fmt
+            and last.n % PANEL == 0
+            and (last.bias is None) == (p.bias is None)
+            and last.packed.device == p.packed.device
+        ):
+            bias = None if p.bias is None or last.bias is None else torch.cat([last.bias, p.bias])
+            merged[-1] = QuantPart(last.fmt, torch.cat([last.packed, p.packed]), last.n + p.n, p.k, bias)
+        else:
+            merged.append(p)
+    return merged
 
 
 def pad_bias(bias: torch.Tensor) -> torch.Tensor:

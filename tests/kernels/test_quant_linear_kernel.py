@@ -122,6 +122,23 @@ def test_fused_parts_of_different_types_fill_their_columns():
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_same_type_parts_run_as_one_part_with_the_same_bits(dtype):
+    """q|k|v of one type become one part (one kernel call): each column equals that part computed
+    on its own, bit for bit. A part that is not a whole number of panels wide ends the run."""
+    _kernel_or_skip(dtype)
+    k = 256
+    spec = [(T.Q4_1, 96), (T.Q4_1, 48), (T.Q4_1, 50), (T.Q4_1, 48), (T.Q8_0, 48)]
+    ws = [random_weight(t, n, k, seed=i) for i, (t, n) in enumerate(spec)]
+    biases = [torch.randn(w.shape[0]).to(dtype) for w in ws]
+    fused = ql.QuantLinear([w.pack(ql.pad_bias(b)) for w, b in zip(ws, biases, strict=True)], dtype, CPU)
+    assert [p.n for p in fused.parts] == [194, 48, 48]
+    x = torch.randn(20, k).to(dtype)
+    alone = [ql.QuantLinear([w.pack(ql.pad_bias(b))], dtype, CPU) for w, b in zip(ws, biases, strict=True)]
+    for m in (1, 5, 20):
+        assert torch.equal(fused(x[:m]), torch.cat([lin(x[:m]) for lin in alone], dim=1))
+
+
 def test_torch_fallback_matches_kernel_reference():
     """Without the C++ kernel (another device, no AVX-512) the layer dequantizes with torch."""
     w = random_weight(T.Q4_1, 60, 256)
