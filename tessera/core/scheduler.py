@@ -189,6 +189,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             self._schedule_waiting(out, budget, scheduled)
         if scheduled:
             self._describe(out, scheduled)
+        out.num_running_reqs = len(self.running)
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return out

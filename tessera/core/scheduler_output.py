@@ -68,9 +68,20 @@ class SchedulerOutput:
     num_swapped_out: int = 0
     num_swapped_in: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    # requests in the running queue once this step is scheduled (vLLM's running_queue_size): the
+    # batch that speculative decoding's `disable_by_batch_size` compares against
+    num_running_reqs: int = 0
     # the KV connector's instructions for its worker half (None without a connector, or when
     # there is nothing to move this step)
     kv_connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def speculation_batch_size(self) -> int:
+        """The batch size `disable_by_batch_size` is checked against: the running queue, or this
+        step's requests when more are scheduled (a message built without a scheduler). Counting
+        only the step's requests let speculation run during a prefill ramp whose running batch was
+        already large."""
+        return max(self.num_running_reqs, len(self.num_scheduled_tokens))
 
     @property
     def num_preemptions(self) -> int:

@@ -9,7 +9,7 @@ token. So a request ends exactly where the dataset says (or at `max_model_len`, 
 
 Speculative decoding plugs in here (tessera/simulator/spec_decode.py): with a
 `SpeculativeConfig`, the runner drafts k synthetic tokens for every request that sampled one
-(unless the step ran `disable_by_batch_size` requests or more), and when the scheduler schedules
+(unless the running batch holds `disable_by_batch_size` requests or more), and when the scheduler schedules
 them (`scheduled_spec_decode_tokens`) an `AcceptanceModel` says how many a verification step
 returns. A step with drafts and no acceptance model is an error rather than a silent guess.
 """
@@ -111,7 +111,7 @@ class SyntheticRunner:
                            num_swapped * self.block_bytes, pairs)
         result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         sc = self.speculative
-        if sc is not None and sc.is_enabled_for(len(out.num_scheduled_tokens)):
+        if sc is not None and sc.is_enabled_for(out.speculation_batch_size):
             # the proposer's drafts for the next step, for requests that sampled one token
             drafts = [SYNTHETIC_TOKEN_ID] * sc.num_speculative_tokens
             proposes = self.acceptance.proposes  # type: ignore[union-attr]

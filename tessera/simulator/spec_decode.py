@@ -4,7 +4,7 @@ With `--speculative-config`, the synthetic runner plays the proposer and the ver
 
 - after a step, a request that sampled one token gets `num_speculative_tokens` drafts with
   probability `proposal_rate` (prompt lookup finds no match on the other steps; none at all when
-  the step ran `disable_by_batch_size` requests or more, the runner's rule), and the real
+  the running batch holds `disable_by_batch_size` requests or more, the runner's rule), and the real
   scheduler trims and schedules them as it does on the server: 1 + k new tokens;
 - a verification step returns 1 + the accepted drafts, drawn from `GeometricAcceptance`: each
   draft is accepted with a conditional probability `alpha` if every draft before it was (the

@@ -15,7 +15,8 @@ Draft-model drafts of requests that sample are verified instead by the general r
 against the draft's own distribution (tessera/worker/spec_decode/verify.py). A constrained request's rows are masked
 by its grammar walked through the drafts (`DraftWalk`, rolled back after sampling).
 After sampling, the proposer (tessera/worker/spec_decode/) drafts the next step's tokens of every
-request that sampled one token, unless the step ran `disable_by_batch_size` requests or more.
+request that sampled one token, unless the running batch holds `disable_by_batch_size` requests
+or more.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class ModelRunner:
         if inp.sampled_req_ids:
             self._sample(inp, hidden, out.num_samples, result)
             if self.speculative_config is not None:
-                self._propose(len(out.num_scheduled_tokens), out.num_samples, result)
+                self._propose(out.speculation_batch_size, out.num_samples, result)
         return self._kv_finished(result)
 
     def _kv_finished(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
@@ -323,8 +324,8 @@ class ModelRunner:
             result.logprobs.append([t.top_logprobs or {t.token_id: t.logprob} for t in toks])
 
     def _propose(self, num_reqs: int, num_samples: dict[str, int], result: ModelRunnerOutput) -> None:
-        """Drafts for the next step of every request that sampled one token this step (none for a
-        step at or above `disable_by_batch_size`: verifying there only costs)."""
+        """Drafts for the next step of every request that sampled one token this step (none while
+        the running batch is at or above `disable_by_batch_size`: verifying there only costs)."""
         assert self.speculative_config is not None
         if not self.speculative_config.is_enabled_for(num_reqs):
             return

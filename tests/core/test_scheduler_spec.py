@@ -104,3 +104,19 @@ def test_preemption_drops_drafts(mode):
     assert group.seqs[0].spec_token_ids == []
     runner.run()
     assert sched.block_manager.get_num_free_gpu_blocks() == sched.block_manager.num_gpu_blocks
+
+
+def test_disable_by_batch_size_counts_the_running_queue():
+    """vLLM compares `disable_by_batch_size` with the running queue: a step that schedules only
+    some of the running requests still counts them all."""
+    sched = make_scheduler(max_num_batched_tokens=8, max_model_len=64, chunked=True)
+    runner = FakeRunner(sched)
+    for i in range(3):
+        sched.add_seq_group(make_group(f"r{i}", 20, arrival=i))
+    for _ in range(3):
+        out = runner.step()
+        assert out.num_running_reqs == len(sched.running)
+    assert out.speculation_batch_size == 2
+    alone = SchedulerOutput(num_scheduled_tokens={"a": 1}, num_running_reqs=20)
+    assert alone.speculation_batch_size == 20
+    assert SchedulerOutput(num_scheduled_tokens={"a": 1, "b": 1}).speculation_batch_size == 2
