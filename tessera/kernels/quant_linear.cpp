@@ -216,6 +216,14 @@ struct QTile {
 };
 
 #if defined(TESSERA_HAVE_AMX)
+constexpr int64_t kAlignElems = 64 / sizeof(at::BFloat16);  // slack to start a buffer on a line
+inline at::BFloat16* align64(at::BFloat16* p) {
+  const auto a = (reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63};
+  return reinterpret_cast<at::BFloat16*>(a);
+}
+#endif
+
+#if defined(TESSERA_HAVE_AMX)
 // bf16 activations on AMX (linear_amx.h), for every M, as the dense kernel's AMX path does (so
 // the two agree bit for bit). One row group (decode, M <= 16): each K step's block is dequantized
 // into a 3 KB buffer just before its tiles load it, so the quantized bytes are the only stream
@@ -224,8 +232,10 @@ struct QTile {
 template <typename F>
 void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
              int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
-  std::vector<at::BFloat16> xa(round_up(M, kAmxRows) * K);
-  amx_pack_rows(x, ldx, M, K, xa.data());
+  // tile rows are 64-byte loads: buffers start on a cache line, or every row load splits in two
+  std::vector<at::BFloat16> xa_store(round_up(M, kAmxRows) * K + kAlignElems);
+  at::BFloat16* const xa = align64(xa_store.data());
+  amx_pack_rows(x, ldx, M, K, xa);
   const int64_t rows_per_block = std::min(M, kRowsPerBlock);
   const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
   const int64_t panel_bytes = (K / F::kBlock) * F::kRecord;
@@ -240,24 +250,26 @@ void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uin
           return step;
         };
         const int64_t n0 = p * kPanel;
-        amx_rows_against_panel(xa.data(), M, step, K, y + n0, ldy, N - n0,
+        amx_rows_against_panel(xa, M, step, K, y + n0, ldy, N - n0,
                                bias ? bias + n0 : nullptr, dequant_step);
       }
       _tile_release();
       return;
     }
-    thread_local std::vector<at::BFloat16> buf;
-    if (static_cast<int64_t>(buf.size()) < K * kPanel) buf.resize(K * kPanel);
+    thread_local std::vector<at::BFloat16> buf_store;
+    if (static_cast<int64_t>(buf_store.size()) < K * kPanel + kAlignElems)
+      buf_store.resize(K * kPanel + kAlignElems);
+    at::BFloat16* const buf = align64(buf_store.data());
     int64_t buf_panel = -1;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
       const int64_t m0 = rb * rows_per_block;
       const int64_t n0 = p * kPanel;
       if (buf_panel != p) {
-        dequant_panel<F>(packed + p * panel_bytes, 0, K / F::kBlock, buf.data());
+        dequant_panel<F>(packed + p * panel_bytes, 0, K / F::kBlock, buf);
         buf_panel = p;
       }
-      amx_rows_against_panel(xa.data() + m0 * K, std::min(rows_per_block, M - m0), buf.data(), K,
+      amx_rows_against_panel(xa + m0 * K, std::min(rows_per_block, M - m0), buf, K,
                              y + m0 * ldy + n0, ldy, N - n0, bias ? bias + n0 : nullptr);
     }
     _tile_release();
