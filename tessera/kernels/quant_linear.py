@@ -17,20 +17,24 @@ copy kept. Four kernel formats cover the five GGUF types:
 | q8_half | int8 | 32 | fp16 | Q8_0 | 8.5 |
 | q8_float16 | int8 | 16 | fp32 | Q6_K (q - 32, d * sc) | 10 |
 
-Measured with `benchmarks/runner.py --compare-quantization` (default model, one run, two cores
-shared with other jobs, so absolute figures are low; tok/s, ratio to dense bf16):
+Measured with `benchmarks/runner.py --compare-quantization --skip-hf` (default model, one run on
+two shared cores of an Intel Xeon with AMX, so differences under ~15% are noise; tok/s, ratio to
+dense bf16):
 
 | workload | Q4_1 + fp32 act | Q4_1 + bf16 act | dense bf16 | dense fp32 |
 | --- | ---: | ---: | ---: | ---: |
-| decode batch 1 | 81.9 (1.48x) | 44.7 (0.81x) | 55.5 | 32.4 (0.58x) |
-| decode batch 16 | 334.7 (1.11x) | 218.5 (0.73x) | 301.3 | 253.9 (0.84x) |
-| decode batch 64 | 307.6 (0.93x) | 332.0 (1.00x) | 331.5 | 347.6 (1.05x) |
-| prefill 1x512 | 817.8 (1.89x) | 457.5 (1.06x) | 432.4 | 690.6 (1.60x) |
+| decode batch 1 | 75.7 (1.10x) | 69.1 (1.00x) | 69.1 | 31.5 (0.46x) |
+| decode batch 16 | 308.3 (0.64x) | 494.9 (1.03x) | 479.0 | 242.3 (0.51x) |
+| decode batch 64 | 399.0 (0.58x) | 694.4 (1.01x) | 686.7 | 309.7 (0.45x) |
+| prefill 1x512 | 581.9 (0.27x) | 1452.8 (0.69x) | 2116.0 | 530.0 (0.25x) |
 | weights streamed a step | 96.4 MB | 96.4 MB | 269.0 MB | 537.9 MB |
 
-With bf16 activations the register way is slower than with fp32 ones: each weight vector is
-rounded to bf16 and interleaved into pairs (vcvtne2ps2bf16 + vpermw) before vdpbf16ps, which costs
-more than the second fma of the fp32 way; the fp32 way is the one to serve quantized weights with.
+bf16 activations run AMX tiles on dequantized blocks (linear_amx.h): from batch 16 up they keep
+pace with dense bf16, which streams 2.8x the bytes; at batch 1 both are bound by the dequantizing
+(Q4_1) and by the weight stream (dense) at about the same rate. fp32 activations are fastest at
+batch 1 (the register way skips the bf16 rounding and pairing) and fall behind beyond it. The
+prefill row predates 64-byte alignment of the AMX buffers: after it, 1531 against 1654 tok/s
+dense bf16 in one slot.
 
 The kernel's result equals the dense kernel (linear.py) on the gguf-dequantized weights bit for
 bit, for every row count; the fallback (no AVX-512 build, or another device) dequantizes with torch
