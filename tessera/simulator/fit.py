@@ -16,7 +16,22 @@ columns scaled to unit maximum so that the tolerance means the same for every fe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+
+def bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi: float,
+                      iters: int) -> float:
+    """The x in [lo, hi] where the increasing `f` reaches `target`: `iters` halvings of the
+    bracket (the caller makes sure it holds the crossing)."""
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:

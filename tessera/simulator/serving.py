@@ -29,6 +29,7 @@ import sys
 import tempfile
 
 from tessera.config import EngineArgs
+from tessera.simulator.fit import bisect_increasing
 
 # the calibration trace: not one of the fidelity benchmark's traces; at about 70% of this
 # machine's capacity, where a server usually runs (at rate inf the fit also absorbed the grid's
@@ -132,18 +133,11 @@ def fit_serving_overhead(profile: dict, simulate, target: float, key: str = "ser
 
     if value(0.0) >= target:
         return 0.0
-    lo = 0.0
     while value(hi) < target:
         hi *= 2
         if hi > 1e3:
             raise ValueError(f"no {key} below 1000 s reaches the measured {target:.3f} s")
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        if value(mid) < target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    return bisect_increasing(value, target, 0.0, hi, iters)
 
 
 def fit_serving_terms(profile: dict, simulate_means, real_tpot_s: float, real_ttft_s: float,

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import random
 
+from tessera.simulator.fit import bisect_increasing
+
 
 def conditional_rate(acceptance: float, num_draft_tokens: int) -> float:
     """The per-position alpha whose expected fraction of accepted drafts (out of k) is
@@ -41,14 +43,7 @@ def conditional_rate(acceptance: float, num_draft_tokens: int) -> float:
     def fraction(a: float) -> float:
         return sum(a ** j for j in range(1, k + 1)) / k
 
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if fraction(mid) < acceptance:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    return bisect_increasing(fraction, acceptance, 0.0, 1.0, iters=60)
 
 
 class GeometricAcceptance:
