@@ -63,6 +63,14 @@ inline void amx_configure(int64_t rows) {
 }
 
 constexpr int64_t kAmxRows = 16;   // rows of x per A tile
+
+// Tile rows are 64-byte loads: A and B buffers start on a cache line, or every row load splits in
+// two. kAlignElems is the slack a buffer needs for align64 to find a line start inside it.
+constexpr int64_t kAlignElems = 64 / sizeof(at::BFloat16);
+inline at::BFloat16* align64(at::BFloat16* p) {
+  const auto a = (reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63};
+  return reinterpret_cast<at::BFloat16*>(a);
+}
 constexpr int64_t kAmxK = 32;      // K positions per tdpbf16ps
 
 // x [M, K] (rows ldx apart) -> [round_up(M, 16)][K], padding rows zero.

@@ -216,14 +216,6 @@ struct QTile {
 };
 
 #if defined(TESSERA_HAVE_AMX)
-constexpr int64_t kAlignElems = 64 / sizeof(at::BFloat16);  // slack to start a buffer on a line
-inline at::BFloat16* align64(at::BFloat16* p) {
-  const auto a = (reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63};
-  return reinterpret_cast<at::BFloat16*>(a);
-}
-#endif
-
-#if defined(TESSERA_HAVE_AMX)
 // bf16 activations on AMX (linear_amx.h), for every M, as the dense kernel's AMX path does (so
 // the two agree bit for bit). One row group (decode, M <= 16): each K step's block is dequantized
 // into a 3 KB buffer just before its tiles load it, so the quantized bytes are the only stream
@@ -232,7 +224,6 @@ inline at::BFloat16* align64(at::BFloat16* p) {
 template <typename F>
 void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
              int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
-  // tile rows are 64-byte loads: buffers start on a cache line, or every row load splits in two
   std::vector<at::BFloat16> xa_store(round_up(M, kAmxRows) * K + kAlignElems);
   at::BFloat16* const xa = align64(xa_store.data());
   amx_pack_rows(x, ldx, M, K, xa);
