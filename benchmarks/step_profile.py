@@ -141,6 +141,8 @@ def instrument(engine, timers: ExclusiveTimers) -> Patches:
     p.set(base, "forward", w("attention: forward (python, out buffer)", base.forward))
     meta_cls = _metadata_class(backend)
     p.set(meta_cls, "attend", w("attention: attend", meta_cls.attend))
+    if "forward" in vars(meta_cls):  # the kernel stores the new K/V in the same call
+        p.set(meta_cls, "forward", w("attention: kv write + attend (one call)", meta_cls.forward))
     return p
 
 

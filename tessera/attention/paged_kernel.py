@@ -25,6 +25,22 @@ class PagedKernelMetadata(AttentionMetadata):
     token_block_tables: torch.Tensor  # [num_tokens, max_blocks] its sequence's table, padded
     token_seq_lens: torch.Tensor  # [num_tokens] tokens it attends to (position + 1)
 
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The new K/V are stored by the attention kernel's own call, not by write_kv first."""
+        return paged_attention(
+            q, k_cache, v_cache, self.token_block_tables, self.token_seq_lens, scale, out=out,
+            new_kv=(k, v, self.slot_mapping),
+        )
+
     def attend(
         self,
         q: torch.Tensor,

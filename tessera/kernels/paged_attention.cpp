@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -410,9 +411,64 @@ void run_index(const torch::Tensor& q, const torch::Tensor& k_cache, const torch
     run<q_t, kv_t, int32_t>(q, k_cache, v_cache, bt, seq_lens, scale, out, geo);
 }
 
+// The step's new K/V rows [T, num_kv_heads, head_dim] (last dim contiguous: views into the fused
+// qkv output) stored at their flat cache slots, converted to the cache's dtype as torch's cast does
+// (c10::BFloat16 rounds to nearest even). Done here, before attending, so a layer makes one call
+// instead of this one plus two index_copy_ (~25 us a layer at batch 1, benchmarks/step_profile.py).
+template <typename src_t, typename kv_t>
+void store_rows(const torch::Tensor& src, const int64_t* slots, torch::Tensor& cache) {
+  const src_t* s = src.data_ptr<src_t>();
+  kv_t* c = cache.data_ptr<kv_t>();
+  const int64_t num_tokens = src.size(0), heads = src.size(1), dim = src.size(2);
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const src_t* row = s + t * src.stride(0) + h * src.stride(1);
+      kv_t* dst = c + (slots[t] * heads + h) * dim;
+      if constexpr (std::is_same_v<src_t, kv_t>) {
+        std::memcpy(dst, row, dim * sizeof(kv_t));
+      } else {
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<kv_t>(static_cast<float>(row[d]));
+      }
+    }
+}
+
+template <typename kv_t>
+void store_rows_from(const torch::Tensor& src, const int64_t* slots, torch::Tensor& cache) {
+  if (src.scalar_type() == torch::kFloat32) store_rows<float, kv_t>(src, slots, cache);
+  else store_rows<at::BFloat16, kv_t>(src, slots, cache);
+}
+
+void write_new_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot_mapping,
+                  torch::Tensor& k_cache, torch::Tensor& v_cache) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_cache.size(2) &&
+                  k.size(2) == k_cache.size(3),
+              "new k/v must be [T, num_kv_heads, head_dim] matching the cache");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "new k/v rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16),
+              "new k/v: float32 or bfloat16, the same for both");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
+                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is outside the cache (", num_slots, " slots)");
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    store_rows_from<float>(k, slots, k_cache);
+    store_rows_from<float>(v, slots, v_cache);
+  } else {
+    store_rows_from<at::BFloat16>(k, slots, k_cache);
+    store_rows_from<at::BFloat16>(v, slots, v_cache);
+  }
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
-                              double scale, torch::Tensor out) {
+                              double scale, torch::Tensor out,
+                              c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
+                              c10::optional<torch::Tensor> slot_mapping) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q/out [B, H, D] and caches [num_blocks, block_size, kv_heads, D]");
@@ -448,6 +504,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   geo.q_stride_h = q.stride(1);
   geo.out_stride_b = out.stride(0);
   geo.out_stride_h = out.stride(1);
+  const bool writes = k_new.has_value() && k_new->defined();
+  TORCH_CHECK(writes == (v_new.has_value() && v_new->defined()) &&
+                  writes == (slot_mapping.has_value() && slot_mapping->defined()),
+              "k_new, v_new and slot_mapping come together");
+  if (writes) write_new_kv(*k_new, *v_new, *slot_mapping, k_cache, v_cache);
   if (geo.num_seqs == 0) return out;
 
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 ||
@@ -469,5 +530,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
-        "Paged attention, one query token per row, reading K/V in place through the block tables (CPU)");
+        "Paged attention, one query token per row, reading K/V in place through the block tables "
+        "(CPU); first stores k_new/v_new at slot_mapping when given",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("out"), py::arg("k_new") = py::none(),
+        py::arg("v_new") = py::none(), py::arg("slot_mapping") = py::none());
 }

@@ -59,16 +59,24 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int64
     scale: float,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim]
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V for each query row over the first seq_lens[b] tokens of its paged
-    context."""
+    context. `new_kv` = (k, v [T, num_kv_heads, head_dim], slot_mapping [T] int64): rows stored
+    at their flat cache slots first, in the cache's dtype, by the same call (the kernel saves a
+    layer the two index_copy_ of attention.backend.write_kv, same values)."""
     if out is None:
         out = torch.empty_like(q)
     if paged_attention_available(q.device, q.dtype, k_cache.dtype):
         assert _module is not None
+        k_new, v_new, slots = new_kv if new_kv is not None else (None, None, None)
         return _module.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out
+            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out, k_new, v_new, slots
         )
+    if new_kv is not None:
+        from tessera.attention.backend import write_kv  # here: attention imports this module
+
+        write_kv(new_kv[0], new_kv[1], k_cache, v_cache, new_kv[2])
     return _torch_fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
 
 

@@ -173,3 +173,52 @@ def test_row_independent_bitwise(kernel, dtypes):
     for b in (0, 7, 39):
         alone = pa.paged_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125)
         assert torch.equal(alone[0], batched[b]), b
+
+
+def _new_kv_case(q_dtype, kv_dtype):
+    """Sequences whose last token is new: its K/V arrive as strided views of a fused qkv row."""
+    gen = torch.Generator().manual_seed(11)
+    q, k_cache, v_cache, tables, lens = _make_case(
+        9, 3, 64, 16, [1, 17, 40, 300], kv_dtype, gen, torch.int64
+    )
+    qkv = torch.randn(4, (9 + 2 * 3) * 64, generator=gen).to(q_dtype)
+    k = qkv[:, 9 * 64 : 12 * 64].view(4, 3, 64)
+    v = qkv[:, 12 * 64 :].view(4, 3, 64)
+    last = lens - 1
+    slots = tables[torch.arange(4), last // 16] * 16 + last % 16
+    return q.to(q_dtype), k, v, k_cache, v_cache, tables, lens, slots
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.bfloat16,) * 2, *MIXED])
+def test_new_kv_stored_by_the_same_call(kernel, dtypes):
+    """new_kv stores the rows as write_kv does (the cache's dtype, rounded as torch's cast) and the
+    attention reads them: bitwise the same as write_kv followed by the kernel."""
+    from tessera.attention.backend import write_kv
+
+    q, k, v, k_cache, v_cache, tables, lens, slots = _new_kv_case(*dtypes)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv(k, v, k_ref, v_ref, slots)
+    expected = pa.paged_attention(q, k_ref, v_ref, tables, lens, 0.125)
+    out = pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.125, new_kv=(k, v, slots))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(out, expected)
+
+
+def test_new_kv_slot_outside_cache_raises(kernel):
+    q, k, v, k_cache, v_cache, tables, lens, slots = _new_kv_case(torch.float32, torch.float32)
+    slots[2] = k_cache.shape[0] * k_cache.shape[1]
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.125, new_kv=(k, v, slots))
+    assert torch.equal(k_cache, before)  # checked before any row is stored
+
+
+def test_new_kv_on_the_torch_fallback(monkeypatch):
+    """Without the kernel, new_kv is stored by write_kv before the fallback attends."""
+    q, k, v, k_cache, v_cache, tables, lens, slots = _new_kv_case(torch.float32, torch.bfloat16)
+    tables[tables >= k_cache.shape[0]] = 0  # the gather reads padding blocks: keep them valid
+    monkeypatch.setattr(pa, "paged_attention_available", lambda *a: False)
+    out = pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.125, new_kv=(k, v, slots))
+    assert torch.equal(k_cache.view(-1, 3, 64)[slots], k.to(torch.bfloat16))
+    ref = _reference(q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
