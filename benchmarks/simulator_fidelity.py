@@ -2,7 +2,7 @@
 the real server measured by `tessera bench serve`, on the same trace and flags.
 
     flock -x /work/cpu.lock .venv/bin/python benchmarks/simulator_fidelity.py \\
-        [--profile profile.json] [--settings default chunked swap recompute prefix]
+        [--profile profile.json] [--settings default chunked swap recompute prefix] [--repeat 3]
 
 1. calibrate here (`tessera simulate calibrate --serving-requests 48`, bf16: the runner over a
    grid of shapes, then the serving overhead from one real-server run on a calibration trace
@@ -10,8 +10,12 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
 2. per setting: start `tessera serve` on 127.0.0.1 with the setting's engine flags, send the
    trace with `bench serve` (ignore_eos, so both sides produce the dataset's output lengths),
    stop the server; simulate the same samples at the same arrival times with the same flags;
-3. print a table of output throughput, median and p99 TTFT, median and p99 TPOT, real against
-   simulated, with the relative error (target: <= 10% on throughput, median TTFT, median TPOT).
+   `--repeat` rounds of real runs, each round every setting once (the simulation is
+   deterministic: it runs once);
+3. print a table of output throughput, median and p99 TTFT, median and p99 TPOT, the median of
+   the real runs (and their spread) against simulated, with the relative error (target: <= 10%
+   on throughput, median TTFT, median TPOT). One real run is not enough here: the same trace
+   and flags gave a median TTFT of 196 and 251 ms in two runs of the chunked setting.
 
 Timing measurements on a 2-core machine: run it under the exclusive lock and nothing else.
 """
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import shlex
+import statistics
 import tempfile
 import time
 
@@ -62,6 +67,9 @@ def main() -> None:
     parser.add_argument("--serving-requests", type=int, default=48,
                         help="requests of the serving-overhead calibration (0: runner only)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="real-server runs per setting, interleaved across settings; the "
+                             "table compares the simulation with their median")
     parser.add_argument("--result-file", default=None, help="write all figures as JSON")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -77,27 +85,42 @@ def main() -> None:
         cal.func(cal)
     print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
     rows = {}
-    for name in args.settings:
-        workload, engine_flags, rate = SETTINGS[name]
-        ns = build_parser().parse_args(["simulate", *shlex.split(workload),
-                                        *shlex.split(f"{COMMON} {engine_flags}"),
-                                        "--profile", profile, "--quiet"])
-        samples = load_samples(ns)
-        real = real_server_metrics(shlex.split(f"{COMMON} {engine_flags}"), samples, rate,
-                                   ns.seed, work, f"server-{name}")
-        sim = run_point(ns, samples, rate, include_requests=False)["metrics"]
-        rows[name] = {"real": real, "sim": sim, "flags": engine_flags, "workload": workload,
-                      "rate": rate}
-        print(f"{name}: real {real['output_throughput']:.1f} tok/s vs sim "
-              f"{sim['output_throughput']:.1f} ({time.perf_counter() - t0:.0f} s so far; "
-              f"real failed {real['failed']}, preemptions real {real['num_preemptions']} "
-              f"sim {sim['num_preemptions']})",
-              flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in args.settings}
+    # repetition-major: each round runs every setting once, so a drift of this machine's speed
+    # over the run lands on every setting alike instead of on the last ones
+    for rep in range(args.repeat):
+        for name in args.settings:
+            workload, engine_flags, rate = SETTINGS[name]
+            ns = build_parser().parse_args(["simulate", *shlex.split(workload),
+                                            *shlex.split(f"{COMMON} {engine_flags}"),
+                                            "--profile", profile, "--quiet"])
+            samples = load_samples(ns)
+            real = real_server_metrics(shlex.split(f"{COMMON} {engine_flags}"), samples, rate,
+                                       ns.seed, work, f"server-{name}-{rep}")
+            runs[name].append(real)
+            if rep == 0:
+                sim = run_point(ns, samples, rate, include_requests=False)["metrics"]
+                rows[name] = {"sim": sim, "flags": engine_flags, "workload": workload,
+                              "rate": rate}
+            sim = rows[name]["sim"]
+            print(f"{name} (run {rep + 1}/{args.repeat}): real {real['output_throughput']:.1f} "
+                  f"tok/s, median TTFT {real['median_ttft_ms']:.0f} ms, median TPOT "
+                  f"{real['median_tpot_ms']:.1f} ms vs sim {sim['output_throughput']:.1f}, "
+                  f"{sim['median_ttft_ms']:.0f}, {sim['median_tpot_ms']:.1f} "
+                  f"({time.perf_counter() - t0:.0f} s so far; real failed {real['failed']}, "
+                  f"preemptions real {real['num_preemptions']} sim {sim['num_preemptions']})",
+                  flush=True)
+    for name, real_runs in runs.items():
+        rows[name]["real"] = median_run(real_runs)
+        rows[name]["real_runs"] = real_runs
     if args.result_file:  # first: the figures outlive a bug in the printing below
         with open(args.result_file, "w", encoding="utf-8") as f:
             json.dump({"profile": profile, "rows": rows}, f, indent=2)
     print()
-    header = f"{'setting':<10} {'metric':<10} {'real':>9} {'sim':>9} {'error':>8}"
+    print(f"real = the median of {args.repeat} server runs per setting; spread = their "
+          "(max - min) / median")
+    header = (f"{'setting':<10} {'metric':<10} {'real':>9} {'spread':>7} {'sim':>9} "
+              f"{'error':>8}")
     print(header)
     print("-" * len(header))
     worst = 0.0
@@ -108,7 +131,10 @@ def main() -> None:
             if key in TARGETS:
                 worst = max(worst, abs(err))
             mark = " *" if key in TARGETS and abs(err) > 0.10 else ""
-            print(f"{name:<10} {label:<10} {real:9.1f} {sim:9.1f} {100 * err:+7.1f}%{mark}")
+            values = [r[key] for r in row["real_runs"]]
+            spread = (max(values) - min(values)) / real if real else float("nan")
+            print(f"{name:<10} {label:<10} {real:9.1f} {100 * spread:6.1f}% {sim:9.1f} "
+                  f"{100 * err:+7.1f}%{mark}")
         print(f"{name:<10} {'failed':<10} {row['real']['failed']:9d} {row['sim']['failed']:9d}")
         real_pre = row["real"].get("num_preemptions")
         print(f"{name:<10} {'preempt':<10} {real_pre if real_pre is not None else '?':>9} "
@@ -133,6 +159,24 @@ def main() -> None:
               f"{pair(rs.get('mean_prefill_ms'), se.get('mean_prefill_ms'))}")
     print(f"\nworst error on throughput / median TTFT / median TPOT: {100 * worst:.1f}% "
           f"(target 10%; * marks a miss); total {time.perf_counter() - t0:.0f} s")
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One run's figures from several: the median of every number (and of the server's
+    histogram means), failures summed."""
+    out: dict = {}
+    for key, value in runs[0].items():
+        if key == "server":
+            keys = set.intersection(*(set(r.get("server", {})) for r in runs))
+            out[key] = {k: statistics.median(r["server"][k] for r in runs) for k in keys}
+        elif key == "failed":
+            out[key] = sum(r[key] for r in runs)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+            out[key] = statistics.median(values) if len(values) == len(runs) else None
+        else:
+            out[key] = value
+    return out
 
 
 if __name__ == "__main__":
