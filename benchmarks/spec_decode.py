@@ -8,7 +8,8 @@ Workloads (greedy, so both modes produce identical tokens; the script checks it)
   A1, A8  the output mostly copies from the prompt: chat prompts asking to rewrite a function with
           a variable renamed, or to quote a passage back; batch 1 (one request at a time) and 8;
   B1, B64 W1-like random-token prompts (64-512 tokens), where prompt lookup finds little; batch 1
-          and 64 (the batch-64 run speculates with `disable_by_batch_size` 16).
+          and 64 (the batch-64 run speculates with `disable_by_batch_size`,
+          --disable-by-batch-size, 16 by default).
 A suffix picks the speculation of a row: none (ngram, k = --k), `/kN` (ngram with k = N; `/kNfixed`:
 always N drafts, not adapted per request to its acceptance), `/draft`
 (method draft_model with --draft-model, by default the default model drafting for itself: a
@@ -125,6 +126,8 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None,
                     help="the draft model of /draft rows (default: the default model itself)")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of workload A")
+    ap.add_argument("--disable-by-batch-size", type=int, default=16,
+                    help="disable_by_batch_size of the batch-64 rows")
     args = ap.parse_args()
     bundle = load_bundle(EngineArgs(dtype=args.dtype, max_model_len=1024))
     draft_path = args.draft_model or bundle.path
@@ -150,7 +153,7 @@ def main() -> None:
             prompts, out_lens = workload_b(4 if batch == 1 else batch, 64)
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
             if batch >= 16:
-                spec = {**spec, "disable_by_batch_size": 16}
+                spec = {**spec, "disable_by_batch_size": args.disable_by_batch_size}
         best: dict[str, dict] = {}
         for _ in range(args.repeat):
             modes = [("on", spec)] if base in offs else [("off", None), ("on", spec)]

@@ -28,12 +28,14 @@ import torch.nn.functional as F
 from tessera.kernels.build import load_extension
 
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_HEADERS = tuple(Path(__file__).with_name(h) for h in (
+    "paged_attention_common.h", "paged_attention_avx512.h", "paged_kv_store.h"))
 _module: ModuleType | None = None
 
 
 def _load() -> ModuleType | None:
     global _module
-    _module = load_extension("tessera_paged_attention", _SOURCE)
+    _module = load_extension("tessera_paged_attention", _SOURCE, depends=_HEADERS)
     return _module
 
 

@@ -1,0 +1,92 @@
+// The pieces both paths of paged_attention.cpp share: the geometry of a call, the row pointers of a
+// tile, the per-thread scratch and the q/out conversions. Included by paged_attention.cpp and
+// paged_attention_avx512.h, in namespace tessera_paged.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace tessera_paged {
+
+constexpr int64_t kTile = 32;  // tokens per online-softmax update (two score vectors of 16)
+
+struct Geometry {
+  int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
+};
+
+// Row pointers of kv head g (the item's first) for tokens [t0, t0 + n) of one sequence.
+template <typename kv_t, typename index_t>
+inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t g, int64_t t0,
+                      int64_t n, const Geometry& geo, const kv_t** kp, const kv_t** vp) {
+  // One division per tile, not per token (a 64-bit divide costs as much as a head's dot product).
+  int64_t idx = t0 / geo.block_size, in_block = t0 % geo.block_size;
+  const int64_t row_stride = geo.num_kv_heads * geo.head_dim;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t block = static_cast<int64_t>(table[idx]);
+    const int64_t offset = (block * geo.block_size + in_block) * row_stride + g * geo.head_dim;
+    kp[i] = k + offset;
+    vp[i] = v + offset;
+    if (++in_block == geo.block_size) {
+      in_block = 0;
+      ++idx;
+    }
+  }
+}
+
+// Per-thread scratch, allocated once per worker; sized for all heads of a sequence, an item's heads
+// (nh = nkv * group of them, starting at query head h0 = g0 * group) use the front.
+struct Scratch {
+  std::vector<float> q;    // [nh, head_dim] fp32
+  std::vector<at::BFloat16> qb;  // the same as bf16, for vdpbf16ps
+  std::vector<float> acc;  // [nh, head_dim]
+  std::vector<float> s;    // [nh, kTile] scores, then probabilities
+  std::vector<float> m, l;  // [nh]
+  std::vector<float> corr;  // [nh] this tile's rescaling of acc
+  explicit Scratch(const Geometry& geo)
+      : q(geo.num_heads * geo.head_dim), qb(geo.num_heads * geo.head_dim),
+        acc(geo.num_heads * geo.head_dim), s(geo.num_heads * kTile), m(geo.num_heads),
+        l(geo.num_heads), corr(geo.num_heads) {}
+};
+
+template <typename q_t>
+inline void load_q(const q_t* q, const Geometry& geo, int64_t b, int64_t h0, int64_t nh,
+                   float scale, Scratch& sc) {
+  for (int64_t j = 0; j < nh; ++j) {
+    const q_t* qh = q + b * geo.q_stride_b + (h0 + j) * geo.q_stride_h;
+    for (int64_t d = 0; d < geo.head_dim; ++d)
+      sc.q[j * geo.head_dim + d] = static_cast<float>(qh[d]) * scale;
+  }
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+  std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.begin(), sc.l.end(), 0.f);
+}
+
+template <typename q_t>
+inline void store_out(q_t* out, const Geometry& geo, int64_t b, int64_t h0, int64_t nh,
+                      const Scratch& sc) {
+  for (int64_t j = 0; j < nh; ++j) {
+    q_t* oh = out + b * geo.out_stride_b + (h0 + j) * geo.out_stride_h;
+    // l > 0 whenever the sequence has at least one token; an empty context gives zeros.
+    const float inv = sc.l[j] > 0.f ? 1.f / sc.l[j] : 0.f;
+    for (int64_t d = 0; d < geo.head_dim; ++d)
+      oh[d] = static_cast<q_t>(sc.acc[j * geo.head_dim + d] * inv);
+  }
+}
+
+// Online-softmax step for head j of the portable path: raise its running max to cover the tile
+// (tile_max), rescale l and acc to the new max, and return it.
+inline float rescale_head(Scratch& sc, int64_t j, int64_t head_dim, float tile_max) {
+  const float m_new = std::max(sc.m[j], tile_max);
+  const float corr = std::exp(sc.m[j] - m_new);  // exp(-inf) = 0 on the first tile
+  sc.l[j] *= corr;
+  float* a = sc.acc.data() + j * head_dim;
+  for (int64_t d = 0; d < head_dim; ++d) a[d] *= corr;
+  sc.m[j] = m_new;
+  return m_new;
+}
+
+}  // namespace tessera_paged
