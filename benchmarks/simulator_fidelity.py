@@ -4,9 +4,10 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
     flock -x /work/cpu.lock .venv/bin/python benchmarks/simulator_fidelity.py \\
         [--profile profile.json] [--settings default chunked swap recompute prefix] [--repeat 3]
 
-1. calibrate here (`tessera simulate calibrate --serving-requests 48`, bf16: the runner over a
-   grid of shapes, then the serving overhead from one real-server run on a calibration trace
-   that is none of the traces below), unless --profile names a profile;
+1. calibrate here (`tessera simulate calibrate --serving-requests 48 --serving-runs 3`, bf16:
+   the runner over a grid of shapes in two passes, then the serving overhead from the median of
+   three real-server runs on a calibration trace that is none of the traces below), unless
+   --profile names a profile;
 2. per setting: start `tessera serve` on 127.0.0.1 with the setting's engine flags, send the
    trace with `bench serve` (ignore_eos, so both sides produce the dataset's output lengths),
    stop the server; simulate the same samples at the same arrival times with the same flags;
@@ -27,13 +28,12 @@ import json
 import logging
 import os
 import shlex
-import statistics
 import tempfile
 import time
 
 from tessera.entrypoints.cli import build_parser
 from tessera.simulator.cli import load_samples, run_point
-from tessera.simulator.serving import real_server_metrics
+from tessera.simulator.serving import median_run, real_server_metrics
 
 COMMON = "--dtype bfloat16"
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--grid", default="small", help="calibration grid")
     parser.add_argument("--serving-requests", type=int, default=48,
                         help="requests of the serving-overhead calibration (0: runner only)")
+    parser.add_argument("--serving-runs", type=int, default=3,
+                        help="real-server runs of the serving-overhead calibration")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--repeat", type=int, default=3,
                         help="real-server runs per setting, interleaved across settings; the "
@@ -81,7 +83,8 @@ def main() -> None:
         profile = os.path.join(work, "profile.json")
         cal = build_parser().parse_args(["simulate", "calibrate", *shlex.split(COMMON),
                                          "--grid", args.grid, "--output", profile,
-                                         "--serving-requests", str(args.serving_requests)])
+                                         "--serving-requests", str(args.serving_requests),
+                                         "--serving-runs", str(args.serving_runs)])
         cal.func(cal)
     print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
     rows = {}
@@ -159,24 +162,6 @@ def main() -> None:
               f"{pair(rs.get('mean_prefill_ms'), se.get('mean_prefill_ms'))}")
     print(f"\nworst error on throughput / median TTFT / median TPOT: {100 * worst:.1f}% "
           f"(target 10%; * marks a miss); total {time.perf_counter() - t0:.0f} s")
-
-
-def median_run(runs: list[dict]) -> dict:
-    """One run's figures from several: the median of every number (and of the server's
-    histogram means), failures summed."""
-    out: dict = {}
-    for key, value in runs[0].items():
-        if key == "server":
-            keys = set.intersection(*(set(r.get("server", {})) for r in runs))
-            out[key] = {k: statistics.median(r["server"][k] for r in runs) for k in keys}
-        elif key == "failed":
-            out[key] = sum(r[key] for r in runs)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
-            out[key] = statistics.median(values) if len(values) == len(runs) else None
-        else:
-            out[key] = value
-    return out
 
 
 if __name__ == "__main__":

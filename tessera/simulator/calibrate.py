@@ -97,7 +97,7 @@ class _Driver:
         need += cdiv(shape.prefill_context + shape.num_prefill_tokens, bs)
         return need <= self.num_blocks
 
-    def time_shape(self, shape: Shape, repeats: int) -> tuple[BatchShape, float]:
+    def time_shape(self, shape: Shape, repeats: int) -> tuple[BatchShape, list[float]]:
         bs, c = self.block_size, shape.decode_context
         free = iter(range(self.num_blocks))
         decode_blocks = [[next(free) for _ in range(cdiv(c + repeats + 2, bs))]
@@ -141,7 +141,7 @@ class _Driver:
         done = SchedulerOutput(finished_req_ids=[d.req_id for d in decodes] +
                                ([prefill_id] if prefill_id else []))
         self.runner.execute_model(done)
-        return batch, statistics.median(times)
+        return batch, times
 
 
 def time_swap(cache_engine, num_blocks: int, repeats: int) -> float:
@@ -160,10 +160,17 @@ def time_swap(cache_engine, num_blocks: int, repeats: int) -> float:
 
 
 def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
-              output: str | None = None, bundle=None, serving_requests: int = 0) -> dict:
-    """Load the model as the server would, time every shape of `grid`, fit, and save the profile
-    JSON at `output`. With `serving_requests` > 0, also run the real server on that many requests
-    of the calibration trace and fit the serving overhead (serving.py). Returns the profile."""
+              output: str | None = None, bundle=None, serving_requests: int = 0,
+              rounds: int = 2, serving_runs: int = 1) -> dict:
+    """Load the model as the server would, time every shape of `grid` in `rounds` passes (a
+    shape's time: the median of its `repeats` timed steps of every pass), fit, and save the
+    profile JSON at `output`. With `serving_requests` > 0, also run the real server
+    `serving_runs` times on that many requests of the calibration trace and fit the serving
+    overhead to the median of the runs (serving.py). Returns the profile.
+
+    Why passes: this machine's speed drifts by 10-20% over minutes (other tenants of the host);
+    shapes timed one after the other in a single pass each saw one moment of it, and one slow
+    moment bent the fit (15% RMS error in one calibration, 4.6% in the one before)."""
     from tessera.engine.llm_engine import LLMEngine
     from tessera.engine.loading import build_engine, load_bundle
 
@@ -176,11 +183,18 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
                      runner.cache_engine.num_gpu_blocks)
     rows, measured, points = [], [], []
     start = time.perf_counter()
+    fitting = [s for s in shapes if driver.fits(s, repeats)]
     for shape in shapes:
-        if not driver.fits(shape, repeats):
+        if shape not in fitting:
             logger.info("skipping %s: more KV than --kv-cache-space holds", shape)
-            continue
-        batch, seconds = driver.time_shape(shape, repeats)
+    steps: dict[Shape, list[float]] = {shape: [] for shape in fitting}
+    batches: dict[Shape, BatchShape] = {}
+    for _ in range(rounds):
+        for shape in fitting:
+            batches[shape], times = driver.time_shape(shape, repeats)
+            steps[shape] += times
+    for shape in fitting:
+        batch, seconds = batches[shape], statistics.median(steps[shape])
         rows.append(features(batch))
         measured.append(seconds)
         points.append({"shape": shape.__dict__, "batch": {
@@ -204,7 +218,7 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
         "features": [name for name, _ in FEATURES],
         "coefficients": {name: float(c) for (name, _), c in zip(FEATURES, coefs, strict=True)},
         "swap_s_per_byte": time_swap(runner.cache_engine, 256, repeats),
-        "fit": {**fit, "grid": grid, "repeats": repeats,
+        "fit": {**fit, "grid": grid, "repeats": repeats, "rounds": rounds,
                 "calibration_seconds": time.perf_counter() - start},
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         # the link a disaggregated consumer pulls KV over, measured on this machine
@@ -215,7 +229,7 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
     engine.shutdown()
     del engine, runner, driver
     if serving_requests > 0:
-        profile.update(calibrate_serving(args, profile, serving_requests))
+        profile.update(calibrate_serving(args, profile, serving_requests, serving_runs))
     if output:
         with open(output, "w", encoding="utf-8") as f:
             json.dump(profile, f, indent=2)
@@ -223,9 +237,10 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
     return profile
 
 
-def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dict:
-    """Run the real server on the calibration trace: measure the latency outside the engine and
-    fit the two serving rates to it (serving.py says which and why)."""
+def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int, runs: int = 1) -> dict:
+    """Run the real server `runs` times on the calibration trace: measure the latency outside
+    the engine and fit the two serving rates to the median run (serving.py says which and
+    why)."""
     import gc
 
     from tessera.bench import datasets
@@ -239,6 +254,7 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
         TRACE_RATE,
         engine_flags,
         fit_serving_terms,
+        median_run,
         real_server_metrics,
         request_latency,
     )
@@ -249,9 +265,10 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
     samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
                                      t["random_input_len"], t["random_output_len"],
                                      t["random_range_ratio"], seed=args.seed)
-    real = real_server_metrics(engine_flags(args), samples, TRACE_RATE, args.seed,
-                               label="calibration-server")
-    latency = request_latency(real)
+    real_runs = [real_server_metrics(engine_flags(args), samples, TRACE_RATE, args.seed,
+                                     label=f"calibration-server-{i}") for i in range(runs)]
+    real = median_run(real_runs)
+    latency = statistics.median(request_latency(r) for r in real_runs)
     config = args.create_engine_config(profile["max_position_embeddings"], profile["dtype"])
 
     def simulate_means(candidate: dict) -> tuple[float, float]:
@@ -282,7 +299,7 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int) -> dic
             "output_throughput")
     return {"request_latency_s": latency, **terms,
             "serving_fit": {"trace": {**TRACE, "num_prompts": num_requests},
-                            "request_rate": TRACE_RATE,
+                            "request_rate": TRACE_RATE, "runs": runs,
                             "real": {k: real[k] for k in keys}, "server": real["server"],
                             "fitted_mean_tpot_ttft_s": list(fitted),
                             "runner_only_mean_tpot_ttft_s": list(runner_only)}}

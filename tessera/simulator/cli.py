@@ -100,9 +100,16 @@ def add_simulate_parser(subparsers) -> None:
                    help="batch shapes to time (default: %(default)s)")
     g.add_argument("--repeats", type=int, default=3,
                    help="timed steps per shape (the median is kept) (default: %(default)s)")
+    g.add_argument("--rounds", type=int, default=2,
+                   help="passes over the grid; a shape's time is the median of its timed steps "
+                        "in every pass, so a drift of the machine's speed during one pass does "
+                        "not land on the shapes timed then (default: %(default)s)")
     g.add_argument("--serving-requests", type=int, default=0, metavar="N",
                    help="also start the real server (127.0.0.1) on N requests of a calibration "
                         "trace and fit the serving overhead per sequence (0: runner only)")
+    g.add_argument("--serving-runs", type=int, default=1, metavar="R",
+                   help="real-server runs of the calibration trace; the fit targets the median "
+                        "of their means (default: %(default)s)")
     cal.set_defaults(func=calibrate_main, parser=cal)
 
 
@@ -341,13 +348,15 @@ def calibrate_main(args: argparse.Namespace) -> int:
     from tessera.simulator.calibrate import calibrate
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.repeats < 1:
-        args.parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.serving_requests < 0:
-        args.parser.error(f"--serving-requests must be >= 0, got {args.serving_requests}")
+    for flag, value, least in (("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1),
+                               ("--serving-requests", args.serving_requests, 0),
+                               ("--serving-runs", args.serving_runs, 1)):
+        if value < least:
+            args.parser.error(f"{flag} must be >= {least}, got {value}")
     try:
         profile = calibrate(engine_args_from(args), grid=args.grid, repeats=args.repeats,
-                            output=args.output, serving_requests=args.serving_requests)
+                            output=args.output, serving_requests=args.serving_requests,
+                            rounds=args.rounds, serving_runs=args.serving_runs)
     except ValueError as e:
         args.parser.error(str(e))
     fit = profile["fit"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import sys
 import tempfile
 
@@ -114,6 +115,26 @@ def server_means(base_url: str) -> dict[str, float]:
     response = httpx.get(base_url + "/metrics", timeout=5.0, trust_env=False)
     response.raise_for_status()
     return parse_histogram_means(response.text)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One run's figures from several runs of `real_server_metrics`: the median of every number
+    (and of the server's histogram means), failures summed. Why: on shared cores the same trace
+    and flags vary by 5-25% from one run to the next; the median of a few is what a model of
+    the machine can be held to."""
+    out: dict = {}
+    for key, value in runs[0].items():
+        if key == "server":
+            keys = set.intersection(*(set(r.get("server", {})) for r in runs))
+            out[key] = {k: statistics.median(r["server"][k] for r in runs) for k in keys}
+        elif key == "failed":
+            out[key] = sum(r[key] for r in runs)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+            out[key] = statistics.median(values) if len(values) == len(runs) else None
+        else:
+            out[key] = value
+    return out
 
 
 def request_latency(real: dict) -> float:

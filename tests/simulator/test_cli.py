@@ -134,6 +134,31 @@ def test_calibrate_a_tiny_model_then_simulate_with_its_profile(tiny_llama, tmp_p
         main(["simulate", "--profile", str(profile), "--dtype", "bfloat16", *TINY_RANDOM])
 
 
+def test_calibration_times_every_shape_in_every_pass(tiny_llama, tmp_path, monkeypatch):
+    """--rounds passes over the grid; a shape's time is the median of its steps in all of
+    them (here pass i times every step at i x 10 ms: the median of 10, 20, 30 is 20)."""
+    from tessera.simulator import calibrate as cal
+
+    timed = cal._Driver.time_shape
+    passes: dict = {}
+
+    def fake(self, shape, repeats):
+        batch, _ = timed(self, shape, repeats)
+        passes[shape] = passes.get(shape, 0) + 1
+        return batch, [0.01 * passes[shape]] * repeats
+
+    monkeypatch.setattr(cal._Driver, "time_shape", fake)
+    profile = tmp_path / "profile.json"
+    assert main(["simulate", "calibrate", "--model", tiny_llama, "--grid", "tiny",
+                 "--repeats", "2", "--rounds", "3", "--num-gpu-blocks-override", "64",
+                 "--swap-space", "0.01", "--output", str(profile)]) == 0
+    data = json.loads(profile.read_text())
+    assert set(passes.values()) == {3} and data["fit"]["rounds"] == 3
+    assert [p["seconds"] for p in data["grid"]] == pytest.approx([0.02] * len(data["grid"]))
+    with pytest.raises(SystemExit):
+        main(["simulate", "calibrate", "--model", tiny_llama, "--rounds", "0"])
+
+
 def test_dtype_auto_is_the_model_configs():
     # the shipped Llama-3-8B config says bfloat16; an explicit --dtype wins
     cost = make_cost_model(_parse("--kv-cache-space", "10"))

@@ -200,6 +200,17 @@ def test_server_histogram_means_and_the_latency_outside_the_engine():
         request_latency({"mean_ttft_ms": 340.0, "server": {}})
 
 
+def test_median_run_takes_the_median_of_every_figure():
+    from tessera.simulator.serving import median_run
+
+    runs = [{"mean_tpot_ms": t, "failed": f, "num_preemptions": p, "server": {"mean_ttft_ms": s},
+             "label": "x"} for t, f, p, s in ((30.0, 0, 1, 200.0), (20.0, 1, None, 100.0),
+                                              (25.0, 0, 3, 400.0))]
+    m = median_run(runs)
+    assert m["mean_tpot_ms"] == 25.0 and m["server"] == {"mean_ttft_ms": 200.0}
+    assert m["failed"] == 1 and m["num_preemptions"] is None and m["label"] == "x"
+
+
 def test_two_serving_rates_are_fitted_to_mean_tpot_and_ttft():
     from tessera.simulator.serving import fit_serving_terms
 
