@@ -165,12 +165,16 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
     """Load the model as the server would, time every shape of `grid` in `rounds` passes (a
     shape's time: the median of its `repeats` timed steps of every pass), fit, and save the
     profile JSON at `output`. With `serving_requests` > 0, also run the real server
-    `serving_runs` times on that many requests of the calibration trace and fit the serving
-    overhead to the median of the runs (serving.py). Returns the profile.
+    `serving_runs` times on that many requests of the calibration trace, one run after each
+    pass, and fit the serving overhead to the median of the runs (serving.py). Returns the
+    profile.
 
-    Why passes: this machine's speed drifts by 10-20% over minutes (other tenants of the host);
-    shapes timed one after the other in a single pass each saw one moment of it, and one slow
-    moment bent the fit (15% RMS error in one calibration, 4.6% in the one before)."""
+    Why passes, and why interleaved: this machine's speed drifts by 10-20% over minutes (other
+    tenants of the host). Shapes timed one after the other in a single pass each saw one moment
+    of it, and one slow moment bent the fit (15% RMS error in one calibration, 4.6% in the one
+    before); a grid timed in a fast minute and serving runs in a slow one put the difference
+    into the serving rates (4.5 ms per sequence per step against 1.7 in a calibration where
+    both saw the same machine)."""
     from tessera.engine.llm_engine import LLMEngine
     from tessera.engine.loading import build_engine, load_bundle
 
@@ -189,10 +193,16 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
             logger.info("skipping %s: more KV than --kv-cache-space holds", shape)
     steps: dict[Shape, list[float]] = {shape: [] for shape in fitting}
     batches: dict[Shape, BatchShape] = {}
-    for _ in range(rounds):
-        for shape in fitting:
-            batches[shape], times = driver.time_shape(shape, repeats)
-            steps[shape] += times
+    serving = ServingRuns(args, serving_requests) if serving_requests > 0 else None
+    # each round: a pass over the grid, then one real-server run of the calibration trace, so
+    # the grid's medians and the serving runs' median see the machine over the same minutes
+    for r in range(max(rounds, serving_runs if serving else 0)):
+        if r < rounds:
+            for shape in fitting:
+                batches[shape], times = driver.time_shape(shape, repeats)
+                steps[shape] += times
+        if serving is not None and r < serving_runs:
+            serving.run()
     for shape in fitting:
         batch, seconds = batches[shape], statistics.median(steps[shape])
         rows.append(features(batch))
@@ -228,8 +238,8 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
     }
     engine.shutdown()
     del engine, runner, driver
-    if serving_requests > 0:
-        profile.update(calibrate_serving(args, profile, serving_requests, serving_runs))
+    if serving is not None:
+        profile.update(serving.fit(profile))
     if output:
         with open(output, "w", encoding="utf-8") as f:
             json.dump(profile, f, indent=2)
@@ -237,14 +247,35 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
     return profile
 
 
-def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int, runs: int = 1) -> dict:
-    """Run the real server `runs` times on the calibration trace: measure the latency outside
-    the engine and fit the two serving rates to the median run (serving.py says which and
-    why)."""
-    import gc
+class ServingRuns:
+    """Runs of the real server on the calibration trace, then the fit of the latency outside the
+    engine and the two serving rates to the median run (serving.py says which and why)."""
 
-    from tessera.bench import datasets
-    from tessera.bench.serve import load_bench_tokenizer
+    def __init__(self, args: EngineArgs, num_requests: int) -> None:
+        from tessera.bench import datasets
+        from tessera.bench.serve import load_bench_tokenizer
+        from tessera.simulator.serving import TRACE
+
+        self.args, self.num_requests, self.real_runs = args, num_requests, []
+        t = TRACE
+        self.samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
+                                              t["random_input_len"], t["random_output_len"],
+                                              t["random_range_ratio"], seed=args.seed)
+
+    def run(self) -> None:
+        from tessera.simulator.serving import TRACE_RATE, engine_flags, real_server_metrics
+
+        self.real_runs.append(real_server_metrics(
+            engine_flags(self.args), self.samples, TRACE_RATE, self.args.seed,
+            label=f"calibration-server-{len(self.real_runs)}"))
+
+    def fit(self, profile: dict) -> dict:
+        return fit_serving(self.args, profile, self.samples, self.real_runs)
+
+
+def fit_serving(args: EngineArgs, profile: dict, samples, real_runs: list[dict]) -> dict:
+    """The latency outside the engine and the two serving rates, fitted to the median of the
+    real runs of the calibration trace `samples`."""
     from tessera.config import GiB
     from tessera.simulator.cli import probe_request, sim_requests
     from tessera.simulator.cost_model import ProfiledCostModel
@@ -252,21 +283,13 @@ def calibrate_serving(args: EngineArgs, profile: dict, num_requests: int, runs: 
     from tessera.simulator.serving import (
         TRACE,
         TRACE_RATE,
-        engine_flags,
         fit_serving_terms,
         median_run,
-        real_server_metrics,
         request_latency,
     )
     from tessera.simulator.simulator import Simulator
 
-    gc.collect()  # the grid's KV pools go before the server takes its own
-    t = TRACE
-    samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
-                                     t["random_input_len"], t["random_output_len"],
-                                     t["random_range_ratio"], seed=args.seed)
-    real_runs = [real_server_metrics(engine_flags(args), samples, TRACE_RATE, args.seed,
-                                     label=f"calibration-server-{i}") for i in range(runs)]
+    num_requests, runs = len(samples), len(real_runs)
     real = median_run(real_runs)
     latency = statistics.median(request_latency(r) for r in real_runs)
     config = args.create_engine_config(profile["max_position_embeddings"], profile["dtype"])
