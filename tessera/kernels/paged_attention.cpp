@@ -82,8 +82,6 @@ void attend_scalar(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
   store_out(out, geo, b, h0, nh, sc);
 }
 
-
-
 template <typename q_t, typename kv_t, typename index_t>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,

@@ -159,6 +159,43 @@ def test_calibration_times_every_shape_in_every_pass(tiny_llama, tmp_path, monke
         main(["simulate", "calibrate", "--model", tiny_llama, "--rounds", "0"])
 
 
+def test_serving_runs_alternate_with_grid_passes(tiny_llama, tmp_path, monkeypatch):
+    """With --serving-requests, a real-server run of the calibration trace follows each pass
+    over the grid, and the serving overhead is fitted to the median run (here a stand-in for
+    the server, since a real one is the fidelity benchmark's job)."""
+    from tessera.simulator import calibrate as cal
+    from tessera.simulator import serving
+
+    order: list[str] = []
+    timed = cal._Driver.time_shape
+    tpots = iter([0.5, 0.02, 0.03])  # one slow run: the median ignores it
+
+    def shape_timed(self, shape, repeats):
+        if not order or order[-1] != "grid":
+            order.append("grid")
+        return timed(self, shape, repeats)
+
+    def server_run(flags, samples, rate, seed, log_dir=None, label="server"):
+        order.append("serve")
+        tpot = next(tpots)
+        return {"mean_tpot_ms": 1e3 * tpot, "median_tpot_ms": 1e3 * tpot, "mean_ttft_ms": 50.0,
+                "median_ttft_ms": 50.0, "mean_e2el_ms": 500.0, "output_throughput": 10.0,
+                "server": {"mean_ttft_ms": 40.0}}
+
+    monkeypatch.setattr(cal._Driver, "time_shape", shape_timed)
+    monkeypatch.setattr(serving, "real_server_metrics", server_run)
+    profile = tmp_path / "profile.json"
+    assert main(["simulate", "calibrate", "--model", tiny_llama, "--grid", "tiny",
+                 "--repeats", "1", "--rounds", "2", "--serving-requests", "4",
+                 "--serving-runs", "3", "--num-gpu-blocks-override", "64", "--swap-space",
+                 "0.01", "--output", str(profile)]) == 0
+    assert order == ["grid", "serve", "grid", "serve", "serve"]
+    data = json.loads(profile.read_text())
+    assert data["serving_fit"]["runs"] == 3
+    assert data["serving_fit"]["real"]["mean_tpot_ms"] == pytest.approx(30.0)
+    assert data["request_latency_s"] == pytest.approx(0.01)
+
+
 def test_dtype_auto_is_the_model_configs():
     # the shipped Llama-3-8B config says bfloat16; an explicit --dtype wins
     cost = make_cost_model(_parse("--kv-cache-space", "10"))
