@@ -184,6 +184,10 @@ def test_serving_runs_alternate_with_grid_passes(tiny_llama, tmp_path, monkeypat
 
     monkeypatch.setattr(cal._Driver, "time_shape", shape_timed)
     monkeypatch.setattr(serving, "real_server_metrics", server_run)
+    targets = []  # the bisections themselves are test_parallel's; here only what they aim at
+    monkeypatch.setattr(serving, "fit_serving_terms", lambda profile, means, tpot, ttft:
+                        targets.append((tpot, ttft)) or {"serving_s_per_seq": 0.001,
+                                                         "serving_s_per_prefill_token": 0.0})
     profile = tmp_path / "profile.json"
     assert main(["simulate", "calibrate", "--model", tiny_llama, "--grid", "tiny",
                  "--repeats", "1", "--rounds", "2", "--serving-requests", "4",
@@ -193,6 +197,7 @@ def test_serving_runs_alternate_with_grid_passes(tiny_llama, tmp_path, monkeypat
     data = json.loads(profile.read_text())
     assert data["serving_fit"]["runs"] == 3
     assert data["serving_fit"]["real"]["mean_tpot_ms"] == pytest.approx(30.0)
+    assert targets == [pytest.approx((0.03, 0.05))] and data["serving_s_per_seq"] == 0.001
     assert data["request_latency_s"] == pytest.approx(0.01)
 
 
