@@ -172,9 +172,10 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
     Why passes, and why interleaved: this machine's speed drifts by 10-20% over minutes (other
     tenants of the host). Shapes timed one after the other in a single pass each saw one moment
     of it, and one slow moment bent the fit (15% RMS error in one calibration, 4.6% in the one
-    before); a grid timed in a fast minute and serving runs in a slow one put the difference
-    into the serving rates (4.5 ms per sequence per step against 1.7 in a calibration where
-    both saw the same machine)."""
+    before). The serving rates absorb any difference between the grid's minutes and the
+    server's (4.5 and 1.7 ms per sequence per step in two calibrations of one day); interleaving
+    makes both sides sample the same minutes (it did not remove that spread: 3.4 ms in the next
+    one, docs/simulator.md)."""
     from tessera.engine.llm_engine import LLMEngine
     from tessera.engine.loading import build_engine, load_bundle
 
