@@ -24,6 +24,7 @@ Behind `tessera serve` a request also costs time outside the runner, of two kind
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import statistics
 import sys
@@ -31,6 +32,8 @@ import tempfile
 
 from tessera.config import EngineArgs
 from tessera.simulator.fit import bisect_increasing
+
+logger = logging.getLogger(__name__)
 
 # the calibration trace: not one of the fidelity benchmark's traces; at about 70% of this
 # machine's capacity, where a server usually runs (at rate inf the fit also absorbed the grid's
@@ -175,3 +178,75 @@ def fit_serving_terms(profile: dict, simulate_means, real_tpot_s: float, real_tt
             {**profile, **terms}, lambda p: simulate_means(p)[1], real_ttft_s,
             "serving_s_per_prefill_token", hi=1e-3)
     return terms
+
+
+class ServingRuns:
+    """Runs of the real server on the calibration trace, then the fit of the latency outside the
+    engine and the two serving rates to the median run (the module docstring says which and
+    why). `calibrate` makes one run after each pass over its grid."""
+
+    def __init__(self, args: EngineArgs, num_requests: int) -> None:
+        from tessera.bench import datasets
+        from tessera.bench.serve import load_bench_tokenizer
+
+        self.args, self.real_runs = args, []
+        t = TRACE
+        self.samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
+                                              t["random_input_len"], t["random_output_len"],
+                                              t["random_range_ratio"], seed=args.seed)
+
+    def run(self) -> None:
+        self.real_runs.append(real_server_metrics(
+            engine_flags(self.args), self.samples, TRACE_RATE, self.args.seed,
+            label=f"calibration-server-{len(self.real_runs)}"))
+
+    def fit(self, profile: dict) -> dict:
+        return fit_serving(self.args, profile, self.samples, self.real_runs)
+
+
+def fit_serving(args: EngineArgs, profile: dict, samples, real_runs: list[dict]) -> dict:
+    """The latency outside the engine and the two serving rates, fitted to the median of the
+    real runs of the calibration trace `samples`."""
+    from tessera.config import GiB
+    from tessera.simulator.cli import probe_request, sim_requests
+    from tessera.simulator.cost_model import ProfiledCostModel
+    from tessera.simulator.report import request_results
+    from tessera.simulator.simulator import Simulator
+
+    num_requests, runs = len(samples), len(real_runs)
+    real = median_run(real_runs)
+    latency = statistics.median(request_latency(r) for r in real_runs)
+    config = args.create_engine_config(profile["max_position_embeddings"], profile["dtype"])
+
+    def simulate_means(candidate: dict) -> tuple[float, float]:
+        """(mean TPOT, mean TTFT) in seconds, as bench serve computes them."""
+        cost = ProfiledCostModel(candidate)
+        block_bytes = cost.geometry.block_bytes(config.cache.block_size)
+        num_gpu = (config.cache.num_gpu_blocks_override
+                   or int(config.cache.kv_cache_space * GiB) // block_bytes)
+        sim = Simulator(config, cost, num_gpu, int(config.cache.swap_space * GiB) // block_bytes)
+        requests = sim_requests(samples, TRACE_RATE, 1.0, args.seed)
+        outcome = sim.run(requests, record_timeline=False, probe=probe_request(requests))
+        results = [r for r in request_results(outcome) if r.success]
+        tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+        return (sum(tpots) / len(tpots), sum(r.ttft for r in results) / len(results))
+
+    with_latency = {**profile, "request_latency_s": latency}
+    terms = fit_serving_terms(with_latency, simulate_means, real["mean_tpot_ms"] / 1e3,
+                              real["mean_ttft_ms"] / 1e3)
+    runner_only = simulate_means(profile)
+    fitted = simulate_means({**with_latency, **terms})
+    logger.info("serving overhead: %.0f ms latency outside the engine, %.2f ms per sequence per "
+                "step, %.3f ms per prefill token (real mean TPOT %.1f ms, TTFT %.0f ms; fitted "
+                "%.1f / %.0f; runner-only %.1f / %.0f)", latency * 1e3,
+                terms["serving_s_per_seq"] * 1e3, terms["serving_s_per_prefill_token"] * 1e3,
+                real["mean_tpot_ms"], real["mean_ttft_ms"], fitted[0] * 1e3, fitted[1] * 1e3,
+                runner_only[0] * 1e3, runner_only[1] * 1e3)
+    keys = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms",
+            "output_throughput")
+    return {"request_latency_s": latency, **terms,
+            "serving_fit": {"trace": {**TRACE, "num_prompts": num_requests},
+                            "request_rate": TRACE_RATE, "runs": runs,
+                            "real": {k: real[k] for k in keys}, "server": real["server"],
+                            "fitted_mean_tpot_ttft_s": list(fitted),
+                            "runner_only_mean_tpot_ttft_s": list(runner_only)}}
