@@ -57,8 +57,9 @@ def server_argv(template: str, port: int, extra: str) -> list[str]:
 class ServerProcess:
     """A server subprocess for a `with` block: up and healthy on entry, SIGINT-ed on exit."""
 
-    def __init__(self, argv: list[str], base_url: str, log_path: str, startup_timeout: float):
-        self.argv, self.base_url, self.log_path = argv, base_url, log_path
+    def __init__(self, argv: list[str], base_url: str, log_path: str, startup_timeout: float,
+                 env: dict[str, str] | None = None):
+        self.argv, self.base_url, self.log_path, self.env = argv, base_url, log_path, env
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
 
@@ -66,7 +67,7 @@ class ServerProcess:
         logger.info("starting %s (log: %s)", shlex.join(self.argv), self.log_path)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, env=self.env)
         try:
             self._wait_healthy()
         except BaseException:

@@ -83,6 +83,12 @@ class SchedulerOutput:
         already large."""
         return max(self.num_running_reqs, len(self.num_scheduled_tokens))
 
+    def num_computed_tokens_by_req(self) -> dict[str, int]:
+        """Tokens each scheduled request had computed before this step (its KV context)."""
+        computed = {new.req_id: new.num_computed_tokens for new in self.scheduled_new_reqs}
+        computed.update((d.req_id, d.num_computed_tokens) for d in self.scheduled_cached_reqs)
+        return computed
+
     @property
     def num_preemptions(self) -> int:
         return len(self.preempted_request_ids)

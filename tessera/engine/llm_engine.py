@@ -20,6 +20,7 @@ from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.engine.stats import EngineStats, StatsSnapshot
+from tessera.engine.step_log import StepLog
 from tessera.engine.step_recovery import find_culprits
 from tessera.executor.abstract import Executor, ExecutorDeadError
 from tessera.inputs import check_token_ids
@@ -83,6 +84,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.step_times = StepTimes()
+        self.step_log = StepLog.from_env()  # TESSERA_STEP_LOG: for the simulator's calibration
         self.stats = EngineStats(kv_transfer=config.kv_transfer is not None)
 
     @classmethod
@@ -225,9 +227,10 @@ class LLMEngine:
             [c.request_id for c in core_outputs if any(d.new_token_ids for d in c.seqs)],
         )
         outputs += failed  # the culprits of a step that raised (engine/step_recovery.py)
-        self.step_times.record(
-            t1 - t0, t2 - t1, time.perf_counter() - t2, scheduler_output.total_num_scheduled_tokens
-        )
+        t3 = time.perf_counter()
+        self.step_times.record(t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens)
+        if self.step_log is not None and scheduler_output.total_num_scheduled_tokens:
+            self.step_log.record(scheduler_output, t0, t3, self.has_unfinished_requests())
         if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_pending_kv_transfers():
             time.sleep(_KV_POLL_SECONDS)  # only transfers in flight: poll, do not spin
         return outputs
@@ -315,4 +318,6 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.step_log is not None:
+            self.step_log.close()
         self.executor.shutdown()

@@ -16,6 +16,7 @@ returns. A step with drafts and no acceptance model is an error rather than a si
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +49,21 @@ class BatchShape:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
+def batch_shape(reqs: Iterable[tuple[int, int]], swap_bytes: int = 0) -> BatchShape:
+    """The shape of a step from each scheduled request's (new tokens, tokens computed before):
+    the simulated runner's and the real server's step log's (tessera/engine/step_log.py)."""
+    prefill = decode = context = pairs = seqs = 0
+    for n, c in reqs:
+        seqs += 1
+        context += c + n
+        pairs += n * c + n * (n + 1) // 2
+        if n == 1 and c > 0:  # the runner's is_decode
+            decode += 1
+        else:
+            prefill += n
+    return BatchShape(prefill, decode, context, seqs, swap_bytes, pairs)
+
+
 class AcceptanceModel(Protocol):
     """Seam for speculative decoding: tokens a verification step returns for `req_id` given its
     `num_draft_tokens` drafts (between 1 and num_draft_tokens + 1)."""
@@ -77,29 +93,19 @@ class SyntheticRunner:
         num_tokens = self._num_tokens
         for req_id in out.finished_req_ids:
             num_tokens.pop(req_id, None)
-        computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             num_tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
-            computed[new.req_id] = new.num_computed_tokens
         for diff in out.scheduled_cached_reqs:
             num_tokens[diff.req_id] += len(diff.new_token_ids)
-            computed[diff.req_id] = diff.num_computed_tokens
+        computed = out.num_computed_tokens_by_req()
         spec = out.scheduled_spec_decode_tokens
         if spec and self.acceptance is None:
             raise ValueError("the scheduler scheduled draft tokens, but the simulator has no "
                              "acceptance model for speculative decoding")
-        prefill = decode = context = pairs = 0
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         for req_id, n in out.num_scheduled_tokens.items():
-            c = computed[req_id]
-            context += c + n
-            pairs += n * c + n * (n + 1) // 2
-            if n == 1 and c > 0:  # the runner's is_decode
-                decode += 1
-            else:
-                prefill += n
-            if c + n >= num_tokens[req_id]:  # reaches its full length: the runner samples
+            if computed[req_id] + n >= num_tokens[req_id]:  # reaches its full length: it samples
                 k = out.num_samples.get(req_id, 1)
                 if spec and req_id in spec:
                     assert self.acceptance is not None
@@ -107,8 +113,8 @@ class SyntheticRunner:
                 req_ids.append(req_id)
                 sampled.append([SYNTHETIC_TOKEN_ID] * k)
         num_swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
-        shape = BatchShape(prefill, decode, context, len(out.num_scheduled_tokens),
-                           num_swapped * self.block_bytes, pairs)
+        shape = batch_shape([(n, computed[r]) for r, n in out.num_scheduled_tokens.items()],
+                            num_swapped * self.block_bytes)
         result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         sc = self.speculative
         if sc is not None and sc.is_enabled_for(out.speculation_batch_size):

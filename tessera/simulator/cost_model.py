@@ -94,7 +94,7 @@ class CostModel(ABC):
 class ProfiledCostModel(CostModel):
     """A linear model over `FEATURES`, fitted by `tessera simulate calibrate` (see fit.py for the
     fit and why), a per-byte swap cost measured on the same machine, and optionally the serving
-    overhead measured and fitted from a real server run (serving.py)."""
+    overhead measured and fitted from real server runs (serving.py)."""
 
     name = "profiled"
 
@@ -103,9 +103,10 @@ class ProfiledCostModel(CostModel):
             coefs = profile["coefficients"]
             self.coefficients = [float(coefs[name]) for name, _ in FEATURES]
             self.swap_s_per_byte = float(profile["swap_s_per_byte"])
-            # CPU outside the runner (tessera/simulator/serving.py): per sequence per step
-            # (streaming each token) and per prefill token (prompt work), and the latency
-            # outside the engine; all 0 if the profile was calibrated on the runner alone
+            # time around the runner behind the server (tessera/simulator/serving.py): per
+            # step, per sequence and per prefill token, and the latency outside the engine; all
+            # 0 if the profile was calibrated on the runner alone
+            self.serving_s_per_step = float(profile.get("serving_s_per_step", 0.0))
             self.serving_s_per_seq = float(profile.get("serving_s_per_seq", 0.0))
             self.serving_s_per_prefill_token = float(
                 profile.get("serving_s_per_prefill_token", 0.0))
@@ -132,7 +133,7 @@ class ProfiledCostModel(CostModel):
         if batch.num_tokens == 0:
             return 0.0
         runner = sum(c * x for c, x in zip(self.coefficients, features(batch), strict=True))
-        return (runner + self.serving_s_per_seq * batch.num_seqs
+        return (runner + self.serving_s_per_step + self.serving_s_per_seq * batch.num_seqs
                 + self.serving_s_per_prefill_token * batch.num_prefill_tokens)
 
     def swap_time(self, batch: BatchShape) -> float:
@@ -141,6 +142,7 @@ class ProfiledCostModel(CostModel):
     def describe(self) -> dict:
         return {"cost_model": self.name, "profile": self.path, "model": self.profile.get("model"),
                 "dtype": self.dtype, "fit": self.profile.get("fit"),
+                "serving_s_per_step": self.serving_s_per_step,
                 "serving_s_per_seq": self.serving_s_per_seq,
                 "serving_s_per_prefill_token": self.serving_s_per_prefill_token,
                 "request_latency_s": self.request_latency_s}

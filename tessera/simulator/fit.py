@@ -64,16 +64,23 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return x
 
 
+def weighted_nnls(rows, targets, weights) -> np.ndarray:
+    """argmin sum_i (weights_i (rows_i . x - targets_i))^2 subject to x >= 0, on columns scaled
+    to unit maximum (so `nnls`'s tolerance means the same for every feature)."""
+    x = np.asarray(rows, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)[:, None]
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    return nnls((x / scale) * w, np.asarray(targets, dtype=np.float64) * w[:, 0]) / scale
+
+
 def fit_step_times(rows: list[list[float]], times: list[float]) -> tuple[np.ndarray, dict]:
     """Coefficients (seconds per unit of each feature) and the fit's relative errors."""
     x = np.asarray(rows, dtype=np.float64)
     t = np.asarray(times, dtype=np.float64)
     if x.shape[0] < x.shape[1]:
         raise ValueError(f"need at least {x.shape[1]} timed shapes to fit, got {x.shape[0]}")
-    scale = np.abs(x).max(axis=0)
-    scale[scale == 0] = 1.0
-    weighted = (x / scale) / t[:, None]
-    coefs = nnls(weighted, np.ones_like(t)) / scale
+    coefs = weighted_nnls(x, t, 1.0 / t)
     rel = (x @ coefs - t) / t
     return coefs, {"method": "non-negative least squares on relative error (Lawson-Hanson)",
                    "relative_rms_error": float(np.sqrt(np.mean(rel ** 2))),

@@ -10,20 +10,29 @@ Behind `tessera serve` a request also costs time outside the runner, of two kind
   from the client's send. The difference of the two mean TTFTs is measured, not fitted: it is
   what the client waits that no engine step explains. The simulator hands each request to the
   scheduler that long after its send.
-- **CPU the runner competes for** on these 2 cores: the output processor detokenizes each
-  token, the server encodes its chunk, the bench client (on the same machine) parses it, and
-  the prompt is tokenized while the runner runs. Two non-negative rates model it, fitted by
-  alternating bisection so the simulated mean TPOT and mean TTFT of the calibration trace equal
-  the measured ones: seconds per sequence per step (`serving_s_per_seq`: a token streamed per
-  running sequence) and seconds per prefill token (`serving_s_per_prefill_token`: prompt work
-  outside the runner, which slows the prefill steps TTFT is made of). One pair fitted on one
-  trace (random prompts, default flags); the fidelity benchmark checks it on other traces and
-  flags.
+- **time each step spends around the runner** on these 2 cores: the engine thread processes
+  the outputs (detokenizing, stop strings) and hands them to the event loop, which encodes an SSE
+  chunk per token while the runner of the next step competes with it, and the bench client on
+  the same machine parses them. Three non-negative rates model it: seconds per step
+  (`serving_s_per_step`), per scheduled sequence (`serving_s_per_seq`) and per prefill token
+  (`serving_s_per_prefill_token`). They are fitted to the real server's own steps: the
+  calibration runs it with the engine's step log on (`TESSERA_STEP_LOG`,
+  tessera/engine/step_log.py), prices each logged step with the runner-only profile, and fits
+  the rates to the difference from the real step interval (start to next start), by
+  non-negative least squares on relative error as the runner's own fit (fit.py).
+
+Why steps and not the end metrics: an earlier version bisected two rates until the simulated
+mean TPOT and TTFT of the calibration trace equalled the measured ones. Any error of the trace's
+means landed in the rates, and the per-prefill-token rate came out 0.2-0.27 ms in two of three
+calibrations, where the logged prefill steps showed none: every simulated TTFT was 11-30% high
+(docs/simulator.md, runs 8 and 9). Fitted to steps, TTFT and TPOT are predictions; the
+calibration trace's means are reported beside the simulated ones as a check.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import statistics
@@ -31,7 +40,8 @@ import sys
 import tempfile
 
 from tessera.config import EngineArgs
-from tessera.simulator.fit import bisect_increasing
+from tessera.simulator.batch import BatchShape, batch_shape
+from tessera.simulator.fit import weighted_nnls
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +71,24 @@ def engine_flags(args: EngineArgs, skip: tuple[str, ...] = ()) -> list[str]:
 
 
 def real_server_metrics(flags: list[str], samples, rate: float, seed: int,
-                        log_dir: str | None = None, label: str = "server") -> dict:
+                        log_dir: str | None = None, label: str = "server",
+                        step_log: str | None = None) -> dict:
     """Start `tessera serve` on 127.0.0.1 with `flags`, send `samples` with bench serve
     (ignore_eos: the dataset's output lengths), stop it; bench serve's metrics, with the
     server's preemption count (from /metrics) as `num_preemptions` and the means of its
-    engine-clock request histograms as `server` (`server_means`)."""
+    engine-clock request histograms as `server` (`server_means`). With `step_log`, the server
+    writes its engine step log there (tessera/engine/step_log.py)."""
     from tessera.bench.config import BenchConfig
     from tessera.bench.serve import load_bench_tokenizer, run_bench
     from tessera.bench.sweep import ServerProcess, free_port, scrape_counters
+    from tessera.engine.step_log import ENV_VAR as STEP_LOG_ENV
 
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "tessera.entrypoints.cli", "serve", "--port", str(port), *flags]
     log_dir = log_dir or tempfile.mkdtemp(prefix="tessera-serving-")
-    with ServerProcess(argv, base_url, os.path.join(log_dir, f"{label}.log"), 600.0):
+    env = None if step_log is None else {**os.environ, STEP_LOG_ENV: step_log}
+    with ServerProcess(argv, base_url, os.path.join(log_dir, f"{label}.log"), 600.0, env=env):
         cfg = BenchConfig(base_url=base_url, request_rate=rate, seed=seed, ignore_eos=True,
                           disable_tqdm=True)
         metrics = run_bench(cfg, samples, load_bench_tokenizer(None), quiet=True)["metrics"]
@@ -148,105 +162,151 @@ def request_latency(real: dict) -> float:
     return max(0.0, (real["mean_ttft_ms"] - server["mean_ttft_ms"]) / 1e3)
 
 
-def fit_serving_overhead(profile: dict, simulate, target: float, key: str = "serving_s_per_seq",
-                         hi: float = 0.05, iters: int = 30) -> float:
-    """The `profile[key]` >= 0 at which `simulate(profile)` (any simulated time that grows with
-    it: a mean latency) equals `target` (bisection). 0 if the profile is already as slow."""
-    def value(s: float) -> float:
-        return simulate({**profile, key: s})
-
-    if value(0.0) >= target:
-        return 0.0
-    while value(hi) < target:
-        hi *= 2
-        if hi > 1e3:
-            raise ValueError(f"no {key} below 1000 s reaches the measured {target:.3f} s")
-    return bisect_increasing(value, target, 0.0, hi, iters)
+# the serving rates, by the `BatchShape` attribute each multiplies (None: one per step)
+SERVING_FEATURES: tuple[tuple[str, str | None], ...] = (
+    ("serving_s_per_step", None),
+    ("serving_s_per_seq", "num_seqs"),
+    ("serving_s_per_prefill_token", "num_prefill_tokens"),
+)
 
 
-def fit_serving_terms(profile: dict, simulate_means, real_tpot_s: float, real_ttft_s: float,
-                      rounds: int = 6) -> dict:
-    """`serving_s_per_seq` and `serving_s_per_prefill_token` so the simulated (mean TPOT, mean
-    TTFT) equal the measured pair: alternating bisections (each term moves both means, the first
-    mostly TPOT, the second mostly TTFT), `rounds` times. `simulate_means(profile)` returns the
-    simulated (mean TPOT, mean TTFT) in seconds."""
-    terms = {"serving_s_per_seq": 0.0, "serving_s_per_prefill_token": 0.0}
-    for _ in range(rounds):
-        terms["serving_s_per_seq"] = fit_serving_overhead(
-            {**profile, **terms}, lambda p: simulate_means(p)[0], real_tpot_s, "serving_s_per_seq")
-        terms["serving_s_per_prefill_token"] = fit_serving_overhead(
-            {**profile, **terms}, lambda p: simulate_means(p)[1], real_ttft_s,
-            "serving_s_per_prefill_token", hi=1e-3)
-    return terms
+@dataclasses.dataclass(frozen=True)
+class LoggedStep:
+    """One step of a real server's step log: its batch and how long the engine took over it."""
+
+    batch: BatchShape
+    seconds: float
+
+
+def read_step_log(path: str, block_bytes: int) -> list[LoggedStep]:
+    """The non-empty steps of a step log (tessera/engine/step_log.py). A step's time runs from
+    its start to the next step's start while the engine stayed busy (what the simulator's clock
+    advances by), and to its own end when the engine went idle after it."""
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    steps = []
+    for i, rec in enumerate(records):
+        if not rec["reqs"]:
+            continue
+        nxt = records[i + 1] if i + 1 < len(records) else None
+        end = nxt["start"] if rec["busy"] and nxt is not None else rec["end"]
+        shape = batch_shape(((n, c) for n, c in rec["reqs"]), rec["swap_blocks"] * block_bytes)
+        steps.append(LoggedStep(shape, end - rec["start"]))
+    return steps
+
+
+def step_kind(batch: BatchShape) -> str:
+    if not batch.num_prefill_tokens:
+        return "decode-only"
+    return "prefill-only" if not batch.num_decode_tokens else "mixed"
+
+
+def fit_serving_rates(runner_profile: dict, steps: list[LoggedStep]) -> tuple[dict, dict]:
+    """`SERVING_FEATURES` >= 0 so the runner-only profile plus them prices the logged steps
+    (non-negative least squares on relative error), and a check: the real and the modelled mean
+    step time by kind of step (decode-only, prefill-only, mixed), before and after."""
+    from tessera.simulator.cost_model import ProfiledCostModel
+
+    if len(steps) < len(SERVING_FEATURES):
+        raise ValueError(f"the step logs hold {len(steps)} steps; the serving fit needs at least "
+                         f"{len(SERVING_FEATURES)}")
+    runner = ProfiledCostModel(runner_profile)
+    modelled = [runner.step_time(s.batch) for s in steps]
+    rows = [[1.0 if attr is None else float(getattr(s.batch, attr)) for _, attr in SERVING_FEATURES]
+            for s in steps]
+    real = [s.seconds for s in steps]
+    rates = weighted_nnls(rows, [t - m for t, m in zip(real, modelled, strict=True)],
+                          [1.0 / t for t in real])
+    terms = {name: float(r) for (name, _), r in zip(SERVING_FEATURES, rates, strict=True)}
+    fitted = ProfiledCostModel({**runner_profile, **terms})
+    by_kind: dict[str, dict] = {}
+    for s, m in zip(steps, modelled, strict=True):
+        k = by_kind.setdefault(step_kind(s.batch), {"steps": 0, "real_ms": 0.0, "runner_ms": 0.0,
+                                                    "fitted_ms": 0.0})
+        k["steps"] += 1
+        k["real_ms"] += 1e3 * s.seconds
+        k["runner_ms"] += 1e3 * m
+        k["fitted_ms"] += 1e3 * fitted.step_time(s.batch)
+    for k in by_kind.values():
+        for key in ("real_ms", "runner_ms", "fitted_ms"):
+            k[key] = round(k[key] / k["steps"], 2)
+    return terms, by_kind
 
 
 class ServingRuns:
-    """Runs of the real server on the calibration trace, then the fit of the latency outside the
-    engine and the two serving rates to the median run (the module docstring says which and
-    why). `calibrate` makes one run after each pass over its grid."""
+    """Runs of the real server on the calibration trace, each with its engine step log, then the
+    fit of the latency outside the engine (the median run) and the serving rates (every logged
+    step of every run): the module docstring says which and why. `calibrate` makes one run
+    after each pass over its grid."""
 
     def __init__(self, args: EngineArgs, num_requests: int) -> None:
         from tessera.bench import datasets
         from tessera.bench.serve import load_bench_tokenizer
 
-        self.args, self.real_runs = args, []
+        self.args, self.real_runs, self.step_logs = args, [], []
+        self.log_dir = tempfile.mkdtemp(prefix="tessera-calibration-")
         t = TRACE
         self.samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
                                               t["random_input_len"], t["random_output_len"],
                                               t["random_range_ratio"], seed=args.seed)
 
     def run(self) -> None:
+        label = f"calibration-server-{len(self.real_runs)}"
+        step_log = os.path.join(self.log_dir, f"{label}.steps.jsonl")
         self.real_runs.append(real_server_metrics(
             engine_flags(self.args), self.samples, TRACE_RATE, self.args.seed,
-            label=f"calibration-server-{len(self.real_runs)}"))
+            log_dir=self.log_dir, label=label, step_log=step_log))
+        self.step_logs.append(step_log)
 
     def fit(self, profile: dict) -> dict:
-        return fit_serving(self.args, profile, self.samples, self.real_runs)
+        return fit_serving(self.args, profile, self.samples, self.real_runs, self.step_logs)
 
 
-def fit_serving(args: EngineArgs, profile: dict, samples, real_runs: list[dict]) -> dict:
-    """The latency outside the engine and the two serving rates, fitted to the median of the
-    real runs of the calibration trace `samples`."""
+def fit_serving(args: EngineArgs, profile: dict, samples, real_runs: list[dict],
+                step_logs: list[str]) -> dict:
+    """The latency outside the engine (from the median of the real runs of the calibration
+    trace `samples`) and the serving rates (from their step logs), with the check that the
+    simulation of the trace gives back its measured means."""
     from tessera.config import GiB
     from tessera.simulator.cli import probe_request, sim_requests
     from tessera.simulator.cost_model import ProfiledCostModel
     from tessera.simulator.report import request_results
     from tessera.simulator.simulator import Simulator
 
-    num_requests, runs = len(samples), len(real_runs)
     real = median_run(real_runs)
     latency = statistics.median(request_latency(r) for r in real_runs)
     config = args.create_engine_config(profile["max_position_embeddings"], profile["dtype"])
+    block_bytes = ProfiledCostModel(profile).geometry.block_bytes(config.cache.block_size)
+    steps = [step for path in step_logs for step in read_step_log(path, block_bytes)]
+    terms, by_kind = fit_serving_rates(profile, steps)
 
     def simulate_means(candidate: dict) -> tuple[float, float]:
         """(mean TPOT, mean TTFT) in seconds, as bench serve computes them."""
-        cost = ProfiledCostModel(candidate)
-        block_bytes = cost.geometry.block_bytes(config.cache.block_size)
         num_gpu = (config.cache.num_gpu_blocks_override
                    or int(config.cache.kv_cache_space * GiB) // block_bytes)
-        sim = Simulator(config, cost, num_gpu, int(config.cache.swap_space * GiB) // block_bytes)
+        sim = Simulator(config, ProfiledCostModel(candidate), num_gpu,
+                        int(config.cache.swap_space * GiB) // block_bytes)
         requests = sim_requests(samples, TRACE_RATE, 1.0, args.seed)
         outcome = sim.run(requests, record_timeline=False, probe=probe_request(requests))
         results = [r for r in request_results(outcome) if r.success]
         tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
         return (sum(tpots) / len(tpots), sum(r.ttft for r in results) / len(results))
 
-    with_latency = {**profile, "request_latency_s": latency}
-    terms = fit_serving_terms(with_latency, simulate_means, real["mean_tpot_ms"] / 1e3,
-                              real["mean_ttft_ms"] / 1e3)
     runner_only = simulate_means(profile)
-    fitted = simulate_means({**with_latency, **terms})
-    logger.info("serving overhead: %.0f ms latency outside the engine, %.2f ms per sequence per "
-                "step, %.3f ms per prefill token (real mean TPOT %.1f ms, TTFT %.0f ms; fitted "
-                "%.1f / %.0f; runner-only %.1f / %.0f)", latency * 1e3,
+    fitted = simulate_means({**profile, "request_latency_s": latency, **terms})
+    logger.info("serving overhead from %d logged steps: %.0f ms latency outside the engine, "
+                "%.2f ms per step, %.3f ms per sequence, %.4f ms per prefill token (real mean "
+                "TPOT %.1f ms, TTFT %.0f ms; simulated %.1f / %.0f; runner-only %.1f / %.0f)",
+                len(steps), latency * 1e3, terms["serving_s_per_step"] * 1e3,
                 terms["serving_s_per_seq"] * 1e3, terms["serving_s_per_prefill_token"] * 1e3,
                 real["mean_tpot_ms"], real["mean_ttft_ms"], fitted[0] * 1e3, fitted[1] * 1e3,
                 runner_only[0] * 1e3, runner_only[1] * 1e3)
     keys = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms",
             "output_throughput")
     return {"request_latency_s": latency, **terms,
-            "serving_fit": {"trace": {**TRACE, "num_prompts": num_requests},
-                            "request_rate": TRACE_RATE, "runs": runs,
+            "serving_fit": {"trace": {**TRACE, "num_prompts": len(samples)},
+                            "request_rate": TRACE_RATE, "runs": len(real_runs),
+                            "logged_steps": len(steps), "steps_by_kind": by_kind,
                             "real": {k: real[k] for k in keys}, "server": real["server"],
-                            "fitted_mean_tpot_ttft_s": list(fitted),
+                            "simulated_mean_tpot_ttft_s": list(fitted),
                             "runner_only_mean_tpot_ttft_s": list(runner_only)}}

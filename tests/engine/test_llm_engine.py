@@ -222,3 +222,21 @@ def test_n_that_could_outgrow_the_cache_is_refused_when_added():
     with pytest.raises(ValueError, match=r"^n must be at most 4 .* lower n or max_tokens"):
         engine.add_request("big", "hello world", SamplingParams(n=5, max_tokens=5, temperature=1))
     assert len(run(engine)["ok"].outputs) == 4
+
+
+def test_step_log_records_each_step_for_the_simulator(tmp_path, monkeypatch):
+    """TESSERA_STEP_LOG: one line per step with each request's (new, computed) tokens, and the
+    engine's busy flag false only after the last step."""
+    import json
+
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("TESSERA_STEP_LOG", str(log))
+    engine = make_engine()
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+    run(engine)
+    engine.shutdown()
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [s["reqs"] for s in steps] == [[[4, 0]], [[1, 4]], [[1, 5]]]
+    assert [s["busy"] for s in steps] == [True, True, False]
+    assert all(s["start"] <= s["end"] for s in steps)
+    assert steps[0]["end"] <= steps[1]["start"]

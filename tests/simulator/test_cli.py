@@ -161,33 +161,39 @@ def test_calibration_times_every_shape_in_every_pass(tiny_llama, tmp_path, monke
 
 def test_serving_runs_alternate_with_grid_passes(tiny_llama, tmp_path, monkeypatch):
     """With --serving-requests, a real-server run of the calibration trace follows each pass
-    over the grid, and the serving overhead is fitted to the median run (here a stand-in for
-    the server, since a real one is the fidelity benchmark's job)."""
+    over the grid, each with its own step log; the latency outside the engine comes from the
+    median run and the serving rates from every logged step (here a stand-in for the server,
+    since a real one is the fidelity benchmark's job)."""
     from tessera.simulator import calibrate as cal
     from tessera.simulator import serving
 
     order: list[str] = []
     timed = cal._Driver.time_shape
-    tpots = iter([0.5, 0.02, 0.03])  # one slow run: the median ignores it
+    ttfts = iter([500.0, 50.0, 60.0])  # one slow run: the median ignores it
 
     def shape_timed(self, shape, repeats):
         if not order or order[-1] != "grid":
             order.append("grid")
         return timed(self, shape, repeats)
 
-    def server_run(flags, samples, rate, seed, log_dir=None, label="server"):
+    def server_run(flags, samples, rate, seed, log_dir=None, label="server", step_log=None):
         order.append("serve")
-        tpot = next(tpots)
-        return {"mean_tpot_ms": 1e3 * tpot, "median_tpot_ms": 1e3 * tpot, "mean_ttft_ms": 50.0,
-                "median_ttft_ms": 50.0, "mean_e2el_ms": 500.0, "output_throughput": 10.0,
+        with open(step_log, "w") as f:  # two decode steps of 20 ms, the second before idle
+            f.write(json.dumps({"start": 1.0, "end": 1.01, "busy": True, "reqs": [[1, 9]],
+                                "swap_blocks": 0}) + "\n")
+            f.write(json.dumps({"start": 1.02, "end": 1.04, "busy": False, "reqs": [[1, 10]],
+                                "swap_blocks": 0}) + "\n")
+        ttft = next(ttfts)
+        return {"mean_tpot_ms": 20.0, "median_tpot_ms": 20.0, "mean_ttft_ms": ttft,
+                "median_ttft_ms": ttft, "mean_e2el_ms": 500.0, "output_throughput": 10.0,
                 "server": {"mean_ttft_ms": 40.0}}
 
+    fitted_steps = []  # the fit itself is test_cost_models'; here only what it is given
     monkeypatch.setattr(cal._Driver, "time_shape", shape_timed)
     monkeypatch.setattr(serving, "real_server_metrics", server_run)
-    targets = []  # the bisections themselves are test_parallel's; here only what they aim at
-    monkeypatch.setattr(serving, "fit_serving_terms", lambda profile, means, tpot, ttft:
-                        targets.append((tpot, ttft)) or {"serving_s_per_seq": 0.001,
-                                                         "serving_s_per_prefill_token": 0.0})
+    monkeypatch.setattr(serving, "fit_serving_rates", lambda profile, steps: (
+        fitted_steps.extend(steps) or {"serving_s_per_step": 0.002, "serving_s_per_seq": 0.001,
+                                       "serving_s_per_prefill_token": 0.0}, {}))
     profile = tmp_path / "profile.json"
     assert main(["simulate", "calibrate", "--model", tiny_llama, "--grid", "tiny",
                  "--repeats", "1", "--rounds", "2", "--serving-requests", "4",
@@ -195,10 +201,11 @@ def test_serving_runs_alternate_with_grid_passes(tiny_llama, tmp_path, monkeypat
                  "0.01", "--output", str(profile)]) == 0
     assert order == ["grid", "serve", "grid", "serve", "serve"]
     data = json.loads(profile.read_text())
-    assert data["serving_fit"]["runs"] == 3
-    assert data["serving_fit"]["real"]["mean_tpot_ms"] == pytest.approx(30.0)
-    assert targets == [pytest.approx((0.03, 0.05))] and data["serving_s_per_seq"] == 0.001
-    assert data["request_latency_s"] == pytest.approx(0.01)
+    assert data["serving_fit"]["runs"] == 3 and data["serving_fit"]["logged_steps"] == 6
+    assert [round(s.seconds, 6) for s in fitted_steps] == [0.02] * 6
+    assert data["serving_fit"]["real"]["mean_ttft_ms"] == pytest.approx(60.0)
+    assert data["serving_s_per_step"] == 0.002 and data["serving_s_per_seq"] == 0.001
+    assert data["request_latency_s"] == pytest.approx(0.02)  # median of 460, 10 and 20 ms
 
 
 def test_dtype_auto_is_the_model_configs():

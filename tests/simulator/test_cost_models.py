@@ -200,17 +200,59 @@ def test_spec_decode_seam_needs_an_acceptance_model():
     assert result.sampled_token_ids == [[1, 1]]
 
 
-def test_serving_overhead_fit_and_term():
-    from tessera.simulator.serving import fit_serving_overhead
+def _write_step_log(path, steps):
+    """A step log as the engine writes it (tessera/engine/step_log.py) for (reqs, seconds) steps
+    run back to back; the last one leaves the engine idle."""
+    import json
 
-    def duration(profile):  # a stand-in simulation: 10 s of runner plus 400 seqs-steps of streaming
-        return 10.0 + 400 * profile["serving_s_per_seq"]
+    t, lines = 100.0, []
+    for i, (reqs, seconds) in enumerate(steps):
+        lines.append(json.dumps({"start": t, "end": t + 0.9 * seconds, "busy": i < len(steps) - 1,
+                                 "reqs": reqs, "swap_blocks": 0}))
+        t += seconds
+    path.write_text("\n".join(lines) + "\n")
 
-    assert fit_serving_overhead({}, duration, 12.0) == pytest.approx(0.005, rel=1e-6)
-    assert fit_serving_overhead({}, duration, 9.0) == 0.0  # already slower than the server
-    profile = _profile([0.0] * len(FEATURES))
-    model = ProfiledCostModel({**profile, "serving_s_per_seq": 0.002})
-    assert model.step_time(BatchShape(num_decode_tokens=5, num_seqs=5)) == pytest.approx(0.01)
+
+def test_step_log_intervals_run_start_to_start_while_busy(tmp_path):
+    from tessera.simulator.serving import read_step_log
+
+    log = tmp_path / "steps.jsonl"
+    _write_step_log(log, [([[8, 0]], 0.2), ([], 0.01), ([[1, 8], [5, 0]], 0.1), ([[1, 9]], 0.05)])
+    steps = read_step_log(str(log), block_bytes=64)
+    assert [round(s.seconds, 6) for s in steps] == [0.2, 0.1, 0.045]  # the idle one: to its end
+    assert steps[1].batch == BatchShape(num_prefill_tokens=5, num_decode_tokens=1,
+                                        num_context_tokens=14, num_seqs=2,
+                                        num_attention_pairs=9 + 15)
+
+
+def test_serving_rates_are_fitted_to_the_logged_steps(tmp_path):
+    """Steps that took the runner's time plus 3 ms a step and 0.5 ms a sequence give back those
+    rates; the per-prefill-token rate the steps do not show stays at 0."""
+    from tessera.simulator.serving import fit_serving_rates, read_step_log
+
+    profile = _profile([0.01, 1e-4, 2e-4, 0.0, 0.0, 0.0])
+    runner = ProfiledCostModel(profile)
+    shapes = [[[1, 50]] * d + ([[p, 0]] if p else []) for d in (1, 4, 16) for p in (0, 0, 128)]
+    steps = []
+    for reqs in shapes:
+        batch = BatchShape(num_prefill_tokens=sum(n for n, c in reqs if c == 0),
+                           num_decode_tokens=sum(1 for n, c in reqs if c), num_seqs=len(reqs))
+        steps.append((reqs, runner.step_time(batch) + 0.003 + 0.0005 * len(reqs)))
+    log = tmp_path / "steps.jsonl"
+    _write_step_log(log, steps + [([[1, 50]], 1.0)])  # the idle last step: its own end, 0.9 s
+    terms, by_kind = fit_serving_rates(profile, read_step_log(str(log), block_bytes=64)[:-1])
+    assert terms["serving_s_per_step"] == pytest.approx(0.003, rel=1e-6)
+    assert terms["serving_s_per_seq"] == pytest.approx(0.0005, rel=1e-6)
+    assert terms["serving_s_per_prefill_token"] == pytest.approx(0.0, abs=1e-12)
+    assert set(by_kind) == {"decode-only", "mixed"}
+    for kind in by_kind.values():
+        assert kind["fitted_ms"] == pytest.approx(kind["real_ms"], abs=0.01)
+        assert kind["runner_ms"] < kind["real_ms"]
+    model = ProfiledCostModel({**profile, **terms})
+    assert model.step_time(BatchShape(num_decode_tokens=2, num_seqs=2)) == pytest.approx(
+        runner.step_time(BatchShape(num_decode_tokens=2, num_seqs=2)) + 0.004)
+    with pytest.raises(ValueError, match="at least"):
+        fit_serving_rates(profile, [])
 
 
 def test_engine_flags_round_trip_through_the_cli():

@@ -209,15 +209,3 @@ def test_median_run_takes_the_median_of_every_figure():
     m = median_run(runs)
     assert m["mean_tpot_ms"] == 25.0 and m["server"] == {"mean_ttft_ms": 200.0}
     assert m["failed"] == 1 and m["num_preemptions"] is None and m["label"] == "x"
-
-
-def test_two_serving_rates_are_fitted_to_mean_tpot_and_ttft():
-    from tessera.simulator.serving import fit_serving_terms
-
-    def means(p):  # a stand-in simulation, linear in both rates
-        s, q = p["serving_s_per_seq"], p["serving_s_per_prefill_token"]
-        return 0.04 + 5 * s + 20 * q, 0.5 + 8 * s + 300 * q
-
-    terms = fit_serving_terms({}, means, 0.04 + 5 * 0.003 + 20 * 2e-4, 0.5 + 8 * 0.003 + 300 * 2e-4)
-    assert terms["serving_s_per_seq"] == pytest.approx(0.003, rel=0.02)
-    assert terms["serving_s_per_prefill_token"] == pytest.approx(2e-4, rel=0.02)
