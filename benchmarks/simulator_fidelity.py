@@ -5,8 +5,8 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
         [--profile profile.json] [--settings default chunked swap recompute prefix] [--repeat 3]
 
 1. calibrate here (`tessera simulate calibrate --serving-requests 48 --serving-runs 3`, bf16:
-   the runner over a grid of shapes in two passes, then the serving overhead from the median of
-   three real-server runs on a calibration trace that is none of the traces below), unless
+   the runner over a grid of shapes in two passes, then the serving overhead from the step logs
+   of three real-server runs on a calibration trace that is none of the traces below), unless
    --profile names a profile;
 2. per setting: start `tessera serve` on 127.0.0.1 with the setting's engine flags, send the
    trace with `bench serve` (ignore_eos, so both sides produce the dataset's output lengths),
@@ -16,7 +16,9 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
 3. print a table of output throughput, median and p99 TTFT, median and p99 TPOT, the median of
    the real runs (and their spread) against simulated, with the relative error (target: <= 10%
    on throughput, median TTFT, median TPOT). One real run is not enough here: the same trace
-   and flags gave a median TTFT of 196 and 251 ms in two runs of the chunked setting.
+   and flags gave a median TTFT of 196 and 251 ms in two runs of the chunked setting;
+4. and step by step: every real server writes its engine step log (TESSERA_STEP_LOG), and each
+   logged step is priced by the profile, by kind of step (decode-only, prefill-only, mixed).
 
 Timing measurements on a 2-core machine: run it under the exclusive lock and nothing else.
 """
@@ -33,9 +35,15 @@ import time
 
 from tessera.entrypoints.cli import build_parser
 from tessera.simulator.cli import load_samples, run_point
-from tessera.simulator.serving import median_run, real_server_metrics
+from tessera.simulator.cost_model import ProfiledCostModel
+from tessera.simulator.serving import (
+    TRACE_RATE,
+    median_run,
+    read_step_log,
+    real_server_metrics,
+    steps_by_kind,
+)
 
-COMMON = "--dtype bfloat16"
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
           "--random-range-ratio 0.5 --num-prompts 40")
 # name -> (workload flags, engine flags, request rate). The rates put the server at about 70%
@@ -72,8 +80,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3,
                         help="real-server runs per setting, interleaved across settings; the "
                              "table compares the simulation with their median")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the engine's --dtype on both sides (float32 on a CPU without "
+                             "AVX-512, where bf16 has no fast path)")
+    parser.add_argument("--rate-scale", type=float, default=1.0,
+                        help="multiply every setting's request rate (and the calibration "
+                             "trace's): the rates are ~70%% of capacity on a 2-core AVX-512 "
+                             "EPYC; scale them to this machine's capacity")
     parser.add_argument("--result-file", default=None, help="write all figures as JSON")
     args = parser.parse_args()
+    common = f"--dtype {args.dtype}"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     work = tempfile.mkdtemp(prefix="tessera-fidelity-")
@@ -81,7 +97,9 @@ def main() -> None:
     profile = args.profile
     if profile is None:
         profile = os.path.join(work, "profile.json")
-        cal = build_parser().parse_args(["simulate", "calibrate", *shlex.split(COMMON),
+        cal = build_parser().parse_args(["simulate", "calibrate", *shlex.split(common),
+                                         "--serving-request-rate",
+                                         str(args.rate_scale * TRACE_RATE),
                                          "--grid", args.grid, "--output", profile,
                                          "--serving-requests", str(args.serving_requests),
                                          "--serving-runs", str(args.serving_runs)])
@@ -89,17 +107,21 @@ def main() -> None:
     print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
     rows = {}
     runs: dict[str, list[dict]] = {name: [] for name in args.settings}
+    step_logs: dict[str, list[str]] = {name: [] for name in args.settings}
     # repetition-major: each round runs every setting once, so a drift of this machine's speed
     # over the run lands on every setting alike instead of on the last ones
     for rep in range(args.repeat):
         for name in args.settings:
             workload, engine_flags, rate = SETTINGS[name]
+            rate *= args.rate_scale
             ns = build_parser().parse_args(["simulate", *shlex.split(workload),
-                                            *shlex.split(f"{COMMON} {engine_flags}"),
+                                            *shlex.split(f"{common} {engine_flags}"),
                                             "--profile", profile, "--quiet"])
             samples = load_samples(ns)
-            real = real_server_metrics(shlex.split(f"{COMMON} {engine_flags}"), samples, rate,
-                                       ns.seed, work, f"server-{name}-{rep}")
+            step_log = os.path.join(work, f"server-{name}-{rep}.steps.jsonl")
+            real = real_server_metrics(shlex.split(f"{common} {engine_flags}"), samples, rate,
+                                       ns.seed, work, f"server-{name}-{rep}", step_log=step_log)
+            step_logs[name].append(step_log)
             runs[name].append(real)
             if rep == 0:
                 sim = run_point(ns, samples, rate, include_requests=False)["metrics"]
@@ -113,9 +135,14 @@ def main() -> None:
                   f"({time.perf_counter() - t0:.0f} s so far; real failed {real['failed']}, "
                   f"preemptions real {real['num_preemptions']} sim {sim['num_preemptions']})",
                   flush=True)
+    model = ProfiledCostModel.load(profile)
+    block_bytes = model.geometry.block_bytes(16)  # no setting changes --block-size
     for name, real_runs in runs.items():
         rows[name]["real"] = median_run(real_runs)
         rows[name]["real_runs"] = real_runs
+        # the check step by step: every logged step of the real runs, priced by the profile
+        steps = [st for path in step_logs[name] for st in read_step_log(path, block_bytes)]
+        rows[name]["steps_by_kind"] = steps_by_kind(steps, {"model": model})
     if args.result_file:  # first: the figures outlive a bug in the printing below
         with open(args.result_file, "w", encoding="utf-8") as f:
             json.dump({"profile": profile, "rows": rows}, f, indent=2)
@@ -160,6 +187,14 @@ def main() -> None:
               f"{pair(rs.get('mean_ttft_ms'), se.get('mean_ttft_ms'))} "
               f"{pair(rs.get('mean_queue_ms'), se.get('mean_queue_ms'))} "
               f"{pair(rs.get('mean_prefill_ms'), se.get('mean_prefill_ms'))}")
+    print("\nstep by step: the real servers' logged steps (all runs) against the profile's "
+          "price of each, mean ms per step")
+    print(f"{'setting':<10} {'kind':<13} {'steps':>6} {'real':>8} {'model':>8} {'error':>8}")
+    for name, row in rows.items():
+        for kind, k in sorted(row["steps_by_kind"].items()):
+            err = (k["model_ms"] - k["real_ms"]) / k["real_ms"]
+            print(f"{name:<10} {kind:<13} {k['steps']:6d} {k['real_ms']:8.1f} "
+                  f"{k['model_ms']:8.1f} {100 * err:+7.1f}%")
     print(f"\nworst error on throughput / median TTFT / median TPOT: {100 * worst:.1f}% "
           f"(target 10%; * marks a miss); total {time.perf_counter() - t0:.0f} s")
 

@@ -17,7 +17,7 @@ import torch
 from tessera.attention import select_attention_backend
 from tessera.config import EngineConfig
 from tessera.model.default_model import resolve_model_path
-from tessera.model.loader import load_model
+from tessera.model.loader import load_model, weight_quantization
 from tessera.model.registry import get_model_class
 from tessera.tokenizer import load_tokenizer
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec, kv_cache_torch_dtype
@@ -42,7 +42,8 @@ def build_draft_proposer(config: EngineConfig, target_path: str, target_model, t
         arch, model = target_arch, target_model
     else:
         try:
-            arch, weights = load_model(path, config.model.quantization)
+            arch, weights = load_model(path, weight_quantization(
+                config.model.quantization, config.model.dtype, config.device.device))
         except ValueError as e:
             raise ValueError(f"speculative_config: model {spec.model!r}: {e}") from e
         _check_vocabulary(spec.model, path, arch, target_arch, target_tokenizer)

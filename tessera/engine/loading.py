@@ -20,7 +20,7 @@ from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.model.checkpoint_dtype import checkpoint_dtype
 from tessera.model.config import ModelArchConfig
 from tessera.model.default_model import resolve_model_path
-from tessera.model.loader import load_model
+from tessera.model.loader import load_model, weight_quantization
 from tessera.model.registry import get_model_class
 from tessera.sampling.grammar import GrammarBackend
 from tessera.tokenizer import load_tokenizer
@@ -49,10 +49,12 @@ class ModelBundle:
 def load_bundle(args: EngineArgs) -> ModelBundle:
     # fail on bad flags before spending seconds on the weights; checks that need the model's own
     # context limit (an unset --max-model-len) wait for it
-    early = dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config()
     path = resolve_model_path(args.model)
     stored_dtype = checkpoint_dtype(path)
-    arch, weights = load_model(path, early.model.quantization)
+    early = dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config(
+        None, stored_dtype)
+    arch, weights = load_model(path, weight_quantization(
+        early.model.quantization, early.model.dtype, early.device.device))
     config = args.create_engine_config(arch.max_position_embeddings, stored_dtype)
     torch.set_num_threads(default_num_threads())
     device = torch.device(config.device.device)

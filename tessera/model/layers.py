@@ -3,6 +3,7 @@ from tessera/kernels where one serves the tensors, torch ops elsewhere."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,7 +23,19 @@ def _mkldnn_linear_ok(weight: torch.Tensor) -> bool:
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _mkldnn_packs(weight.dtype)
     )
+
+
+@functools.cache
+def _mkldnn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU: its bf16 path needs AVX-512 (bw, vl,
+    dq) or AVX-NE-CONVERT and raises elsewhere (an AVX2-only EPYC), where F.linear serves."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear:

@@ -45,6 +45,23 @@ def load_model(
     return config, weights
 
 
+def weight_quantization(quantization: str, dtype: str, device: str) -> str:
+    """What `load_model` is asked for under `--quantization quantization` with this compute dtype
+    and device: "gguf" keeps a GGUF's blocks only where our quantized kernel serves them (an
+    AVX-512 CPU); elsewhere the weights are dequantized once, at load. Why: without the kernel a
+    quantized layer dequantizes its whole weight on every call, which made decode several times
+    slower than dense weights on a CPU without AVX-512."""
+    if quantization != "gguf":
+        return quantization
+    from tessera.kernels.quant_linear import quant_kernel_supported
+
+    if quant_kernel_supported(getattr(torch, dtype), torch.device(device)):
+        return quantization
+    logger.info("--quantization gguf: no quantized kernel for %s on %s here; dequantizing the "
+                "weights at load", dtype, device)
+    return "none"
+
+
 def read_model_config(path: str) -> ModelArchConfig:
     """The architecture of the model at `path`, without reading its weights (the engine's
     process under tensor parallelism needs the shapes, the ranks need the weights)."""

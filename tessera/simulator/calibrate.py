@@ -161,13 +161,14 @@ def time_swap(cache_engine, num_blocks: int, repeats: int) -> float:
 
 def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
               output: str | None = None, bundle=None, serving_requests: int = 0,
-              rounds: int = 2, serving_runs: int = 1) -> dict:
+              rounds: int = 2, serving_runs: int = 1,
+              serving_request_rate: float | None = None) -> dict:
     """Load the model as the server would, time every shape of `grid` in `rounds` passes (a
     shape's time: the median of its `repeats` timed steps of every pass), fit, and save the
     profile JSON at `output`. With `serving_requests` > 0, also run the real server
-    `serving_runs` times on that many requests of the calibration trace, one run after each
-    pass, and fit the serving overhead to the median of the runs (serving.py). Returns the
-    profile.
+    `serving_runs` times on that many requests of the calibration trace (at
+    `serving_request_rate`, serving.TRACE_RATE if None), one run after each pass, and fit the
+    serving overhead to their logged steps (serving.py). Returns the profile.
 
     Why passes, and why interleaved: this machine's speed drifts by 10-20% over minutes (other
     tenants of the host). Shapes timed one after the other in a single pass each saw one moment
@@ -195,7 +196,8 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
             logger.info("skipping %s: more KV than --kv-cache-space holds", shape)
     steps: dict[Shape, list[float]] = {shape: [] for shape in fitting}
     batches: dict[Shape, BatchShape] = {}
-    serving = ServingRuns(args, serving_requests) if serving_requests > 0 else None
+    serving = (ServingRuns(args, serving_requests, serving_request_rate)
+               if serving_requests > 0 else None)
     # each round: a pass over the grid, then one real-server run of the calibration trace, so
     # the grid's medians and the serving runs' median see the machine over the same minutes
     for r in range(max(rounds, serving_runs if serving else 0)):

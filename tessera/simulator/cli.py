@@ -26,6 +26,7 @@ import math
 import shlex
 
 from tessera.config import EngineConfig, GiB, resolve_dtype, resolve_kv_cache_dtype
+from tessera.simulator.serving import TRACE_RATE
 
 # engine flags the simulator replaces or does not model: the model and device are the cost
 # model's (--profile / --model-config, --hardware), quantization is in the calibrated profile
@@ -106,10 +107,14 @@ def add_simulate_parser(subparsers) -> None:
                         "not land on the shapes timed then (default: %(default)s)")
     g.add_argument("--serving-requests", type=int, default=0, metavar="N",
                    help="also start the real server (127.0.0.1) on N requests of a calibration "
-                        "trace and fit the serving overhead per sequence (0: runner only)")
+                        "trace, with its step log on, and fit the serving overhead to its steps "
+                        "(0: runner only)")
     g.add_argument("--serving-runs", type=int, default=1, metavar="R",
-                   help="real-server runs of the calibration trace; the fit targets the median "
-                        "of their means (default: %(default)s)")
+                   help="real-server runs of the calibration trace, each after a pass over the "
+                        "grid (default: %(default)s)")
+    g.add_argument("--serving-request-rate", type=float, default=TRACE_RATE, metavar="RPS",
+                   help="the calibration trace's request rate; about 70%% of a 2-core AVX-512 "
+                        "machine's capacity at its default (default: %(default)s)")
     cal.set_defaults(func=calibrate_main, parser=cal)
 
 
@@ -350,13 +355,15 @@ def calibrate_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for flag, value, least in (("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1),
                                ("--serving-requests", args.serving_requests, 0),
-                               ("--serving-runs", args.serving_runs, 1)):
+                               ("--serving-runs", args.serving_runs, 1),
+                               ("--serving-request-rate", args.serving_request_rate, 1e-9)):
         if value < least:
             args.parser.error(f"{flag} must be >= {least}, got {value}")
     try:
         profile = calibrate(engine_args_from(args), grid=args.grid, repeats=args.repeats,
                             output=args.output, serving_requests=args.serving_requests,
-                            rounds=args.rounds, serving_runs=args.serving_runs)
+                            rounds=args.rounds, serving_runs=args.serving_runs,
+                            serving_request_rate=args.serving_request_rate)
     except ValueError as e:
         args.parser.error(str(e))
     fit = profile["fit"]

@@ -201,36 +201,41 @@ def step_kind(batch: BatchShape) -> str:
     return "prefill-only" if not batch.num_decode_tokens else "mixed"
 
 
+def steps_by_kind(steps: list[LoggedStep], models: dict) -> dict[str, dict]:
+    """Per kind of step (decode-only, prefill-only, mixed): how many, their real mean ms and each
+    of `models`' (name -> CostModel) mean ms: where a cost model is off, step by step."""
+    by_kind: dict[str, dict] = {}
+    for s in steps:
+        k = by_kind.setdefault(step_kind(s.batch),
+                               {"steps": 0, "real_ms": 0.0, **{f"{m}_ms": 0.0 for m in models}})
+        k["steps"] += 1
+        k["real_ms"] += 1e3 * s.seconds
+        for name, model in models.items():
+            k[f"{name}_ms"] += 1e3 * model.step_time(s.batch)
+    for k in by_kind.values():
+        for key in k:
+            if key.endswith("_ms"):
+                k[key] = round(k[key] / k["steps"], 2)
+    return by_kind
+
+
 def fit_serving_rates(runner_profile: dict, steps: list[LoggedStep]) -> tuple[dict, dict]:
     """`SERVING_FEATURES` >= 0 so the runner-only profile plus them prices the logged steps
-    (non-negative least squares on relative error), and a check: the real and the modelled mean
-    step time by kind of step (decode-only, prefill-only, mixed), before and after."""
+    (non-negative least squares on relative error), and the check `steps_by_kind` of the runner
+    alone and with them."""
     from tessera.simulator.cost_model import ProfiledCostModel
 
     if len(steps) < len(SERVING_FEATURES):
         raise ValueError(f"the step logs hold {len(steps)} steps; the serving fit needs at least "
                          f"{len(SERVING_FEATURES)}")
     runner = ProfiledCostModel(runner_profile)
-    modelled = [runner.step_time(s.batch) for s in steps]
     rows = [[1.0 if attr is None else float(getattr(s.batch, attr)) for _, attr in SERVING_FEATURES]
             for s in steps]
-    real = [s.seconds for s in steps]
-    rates = weighted_nnls(rows, [t - m for t, m in zip(real, modelled, strict=True)],
-                          [1.0 / t for t in real])
+    rates = weighted_nnls(rows, [s.seconds - runner.step_time(s.batch) for s in steps],
+                          [1.0 / s.seconds for s in steps])
     terms = {name: float(r) for (name, _), r in zip(SERVING_FEATURES, rates, strict=True)}
     fitted = ProfiledCostModel({**runner_profile, **terms})
-    by_kind: dict[str, dict] = {}
-    for s, m in zip(steps, modelled, strict=True):
-        k = by_kind.setdefault(step_kind(s.batch), {"steps": 0, "real_ms": 0.0, "runner_ms": 0.0,
-                                                    "fitted_ms": 0.0})
-        k["steps"] += 1
-        k["real_ms"] += 1e3 * s.seconds
-        k["runner_ms"] += 1e3 * m
-        k["fitted_ms"] += 1e3 * fitted.step_time(s.batch)
-    for k in by_kind.values():
-        for key in ("real_ms", "runner_ms", "fitted_ms"):
-            k[key] = round(k[key] / k["steps"], 2)
-    return terms, by_kind
+    return terms, steps_by_kind(steps, {"runner": runner, "fitted": fitted})
 
 
 class ServingRuns:
@@ -239,11 +244,12 @@ class ServingRuns:
     step of every run): the module docstring says which and why. `calibrate` makes one run
     after each pass over its grid."""
 
-    def __init__(self, args: EngineArgs, num_requests: int) -> None:
+    def __init__(self, args: EngineArgs, num_requests: int, rate: float | None = None) -> None:
         from tessera.bench import datasets
         from tessera.bench.serve import load_bench_tokenizer
 
         self.args, self.real_runs, self.step_logs = args, [], []
+        self.rate = TRACE_RATE if rate is None else rate
         self.log_dir = tempfile.mkdtemp(prefix="tessera-calibration-")
         t = TRACE
         self.samples = datasets.sample_random(load_bench_tokenizer(None), num_requests,
@@ -254,19 +260,20 @@ class ServingRuns:
         label = f"calibration-server-{len(self.real_runs)}"
         step_log = os.path.join(self.log_dir, f"{label}.steps.jsonl")
         self.real_runs.append(real_server_metrics(
-            engine_flags(self.args), self.samples, TRACE_RATE, self.args.seed,
+            engine_flags(self.args), self.samples, self.rate, self.args.seed,
             log_dir=self.log_dir, label=label, step_log=step_log))
         self.step_logs.append(step_log)
 
     def fit(self, profile: dict) -> dict:
-        return fit_serving(self.args, profile, self.samples, self.real_runs, self.step_logs)
+        return fit_serving(self.args, profile, self.samples, self.rate, self.real_runs,
+                           self.step_logs)
 
 
-def fit_serving(args: EngineArgs, profile: dict, samples, real_runs: list[dict],
+def fit_serving(args: EngineArgs, profile: dict, samples, rate: float, real_runs: list[dict],
                 step_logs: list[str]) -> dict:
     """The latency outside the engine (from the median of the real runs of the calibration
-    trace `samples`) and the serving rates (from their step logs), with the check that the
-    simulation of the trace gives back its measured means."""
+    trace `samples` sent at `rate`) and the serving rates (from their step logs), with the check
+    that the simulation of the trace gives back its measured means."""
     from tessera.config import GiB
     from tessera.simulator.cli import probe_request, sim_requests
     from tessera.simulator.cost_model import ProfiledCostModel
@@ -286,7 +293,7 @@ def fit_serving(args: EngineArgs, profile: dict, samples, real_runs: list[dict],
                    or int(config.cache.kv_cache_space * GiB) // block_bytes)
         sim = Simulator(config, ProfiledCostModel(candidate), num_gpu,
                         int(config.cache.swap_space * GiB) // block_bytes)
-        requests = sim_requests(samples, TRACE_RATE, 1.0, args.seed)
+        requests = sim_requests(samples, rate, 1.0, args.seed)
         outcome = sim.run(requests, record_timeline=False, probe=probe_request(requests))
         results = [r for r in request_results(outcome) if r.success]
         tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
@@ -305,7 +312,7 @@ def fit_serving(args: EngineArgs, profile: dict, samples, real_runs: list[dict],
             "output_throughput")
     return {"request_latency_s": latency, **terms,
             "serving_fit": {"trace": {**TRACE, "num_prompts": len(samples)},
-                            "request_rate": TRACE_RATE, "runs": len(real_runs),
+                            "request_rate": rate, "runs": len(real_runs),
                             "logged_steps": len(steps), "steps_by_kind": by_kind,
                             "real": {k: real[k] for k in keys}, "server": real["server"],
                             "simulated_mean_tpot_ttft_s": list(fitted),

@@ -186,7 +186,7 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
     """Load this rank's shard (each tensor cut while it is read) and build its runner over its
     shard of the KV cache."""
     from tessera.engine.loading import kv_cache_spec
-    from tessera.model.loader import load_model, read_model_config
+    from tessera.model.loader import load_model, read_model_config, weight_quantization
     from tessera.model.registry import get_model_class
     from tessera.sampling.grammar import GrammarBackend
     from tessera.worker.cache_engine import CacheEngine
@@ -197,7 +197,9 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
     config = args.create_engine_config(arch.max_position_embeddings)
     plan = ShardPlan.for_arch(arch, rank, world_size)
     tp = TensorParallelGroup(plan, device)
-    _, weights = load_model(init.model_path, config.model.quantization, plan)
+    quantization = weight_quantization(config.model.quantization, config.model.dtype,
+                                       config.device.device)
+    _, weights = load_model(init.model_path, quantization, plan)
     dtype = getattr(torch, config.model.dtype)
     torch.manual_seed(config.model.seed)
     model = get_model_class(arch.architecture)(arch, weights, dtype, device,

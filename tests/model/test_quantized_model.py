@@ -35,6 +35,13 @@ def _llm(bundle, **engine_args):
     return LLM.from_engine(LLMEngine.from_engine_args(args, bundle=bundle))
 
 
+needs_quant_kernel = pytest.mark.skipif(
+    not quant_kernel_supported(torch.float32, torch.device("cpu")),
+    reason="no quantized C++ kernel on this CPU (it needs AVX-512): the weights are dequantized "
+           "at load (test_without_the_kernel_weights_are_dequantized_at_load)")
+
+
+@needs_quant_kernel
 def test_default_model_keeps_its_gguf_types(model_bundle):
     model = model_bundle.model
     assert model_bundle.quantization == "gguf"
@@ -59,6 +66,7 @@ def test_quantized_greedy_equals_dequantized(model_bundle, dequantized_bundle, d
             check_greedy(request.getfixturevalue("hf_model"), p["prompt_token_ids"], d.outputs[0].token_ids, q.outputs[0].token_ids)
 
 
+@needs_quant_kernel
 def test_quantized_weights_take_under_40_percent_of_bf16(model_bundle, dequantized_bundle):
     quantized = sum(model_bundle.model.weight_bytes().values())
     bf16 = sum(dequantized_bundle.model.weight_bytes().values()) // 2  # the fp32 model's, halved
@@ -70,3 +78,18 @@ def test_quantization_flag_is_validated():
 
     with pytest.raises(ValueError, match="--quantization"):
         EngineArgs(quantization="awq").create_engine_config()
+
+
+def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
+    """--quantization gguf keeps blocks only where the kernel serves the compute dtype on the
+    device; elsewhere the loader is asked for dense weights (a layer dequantizing on every
+    call was several times slower)."""
+    import tessera.kernels.quant_linear as ql
+    from tessera.model.loader import weight_quantization
+
+    monkeypatch.setattr(ql, "quant_kernel_supported", lambda dtype, device: False)
+    assert weight_quantization("gguf", "float32", "cpu") == "none"
+    assert weight_quantization("none", "float32", "cpu") == "none"
+    monkeypatch.setattr(ql, "quant_kernel_supported", lambda dtype, device: dtype == torch.bfloat16)
+    assert weight_quantization("gguf", "bfloat16", "cpu") == "gguf"
+    assert weight_quantization("gguf", "float32", "cpu") == "none"

@@ -282,6 +282,8 @@ def test_greedy_logprobs_on_a_real_vocabulary():
     ref = lg.double().log_softmax(-1)
     assert tokens(out) == [[t] for t in lg.argmax(-1).tolist()]
     for i, (s,) in enumerate(out.samples):
-        assert s.logprob == pytest.approx(ref[i, s.token_id].item(), abs=1e-5)
+        # fp32 against float64: a logsumexp of ~20 over 49,152 terms, a few ulps of 2e-6 each
+        # (the torch fallback's, on a CPU without the fused kernel, came 1.05e-5 off)
+        assert s.logprob == pytest.approx(ref[i, s.token_id].item(), abs=5e-5)
         if i % 3 == 0:
             assert s.top_logprobs[s.token_id] == s.logprob  # one source for both
