@@ -88,6 +88,10 @@ def main() -> None:
                              "trace's): the rates are ~70%% of capacity on a 2-core AVX-512 "
                              "EPYC; scale them to this machine's capacity")
     parser.add_argument("--result-file", default=None, help="write all figures as JSON")
+    parser.add_argument("--real-results", default=None, metavar="JSON",
+                        help="take the real runs (and their step logs) from this earlier "
+                             "--result-file instead of starting servers: scores another "
+                             "--profile against the same measurements")
     args = parser.parse_args()
     common = f"--dtype {args.dtype}"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -105,28 +109,47 @@ def main() -> None:
                                          "--serving-runs", str(args.serving_runs)])
         cal.func(cal)
     print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
-    rows = {}
+    rows: dict[str, dict] = {}
     runs: dict[str, list[dict]] = {name: [] for name in args.settings}
     step_logs: dict[str, list[str]] = {name: [] for name in args.settings}
+
+    def point(name: str):
+        """The setting's simulate arguments, samples and request rate here."""
+        workload, engine_flags, rate = SETTINGS[name]
+        ns = build_parser().parse_args(["simulate", *shlex.split(workload),
+                                        *shlex.split(f"{common} {engine_flags}"),
+                                        "--profile", profile, "--quiet"])
+        return ns, load_samples(ns), rate * args.rate_scale
+
+    for name in args.settings:
+        ns, samples, rate = point(name)
+        sim = run_point(ns, samples, rate, include_requests=False)["metrics"]
+        rows[name] = {"sim": sim, "flags": SETTINGS[name][1], "workload": SETTINGS[name][0],
+                      "rate": rate}
+    if args.real_results:
+        with open(args.real_results, encoding="utf-8") as f:
+            earlier = json.load(f)
+        for name in args.settings:
+            row = earlier["rows"][name]
+            if row["rate"] != rows[name]["rate"]:
+                raise SystemExit(f"{name}: --real-results ran at {row['rate']} req/s, this run "
+                                 f"asks {rows[name]['rate']} (--rate-scale)")
+            runs[name] = row["real_runs"]
+            # older result files kept no paths: the logs lie beside their profile
+            step_logs[name] = row.get("step_logs") or [
+                os.path.join(os.path.dirname(earlier["profile"]),
+                             f"server-{name}-{rep}.steps.jsonl") for rep in range(len(runs[name]))]
     # repetition-major: each round runs every setting once, so a drift of this machine's speed
     # over the run lands on every setting alike instead of on the last ones
-    for rep in range(args.repeat):
+    for rep in range(0 if args.real_results else args.repeat):
         for name in args.settings:
-            workload, engine_flags, rate = SETTINGS[name]
-            rate *= args.rate_scale
-            ns = build_parser().parse_args(["simulate", *shlex.split(workload),
-                                            *shlex.split(f"{common} {engine_flags}"),
-                                            "--profile", profile, "--quiet"])
-            samples = load_samples(ns)
+            ns, samples, rate = point(name)
             step_log = os.path.join(work, f"server-{name}-{rep}.steps.jsonl")
-            real = real_server_metrics(shlex.split(f"{common} {engine_flags}"), samples, rate,
-                                       ns.seed, work, f"server-{name}-{rep}", step_log=step_log)
+            real = real_server_metrics(shlex.split(f"{common} {SETTINGS[name][1]}"), samples,
+                                       rate, ns.seed, work, f"server-{name}-{rep}",
+                                       step_log=step_log)
             step_logs[name].append(step_log)
             runs[name].append(real)
-            if rep == 0:
-                sim = run_point(ns, samples, rate, include_requests=False)["metrics"]
-                rows[name] = {"sim": sim, "flags": engine_flags, "workload": workload,
-                              "rate": rate}
             sim = rows[name]["sim"]
             print(f"{name} (run {rep + 1}/{args.repeat}): real {real['output_throughput']:.1f} "
                   f"tok/s, median TTFT {real['median_ttft_ms']:.0f} ms, median TPOT "
@@ -140,6 +163,7 @@ def main() -> None:
     for name, real_runs in runs.items():
         rows[name]["real"] = median_run(real_runs)
         rows[name]["real_runs"] = real_runs
+        rows[name]["step_logs"] = step_logs[name]
         # the check step by step: every logged step of the real runs, priced by the profile
         steps = [st for path in step_logs[name] for st in read_step_log(path, block_bytes)]
         rows[name]["steps_by_kind"] = steps_by_kind(steps, {"model": model})
@@ -147,8 +171,8 @@ def main() -> None:
         with open(args.result_file, "w", encoding="utf-8") as f:
             json.dump({"profile": profile, "rows": rows}, f, indent=2)
     print()
-    print(f"real = the median of {args.repeat} server runs per setting; spread = their "
-          "(max - min) / median")
+    print(f"real = the median of {len(next(iter(runs.values())))} server runs per setting; "
+          "spread = their (max - min) / median")
     header = (f"{'setting':<10} {'metric':<10} {'real':>9} {'spread':>7} {'sim':>9} "
               f"{'error':>8}")
     print(header)

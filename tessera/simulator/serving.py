@@ -1,5 +1,5 @@
-"""The serving overhead a profile of the runner alone does not see, measured and fitted from one
-short run of the real server (`tessera simulate calibrate --serving-requests N`).
+"""The serving overhead a profile of the runner alone does not see, measured and fitted from short
+runs of the real server (`tessera simulate calibrate --serving-requests N`).
 
 Behind `tessera serve` a request also costs time outside the runner, of two kinds:
 
@@ -19,7 +19,12 @@ Behind `tessera serve` a request also costs time outside the runner, of two kind
   calibration runs it with the engine's step log on (`TESSERA_STEP_LOG`,
   tessera/engine/step_log.py), prices each logged step with the runner-only profile, and fits
   the rates to the difference from the real step interval (start to next start), by
-  non-negative least squares on relative error as the runner's own fit (fit.py).
+  non-negative least squares on the absolute error (seconds). Why not on relative error, as
+  the runner's grid (fit.py): latencies are sums of step times, and a log holds ten or more
+  decode steps for every step with a prefill. Weighted per step, the decode steps set the rates
+  and the long steps, where most of the time goes, came out short (mixed steps 1440 ms
+  modelled against 1568 real on one log here; 1572 fitted in seconds, decode steps 134 against
+  135 either way).
 
 Why steps and not the end metrics: an earlier version bisected two rates until the simulated
 mean TPOT and TTFT of the calibration trace equalled the measured ones. Any error of the trace's
@@ -221,7 +226,7 @@ def steps_by_kind(steps: list[LoggedStep], models: dict) -> dict[str, dict]:
 
 def fit_serving_rates(runner_profile: dict, steps: list[LoggedStep]) -> tuple[dict, dict]:
     """`SERVING_FEATURES` >= 0 so the runner-only profile plus them prices the logged steps
-    (non-negative least squares on relative error), and the check `steps_by_kind` of the runner
+    (non-negative least squares in seconds), and the check `steps_by_kind` of the runner
     alone and with them."""
     from tessera.simulator.cost_model import ProfiledCostModel
 
@@ -232,7 +237,7 @@ def fit_serving_rates(runner_profile: dict, steps: list[LoggedStep]) -> tuple[di
     rows = [[1.0 if attr is None else float(getattr(s.batch, attr)) for _, attr in SERVING_FEATURES]
             for s in steps]
     rates = weighted_nnls(rows, [s.seconds - runner.step_time(s.batch) for s in steps],
-                          [1.0 / s.seconds for s in steps])
+                          [1.0] * len(steps))
     terms = {name: float(r) for (name, _), r in zip(SERVING_FEATURES, rates, strict=True)}
     fitted = ProfiledCostModel({**runner_profile, **terms})
     return terms, steps_by_kind(steps, {"runner": runner, "fitted": fitted})
@@ -314,6 +319,7 @@ def fit_serving(args: EngineArgs, profile: dict, samples, rate: float, real_runs
             "serving_fit": {"trace": {**TRACE, "num_prompts": len(samples)},
                             "request_rate": rate, "runs": len(real_runs),
                             "logged_steps": len(steps), "steps_by_kind": by_kind,
+                            "step_logs": list(step_logs),
                             "real": {k: real[k] for k in keys}, "server": real["server"],
                             "simulated_mean_tpot_ttft_s": list(fitted),
                             "runner_only_mean_tpot_ttft_s": list(runner_only)}}
