@@ -36,13 +36,8 @@ import time
 from tessera.entrypoints.cli import build_parser
 from tessera.simulator.cli import load_samples, run_point
 from tessera.simulator.cost_model import ProfiledCostModel
-from tessera.simulator.serving import (
-    TRACE_RATE,
-    median_run,
-    read_step_log,
-    real_server_metrics,
-    steps_by_kind,
-)
+from tessera.simulator.serving import TRACE_RATE, median_run, real_server_metrics
+from tessera.simulator.step_fit import read_step_log, steps_by_kind
 
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
           "--random-range-ratio 0.5 --num-prompts 40")

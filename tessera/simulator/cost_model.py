@@ -34,8 +34,17 @@ FEATURES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def features(batch: BatchShape) -> list[float]:
-    return [1.0 if attr is None else float(getattr(batch, attr)) for _, attr in FEATURES]
+# the serving overhead's rates (tessera/simulator/serving.py), in the same form: profile key,
+# BatchShape attribute it multiplies or None for one per step
+SERVING_FEATURES: tuple[tuple[str, str | None], ...] = (
+    ("serving_s_per_step", None),
+    ("serving_s_per_seq", "num_seqs"),
+    ("serving_s_per_prefill_token", "num_prefill_tokens"),
+)
+
+
+def features(batch: BatchShape, spec: tuple[tuple[str, str | None], ...] = FEATURES) -> list[float]:
+    return [1.0 if attr is None else float(getattr(batch, attr)) for _, attr in spec]
 
 
 @dataclass(frozen=True)
@@ -106,10 +115,7 @@ class ProfiledCostModel(CostModel):
             # time around the runner behind the server (tessera/simulator/serving.py): per
             # step, per sequence and per prefill token, and the latency outside the engine; all
             # 0 if the profile was calibrated on the runner alone
-            self.serving_s_per_step = float(profile.get("serving_s_per_step", 0.0))
-            self.serving_s_per_seq = float(profile.get("serving_s_per_seq", 0.0))
-            self.serving_s_per_prefill_token = float(
-                profile.get("serving_s_per_prefill_token", 0.0))
+            self.serving_rates = [float(profile.get(name, 0.0)) for name, _ in SERVING_FEATURES]
             self.request_latency_s = float(profile.get("request_latency_s", 0.0))
             # this machine's link between a prefill and a decode instance (calibrate copies it
             # from the hardware spec of the machine, cpu-zen4-2core here)
@@ -133,8 +139,9 @@ class ProfiledCostModel(CostModel):
         if batch.num_tokens == 0:
             return 0.0
         runner = sum(c * x for c, x in zip(self.coefficients, features(batch), strict=True))
-        return (runner + self.serving_s_per_step + self.serving_s_per_seq * batch.num_seqs
-                + self.serving_s_per_prefill_token * batch.num_prefill_tokens)
+        serving = sum(r * x for r, x in zip(self.serving_rates,
+                                             features(batch, SERVING_FEATURES), strict=True))
+        return runner + serving
 
     def swap_time(self, batch: BatchShape) -> float:
         return batch.swap_bytes * self.swap_s_per_byte
@@ -142,7 +149,6 @@ class ProfiledCostModel(CostModel):
     def describe(self) -> dict:
         return {"cost_model": self.name, "profile": self.path, "model": self.profile.get("model"),
                 "dtype": self.dtype, "fit": self.profile.get("fit"),
-                "serving_s_per_step": self.serving_s_per_step,
-                "serving_s_per_seq": self.serving_s_per_seq,
-                "serving_s_per_prefill_token": self.serving_s_per_prefill_token,
+                **{name: r for (name, _), r in zip(SERVING_FEATURES, self.serving_rates,
+                                                    strict=True)},
                 "request_latency_s": self.request_latency_s}

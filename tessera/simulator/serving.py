@@ -37,7 +37,6 @@ calibration trace's means are reported beside the simulated ones as a check.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import statistics
@@ -45,8 +44,7 @@ import sys
 import tempfile
 
 from tessera.config import EngineArgs
-from tessera.simulator.batch import BatchShape, batch_shape
-from tessera.simulator.fit import weighted_nnls
+from tessera.simulator.step_fit import fit_serving_rates, read_step_log
 
 logger = logging.getLogger(__name__)
 
@@ -165,82 +163,6 @@ def request_latency(real: dict) -> float:
     if "mean_ttft_ms" not in server:
         raise ValueError("the server reported no time_to_first_token histogram")
     return max(0.0, (real["mean_ttft_ms"] - server["mean_ttft_ms"]) / 1e3)
-
-
-# the serving rates, by the `BatchShape` attribute each multiplies (None: one per step)
-SERVING_FEATURES: tuple[tuple[str, str | None], ...] = (
-    ("serving_s_per_step", None),
-    ("serving_s_per_seq", "num_seqs"),
-    ("serving_s_per_prefill_token", "num_prefill_tokens"),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoggedStep:
-    """One step of a real server's step log: its batch and how long the engine took over it."""
-
-    batch: BatchShape
-    seconds: float
-
-
-def read_step_log(path: str, block_bytes: int) -> list[LoggedStep]:
-    """The non-empty steps of a step log (tessera/engine/step_log.py). A step's time runs from
-    its start to the next step's start while the engine stayed busy (what the simulator's clock
-    advances by), and to its own end when the engine went idle after it."""
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    steps = []
-    for i, rec in enumerate(records):
-        if not rec["reqs"]:
-            continue
-        nxt = records[i + 1] if i + 1 < len(records) else None
-        end = nxt["start"] if rec["busy"] and nxt is not None else rec["end"]
-        shape = batch_shape(((n, c) for n, c in rec["reqs"]), rec["swap_blocks"] * block_bytes)
-        steps.append(LoggedStep(shape, end - rec["start"]))
-    return steps
-
-
-def step_kind(batch: BatchShape) -> str:
-    if not batch.num_prefill_tokens:
-        return "decode-only"
-    return "prefill-only" if not batch.num_decode_tokens else "mixed"
-
-
-def steps_by_kind(steps: list[LoggedStep], models: dict) -> dict[str, dict]:
-    """Per kind of step (decode-only, prefill-only, mixed): how many, their real mean ms and each
-    of `models`' (name -> CostModel) mean ms: where a cost model is off, step by step."""
-    by_kind: dict[str, dict] = {}
-    for s in steps:
-        k = by_kind.setdefault(step_kind(s.batch),
-                               {"steps": 0, "real_ms": 0.0, **{f"{m}_ms": 0.0 for m in models}})
-        k["steps"] += 1
-        k["real_ms"] += 1e3 * s.seconds
-        for name, model in models.items():
-            k[f"{name}_ms"] += 1e3 * model.step_time(s.batch)
-    for k in by_kind.values():
-        for key in k:
-            if key.endswith("_ms"):
-                k[key] = round(k[key] / k["steps"], 2)
-    return by_kind
-
-
-def fit_serving_rates(runner_profile: dict, steps: list[LoggedStep]) -> tuple[dict, dict]:
-    """`SERVING_FEATURES` >= 0 so the runner-only profile plus them prices the logged steps
-    (non-negative least squares in seconds), and the check `steps_by_kind` of the runner
-    alone and with them."""
-    from tessera.simulator.cost_model import ProfiledCostModel
-
-    if len(steps) < len(SERVING_FEATURES):
-        raise ValueError(f"the step logs hold {len(steps)} steps; the serving fit needs at least "
-                         f"{len(SERVING_FEATURES)}")
-    runner = ProfiledCostModel(runner_profile)
-    rows = [[1.0 if attr is None else float(getattr(s.batch, attr)) for _, attr in SERVING_FEATURES]
-            for s in steps]
-    rates = weighted_nnls(rows, [s.seconds - runner.step_time(s.batch) for s in steps],
-                          [1.0] * len(steps))
-    terms = {name: float(r) for (name, _), r in zip(SERVING_FEATURES, rates, strict=True)}
-    fitted = ProfiledCostModel({**runner_profile, **terms})
-    return terms, steps_by_kind(steps, {"runner": runner, "fitted": fitted})
 
 
 class ServingRuns:

@@ -214,7 +214,7 @@ def _write_step_log(path, steps):
 
 
 def test_step_log_intervals_run_start_to_start_while_busy(tmp_path):
-    from tessera.simulator.serving import read_step_log
+    from tessera.simulator.step_fit import read_step_log
 
     log = tmp_path / "steps.jsonl"
     _write_step_log(log, [([[8, 0]], 0.2), ([], 0.01), ([[1, 8], [5, 0]], 0.1), ([[1, 9]], 0.05)])
@@ -228,7 +228,7 @@ def test_step_log_intervals_run_start_to_start_while_busy(tmp_path):
 def test_serving_rates_are_fitted_to_the_logged_steps(tmp_path):
     """Steps that took the runner's time plus 3 ms a step and 0.5 ms a sequence give back those
     rates; the per-prefill-token rate the steps do not show stays at 0."""
-    from tessera.simulator.serving import fit_serving_rates, read_step_log
+    from tessera.simulator.step_fit import fit_serving_rates, read_step_log
 
     profile = _profile([0.01, 1e-4, 2e-4, 0.0, 0.0, 0.0])
     runner = ProfiledCostModel(profile)
