@@ -7,7 +7,11 @@ random blocks of a cache twice the size of the live context, as in a long-runnin
 ms/layer for each path, the speedup, and the K/V bytes read once at the kernel's time (GB/s).
 
     python benchmarks/attention.py [--batch 64] [--contexts 256,512] [--dtypes float32,bfloat16]
-                                   [--threads N]
+                                   [--threads N] [--layers 30]
+
+`--layers N` gives each of N layers its own cache and times a pass over all of them, as a model
+step does: with 30 layers the K/V come from DRAM, with one they stay in L3 (the default, the
+kernel's arithmetic alone).
 
 A dtype entry may name the cache's dtype after a slash: `float32/bfloat16` is fp32 activations
 over a bf16 KV cache (--kv-cache-dtype bfloat16), half the bytes of `float32`.
@@ -78,6 +82,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="caches attended in turn, one per layer (30: from DRAM, as in a step)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,20 +108,29 @@ def main() -> None:
         kv_dtype = getattr(torch, kv_name) if kv_name else dtype
         for ctx in (int(c) for c in args.contexts.split(",")):
             geometry = (num_heads, num_kv_heads, args.head_dim, args.block_size)
-            bench_case(args.batch, ctx, geometry, dtype, kv_dtype, args.reps, gen)
+            bench_case(args.batch, ctx, geometry, dtype, kv_dtype, args.reps, gen, args.layers)
 
 
-def bench_case(batch, ctx, geometry, dtype, kv_dtype, reps, gen) -> None:
+def bench_case(batch, ctx, geometry, dtype, kv_dtype, reps, gen, layers: int = 1) -> None:
+    """ms per layer of each path, over `layers` caches in turn (one table for all of them)."""
     num_heads, num_kv_heads, head_dim, block_size = geometry
     q, k_cache, v_cache, tables, seq_lens = make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen)
+    caches = [(k_cache, v_cache)] + [
+        make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen)[1:3] for _ in range(layers - 1)
+    ]
     scale = head_dim**-0.5
     # attend() only: the new K/V count as already written (k, v give the backends their shapes)
     k = v = torch.zeros(batch, num_kv_heads, head_dim, dtype=dtype)
     meta_t = decode_metadata("sdpa", tables, seq_lens, block_size, kv_dtype)
     meta_k = decode_metadata("paged_kernel", tables, seq_lens, block_size, kv_dtype)
     out_t, out_k = torch.empty_like(q), torch.empty_like(q)
-    ms_t = time_ms(lambda: meta_t.attend(q, k, v, k_cache, v_cache, scale, out_t), reps)
-    ms_k = time_ms(lambda: meta_k.attend(q, k, v, k_cache, v_cache, scale, out_k), reps)
+
+    def every_layer(meta, out):
+        for kc, vc in caches:
+            meta.attend(q, k, v, kc, vc, scale, out)
+
+    ms_t = time_ms(lambda: every_layer(meta_t, out_t), reps) / layers
+    ms_k = time_ms(lambda: every_layer(meta_k, out_k), reps) / layers
     diff = (out_t.float() - out_k.float()).abs().max().item()
     kv_bytes = 2 * int(seq_lens.sum()) * num_kv_heads * head_dim * k_cache.element_size()
     name = str(dtype).removeprefix("torch.")

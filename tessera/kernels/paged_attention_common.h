@@ -37,6 +37,50 @@ inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_
   }
 }
 
+#ifndef TESSERA_ATTN_TOUCH_BYTES
+#define TESSERA_ATTN_TOUCH_BYTES (96 * 1024)
+#endif
+// Decode attention streams each sequence's K/V once, from DRAM in a real engine (30 layers' caches
+// do not fit in L3). With its loads spread through the arithmetic it ran at 13-20 GB/s, against
+// 55 GB/s for the same step on a cache-hot KV and ~40 GB/s for a two-stream torch.dot here (Zen 5),
+// and _mm_prefetch ahead of the tile changed nothing (one tile, four, a whole sequence; T0 and T1
+// hints). What works is a pass of plain loads, one byte a cache line, over the next stretch of K/V
+// rows (about this many bytes, so they stay in L2) before attending to it: nothing waits on those
+// loads, so the core keeps many misses in flight. 1.15-1.6x at 30 layers, batch 16-64
+// (benchmarks/attention.py --layers 30); 96 KiB measured as good as 192 and 512.
+constexpr int64_t kTouchBytes = TESSERA_ATTN_TOUCH_BYTES;
+
+// Tiles per touch pass for an item of nkv kv heads: its K and V rows of kTile tokens.
+template <typename kv_t>
+inline int64_t touch_tiles(int64_t nkv, int64_t head_dim) {
+  const int64_t tile_bytes = 2 * kTile * nkv * head_dim * static_cast<int64_t>(sizeof(kv_t));
+  return std::max<int64_t>(1, kTouchBytes / tile_bytes);
+}
+
+// Load one byte of every cache line of the K and V rows of kv heads [g, g + nkv) for tokens
+// [t0, t0 + n) of one sequence, so that the tiles attended next find them in L2.
+template <typename kv_t, typename index_t>
+inline void touch_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t g,
+                       int64_t nkv, int64_t t0, int64_t n, const Geometry& geo) {
+  int64_t idx = t0 / geo.block_size, in_block = t0 % geo.block_size;
+  const int64_t row_stride = geo.num_kv_heads * geo.head_dim;
+  const int64_t row_bytes = nkv * geo.head_dim * static_cast<int64_t>(sizeof(kv_t));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t block = static_cast<int64_t>(table[idx]);
+    const int64_t offset = (block * geo.block_size + in_block) * row_stride + g * geo.head_dim;
+    const volatile char* kr = reinterpret_cast<const volatile char*>(k + offset);
+    const volatile char* vr = reinterpret_cast<const volatile char*>(v + offset);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      (void)kr[b];
+      (void)vr[b];
+    }
+    if (++in_block == geo.block_size) {
+      in_block = 0;
+      ++idx;
+    }
+  }
+}
+
 // Per-thread scratch, allocated once per worker; sized for all heads of a sequence, an item's heads
 // (nh = nkv * group of them, starting at query head h0 = g0 * group) use the front.
 struct Scratch {
