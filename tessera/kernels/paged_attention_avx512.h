@@ -142,13 +142,16 @@ void attend_avx512(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
   if constexpr (kDp) {
     for (int64_t x = 0; x < nh * D; ++x) sc.qb[x] = static_cast<at::BFloat16>(sc.q[x]);  // exact
   }
-  const int64_t touch_span = touch_tiles<kv_t>(nkv, D) * kTile;  // tokens per touch pass
+  // Tokens per touch pass, when an item is a whole sequence (batches of 4 per thread and more).
+  // Items of one kv head (small batches) skip it: 3 such items on 2 threads at batch 1 ran 0-30%
+  // slower with it (benchmarks/attention.py --batch 1).
+  const int64_t touch_span = nkv == geo.num_kv_heads ? touch_tiles<kv_t>(nkv, D) * kTile : 0;
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = 0; t0 < seq_len; t0 += kTile) {
     const int64_t n = std::min(kTile, seq_len - t0);
     tile_rows(k, v, table, g0, t0, n, geo, kp, vp);
-    if (t0 % touch_span == 0)  // the next stretch of rows into L2 (paged_attention_common.h)
+    if (touch_span > 0 && t0 % touch_span == 0)  // the next rows into L2 (paged_attention_common.h)
       touch_rows(k, v, table, g0, nkv, t0, std::min(touch_span, seq_len - t0), geo);
     const __mmask16 lo = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
