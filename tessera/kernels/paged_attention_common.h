@@ -46,7 +46,7 @@ inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_
 // and _mm_prefetch ahead of the tile changed nothing (one tile, four, a whole sequence; T0 and T1
 // hints). What works is a pass of plain loads, one byte a cache line, over the next stretch of K/V
 // rows (about this many bytes, so they stay in L2) before attending to it: nothing waits on those
-// loads, so the core keeps many misses in flight. 1.15-1.6x at 30 layers, batch 16-64
+// loads, so the core keeps many misses in flight. 1.1-1.4x at 30 layers, batch 16-64
 // (benchmarks/attention.py --layers 30); 96 KiB measured as good as 192 and 512.
 constexpr int64_t kTouchBytes = TESSERA_ATTN_TOUCH_BYTES;
 
