@@ -18,23 +18,32 @@ struct Geometry {
   int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
 };
 
-// Row pointers of kv head g (the item's first) for tokens [t0, t0 + n) of one sequence.
-template <typename kv_t, typename index_t>
-inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t g, int64_t t0,
-                      int64_t n, const Geometry& geo, const kv_t** kp, const kv_t** vp) {
-  // One division per tile, not per token (a 64-bit divide costs as much as a head's dot product).
+// Calls row(i, offset) for tokens [t0, t0 + n) of one sequence, offset being the element offset of
+// kv head g of token t0 + i in either cache.
+template <typename index_t, typename Row>
+inline void for_each_row(const index_t* table, int64_t g, int64_t t0, int64_t n,
+                         const Geometry& geo, Row row) {
+  // One division per call, not per token (a 64-bit divide costs as much as a head's dot product).
   int64_t idx = t0 / geo.block_size, in_block = t0 % geo.block_size;
   const int64_t row_stride = geo.num_kv_heads * geo.head_dim;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t block = static_cast<int64_t>(table[idx]);
-    const int64_t offset = (block * geo.block_size + in_block) * row_stride + g * geo.head_dim;
-    kp[i] = k + offset;
-    vp[i] = v + offset;
+    row(i, (block * geo.block_size + in_block) * row_stride + g * geo.head_dim);
     if (++in_block == geo.block_size) {
       in_block = 0;
       ++idx;
     }
   }
+}
+
+// Row pointers of kv head g (the item's first) for tokens [t0, t0 + n) of one sequence.
+template <typename kv_t, typename index_t>
+inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t g, int64_t t0,
+                      int64_t n, const Geometry& geo, const kv_t** kp, const kv_t** vp) {
+  for_each_row(table, g, t0, n, geo, [&](int64_t i, int64_t offset) {
+    kp[i] = k + offset;
+    vp[i] = v + offset;
+  });
 }
 
 #ifndef TESSERA_ATTN_TOUCH_BYTES
@@ -62,23 +71,15 @@ inline int64_t touch_tiles(int64_t nkv, int64_t head_dim) {
 template <typename kv_t, typename index_t>
 inline void touch_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t g,
                        int64_t nkv, int64_t t0, int64_t n, const Geometry& geo) {
-  int64_t idx = t0 / geo.block_size, in_block = t0 % geo.block_size;
-  const int64_t row_stride = geo.num_kv_heads * geo.head_dim;
   const int64_t row_bytes = nkv * geo.head_dim * static_cast<int64_t>(sizeof(kv_t));
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t block = static_cast<int64_t>(table[idx]);
-    const int64_t offset = (block * geo.block_size + in_block) * row_stride + g * geo.head_dim;
+  for_each_row(table, g, t0, n, geo, [&](int64_t, int64_t offset) {
     const volatile char* kr = reinterpret_cast<const volatile char*>(k + offset);
     const volatile char* vr = reinterpret_cast<const volatile char*>(v + offset);
     for (int64_t b = 0; b < row_bytes; b += 64) {
       (void)kr[b];
       (void)vr[b];
     }
-    if (++in_block == geo.block_size) {
-      in_block = 0;
-      ++idx;
-    }
-  }
+  });
 }
 
 // Per-thread scratch, allocated once per worker; sized for all heads of a sequence, an item's heads
