@@ -2,7 +2,8 @@
 
 30 layers of the default model's four linear shapes, random weights quantized to Q4_1 by gguf; for
 each row count, the dense fp32/bf16 kernel on the dequantized weights and the quantized kernel
-with each way through a panel forced (registers: dense_min_rows 0; dense panel: 1). Prints ms per
+with each way through a panel forced (registers: dense_min_rows 0; dense panel: 1; bf16 has one
+way, the block-sum form, printed in both columns). Prints ms per
 pass over the 30 layers and GB/s of weight bytes streamed. This is what DENSE_MIN_ROWS in
 tessera/kernels/quant_linear.py is chosen from.
 
@@ -61,7 +62,7 @@ def main() -> None:
         if not ql.quant_kernel_supported(dtype, torch.device("cpu")):
             print(f"{name}: quantized kernel unavailable here")
             continue
-        quant = [[ql.QuantLinear([w.pack()], dtype, torch.device("cpu")) for w in layer] for layer in weights]
+        quant = [[ql.QuantLinear([w.pack(pairs=ql.pairs_layout(dtype, torch.device("cpu")))], dtype, torch.device("cpu")) for w in layer] for layer in weights]
         dense = [[PackedLinearWeight(w.dequantize().to(dtype)) for w in layer] for layer in weights]
         q_bytes = sum(lin.weight_bytes for layer in quant for lin in layer)
         d_bytes = sum(lin.panels.numel() * lin.panels.element_size() for layer in dense for lin in layer)
@@ -70,11 +71,14 @@ def main() -> None:
             reps = max(2, 64 // rows)
             td = seconds(dense, xs, reps)
             times = []
-            for min_rows in (0, 1):  # registers always, dense panel always
+            ways = (0,) if quant[0][0].parts[0].pairs else (0, 1)  # bf16 block-sum: one way
+            for min_rows in ways:  # registers always, dense panel always
                 for layer in quant:
                     for lin in layer:
                         lin._dense_min_rows = min_rows
                 times.append(seconds(quant, xs, reps))
+            if len(times) == 1:
+                times.append(times[0])
             print(f"{name:<10}{rows:>6}{td * 1e3:>10.2f}{d_bytes / td / 1e9:>7.1f}"
                   f"{times[0] * 1e3:>11.2f}{q_bytes / times[0] / 1e9:>7.1f}"
                   f"{times[1] * 1e3:>18.2f}{q_bytes / times[1] / 1e9:>7.1f}", flush=True)

@@ -192,7 +192,7 @@ void pack_rows(const T* x, int64_t ldx, int64_t M, int64_t K, T* out) {
 #define TESSERA_LINEAR_SLICE_K 64
 #endif
 constexpr int64_t kSliceK = TESSERA_LINEAR_SLICE_K;
-static_assert(kSliceK % 32 == 0, "a slice holds whole quant blocks and bf16 pairs");
+static_assert(kSliceK % 32 == 0, "a slice holds whole bf16 pairs and vectors");
 
 // The fp32 partial sums of every row tile of a row block between K slices: [rows][kPanel].
 inline float* partial_sums(int64_t rows) {

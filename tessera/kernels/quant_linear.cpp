@@ -3,24 +3,36 @@
 // Why: batch-1 decode is bound by the bytes of weight it streams. Q4_1 is 5 bits a weight against
 // 16 for bf16, so the kernel streams the quantized blocks and dequantizes them in registers.
 //
-// Exactness. The dequantized value of every weight is computed here exactly as gguf's reference
-// does (q * d + m, where q * d is exact in fp32, so one fma rounds once, as its mul + add does),
-// then rounded to bf16 for bf16 inputs. Those values are fed, in the same K order and with the
-// same instructions, to the accumulators of the dense tiles in linear_tiles.h. So the result
-// equals the dense kernel on gguf-dequantized weights bit for bit, whatever M is: a row does not
-// depend on the rows batched with it, and --quantization gguf gives the tokens of --quantization
-// none.
+// fp32 activations: exact dequantization. The dequantized value of every weight is computed here
+// exactly as gguf's reference does (q * d + m, where q * d is exact in fp32, so one fma rounds
+// once, as its mul + add does). Those values are fed, in the same K order and with the same
+// instructions, to the accumulators of the dense tiles in linear_tiles.h. So the result equals the
+// dense kernel on gguf-dequantized weights bit for bit, whatever M is: a row does not depend on the
+// rows batched with it, and --quantization gguf gives the tokens of --quantization none.
+//
+// bf16 activations: the block-sum form. A block's weights are q * d + m, so a row's dot product
+// over the block is d * sum(x q) + m * sum(x). The codes themselves are exact bf16 numbers, so
+// vdpbf16ps runs on x against the codes, with no dequantization per weight at all: 4-bit codes
+// become the bf16 number 128 + q by OR-ing the nibble under the exponent bits of 128 (one shift
+// and one ternary-logic op for 32 weights, against ten ops to dequantize, round and interleave
+// them), and the 128 comes back out with m' = m - 128 d: d * sum(x (128 + q)) + m' * sum(x).
+// One code path serves every M, so rows are independent as before. The products are exact and
+// the weights are never rounded to bf16, so this is closer to the fp32 reference than the dense
+// bf16 kernel on dequantized weights (which rounds every weight to bf16): the two no longer agree
+// bit for bit. (On a CPU with AMX the bf16 path is run_amx, exact dequantization into AMX tiles.)
 //
 // Layout (packed once at load by quant_linear.py): panels of kPanel (48) output features, each a
 // run of records, one per block of `kBlock` K-positions:
 //
-//   record = codes [kBlock/2][48] bytes (4-bit: low nibble k = 2j, high nibble k = 2j + 1)
-//                | [kBlock][48] int8 (8-bit)
+//   record = codes (4-bit: kBlock * 48 / 2 bytes; 8-bit: kBlock * 48 int8)
 //            scales [48] (fp16 or fp32), mins [48] (4-bit formats only)
 //
-// so a panel streams as one contiguous pass, 16 outputs a vector, like the dense panels.
+// so a panel streams as one contiguous pass, 16 outputs a vector, like the dense panels. The codes
+// come in one of two orders (quant_linear.py, code_positions): "natural" for fp32 activations and
+// AMX (one K position of 16 outputs per 16-byte load; 4-bit: low nibble k = 2j, high k = 2j + 1)
+// and "pairs" for the block-sum form, in the lane order of vdpbf16ps's operand (code_pairs).
 //
-// Two ways through a panel, with the same result:
+// Two ways through a panel for fp32, with the same result:
 // - registers (few rows): each block is dequantized in registers and used by every row at once;
 // - dense (many rows, prefill): the panel is dequantized once into an L2-resident fp32/bf16 dense
 //   panel and the dense tiles run over it, at the dense matmul's rate.
@@ -30,6 +42,7 @@
 #include <ATen/Parallel.h>
 
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "linear_amx.h"
@@ -137,12 +150,11 @@ inline __m512i bf16_pairs(__m512 w0, __m512 w1) {
 }
 #endif  // __AVX512BF16__
 
-// R rows of x, packed as linear_tiles.h pack_rows does (fp32 [K][R], bf16 [K/2][R][2]), against
-// one quantized panel: each block is dequantized in registers and used by every row, with the
-// accumulation of tile_f32 / tile_bf16 on the dequantized panel (bf16: weights rounded to bf16
-// pairs first, as the dense bf16 panel holds them).
-template <typename F, typename T, int R>
-void qtile(const T* x, const uint8_t* panel, int64_t K, T* y, int64_t ldy, int64_t n_valid,
+// R rows of fp32 x, packed as linear_tiles.h pack_rows does ([K][R]), against one quantized panel
+// (natural layout): each block is dequantized in registers and used by every row, with the
+// accumulation of tile_f32 on the dequantized panel.
+template <typename F, int R>
+void qtile(const float* x, const uint8_t* panel, int64_t K, float* y, int64_t ldy, int64_t n_valid,
            const float* bias) {
   __m512 acc[R][kVecs];
   for (int r = 0; r < R; ++r)
@@ -156,30 +168,151 @@ void qtile(const T* x, const uint8_t* panel, int64_t K, T* y, int64_t ldy, int64
       __m512 w0[kVecs], w1[kVecs];
       for (int v = 0; v < kVecs; ++v) dequant_pair<F>(rec, j, v, sc[v], mn[v], w0[v], w1[v]);
       const int64_t k = blk * F::kBlock + 2 * j;  // the K position of w0
-      if constexpr (std::is_same_v<T, float>) {
-        for (int r = 0; r < R; ++r) {
-          const __m512 xv = _mm512_set1_ps(x[k * R + r]);
-          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w0[v], acc[r][v]);
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m512 xv = _mm512_set1_ps(x[(k + 1) * R + r]);
-          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w1[v], acc[r][v]);
-        }
-      } else {
-#if defined(__AVX512BF16__)
-        __m512bh wv[kVecs];
-        for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)bf16_pairs(w0[v], w1[v]);
-        const int32_t* xpairs = reinterpret_cast<const int32_t*>(x) + (k / 2) * R;
-        for (int r = 0; r < R; ++r) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(xpairs[r]);
-          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
-        }
-#endif
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[k * R + r]);
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w0[v], acc[r][v]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[(k + 1) * R + r]);
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w1[v], acc[r][v]);
       }
     }
   }
   for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
 }
+
+#if defined(__AVX512BF16__)
+// body(std::integral_constant<int, J>{}) for J = 0..N-1: a code pair's index as a compile-time
+// constant, so the 4-bit shift below is an immediate.
+template <typename Body, int... J>
+inline void unroll_impl(Body&& body, std::integer_sequence<int, J...>) {
+  (body(std::integral_constant<int, J>{}), ...);
+}
+template <int N, typename Body>
+inline void unroll(Body&& body) {
+  unroll_impl(body, std::make_integer_sequence<int, N>{});
+}
+
+// The codes of K positions 2J, 2J + 1 of a block, outputs 16t..16t+15, as the bf16 operand of
+// vdpbf16ps (one 32-bit lane an output, its two K positions side by side), from the pairs layout:
+//   4-bit: 16-bit word 2L + p of the 64 bytes at (J / 4, t) (load_codes) holds, in nibble J % 4,
+//          the code of K 2J + p, output 16t + L; it becomes the bf16 number 128 + q (0x4300 | q);
+//   8-bit: bytes 32t.. of pair J hold lanes 2L + p in that order; int8 -> fp32 -> bf16 is exact.
+template <typename F>
+constexpr int kPairsPerLoad = F::kBits == 4 ? 4 : 1;  // 4-bit: one 64-byte load serves 4 pairs
+
+// The 4-bit codes of pairs 4G..4G+3, outputs 16t..16t+15 (unused for 8-bit).
+template <typename F, int G>
+inline __m512i load_codes(const uint8_t* rec, int t) {
+  if constexpr (F::kBits == 4) return _mm512_loadu_si512(rec + (G * kVecs + t) * 64);
+  return _mm512_setzero_si512();
+}
+
+template <typename F, int J>
+inline __m512bh code_pairs(const uint8_t* rec, __m512i z, int t) {
+  if constexpr (F::kBits == 4) {
+    if constexpr (J % 4 != 0) z = _mm512_srli_epi16(z, 4 * (J % 4));
+    // (z & 0x000F) | 0x4300 per 16-bit word
+    return (__m512bh)_mm512_ternarylogic_epi32(z, _mm512_set1_epi16(0x000F),
+                                               _mm512_set1_epi16(0x4300), 0xEA);
+  } else {
+    const __m128i* c = reinterpret_cast<const __m128i*>(rec + J * 2 * kPanel + 32 * t);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c)));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1)));
+    return _mm512_cvtne2ps_pbh(b, a);
+  }
+}
+
+// R rows of bf16 x (pack_rows: [K/2][R] pairs) against one panel in the block-sum form (see the
+// header). `xsum` [R][K / kBlock]: each row's fp32 sum over each block (4-bit formats only).
+template <typename F, int R>
+void qtile_blocksum(const at::BFloat16* x, const float* xsum, const uint8_t* panel, int64_t K,
+                    at::BFloat16* y, int64_t ldy, int64_t n_valid, const float* bias) {
+  static_assert(F::kBits == 8 || F::kHasMin, "the 4-bit form takes the 128 back out with the min");
+  const int64_t nb = K / F::kBlock;
+  const int32_t* xpairs = reinterpret_cast<const int32_t*>(x);
+  __m512 total[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) total[r][v] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* rec = panel + blk * F::kRecord;
+    prefetch_ahead<F>(rec);
+    __m512 acc[R][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+    const int32_t* xb = xpairs + blk * (F::kBlock / 2) * R;
+    constexpr int kLoads = F::kBlock / 2 / kPairsPerLoad<F>;
+    unroll<kLoads>([&](auto g) {
+      __m512i z[kVecs];
+      for (int v = 0; v < kVecs; ++v) z[v] = load_codes<F, g>(rec, v);
+      unroll<kPairsPerLoad<F>>([&](auto s) {
+        constexpr int j = decltype(g)::value * kPairsPerLoad<F> + decltype(s)::value;
+        __m512bh w[kVecs];
+        for (int v = 0; v < kVecs; ++v) w[v] = code_pairs<F, j>(rec, z[v], v);
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(xb[j * R + r]);
+          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, w[v]);
+        }
+      });
+    });
+    const uint8_t* sp = rec + F::kCodeBytes;
+    for (int v = 0; v < kVecs; ++v) {
+      const __m512 d = load_scales<typename F::Scale>(sp, v);
+      for (int r = 0; r < R; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], d, total[r][v]);
+      if constexpr (F::kBits == 4) {
+        const __m512 m = load_scales<typename F::Scale>(sp + F::kScaleBytes, v);
+        const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);  // m - 128 d
+        for (int r = 0; r < R; ++r)
+          total[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * nb + blk]), m128, total[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, total[r], bias);
+}
+
+template <typename F>
+struct BlockSumTile {
+  template <int R>
+  static constexpr auto fn = qtile_blocksum<F, R>;
+};
+
+// bf16 x [M, K] against every panel (pairs layout), in the block-sum form: one way for every M.
+// Measured against exact dequantization (registers below 16 rows, dense panels above), 30 layers
+// of the default model's Q4_1 shapes (benchmarks/quant_linear.py): 0.62x the time at M = 1, 0.67x
+// at 8, 0.72x at 16, 0.87x at 64, the same at 512.
+template <typename F>
+void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
+                  int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
+  using Fn = void (*)(const at::BFloat16*, const float*, const uint8_t*, int64_t, at::BFloat16*,
+                      int64_t, int64_t, const float*);
+  static const auto tiles = make_tiles<Fn, BlockSumTile<F>>();
+  const int64_t nb = K / F::kBlock;
+  std::vector<at::BFloat16> xp(M * K);
+  pack_rows<at::BFloat16, 2>(x, ldx, M, K, xp.data());
+  std::vector<float> xsum(F::kBits == 4 ? M * nb : 0);  // [M][nb], tile by tile as xp
+  for (int64_t m = 0; m < static_cast<int64_t>(xsum.size()) / nb; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.f;
+      for (int64_t k = b * F::kBlock; k < (b + 1) * F::kBlock; ++k)
+        s += static_cast<float>(x[m * ldx + k]);
+      xsum[m * nb + b] = s;
+    }
+  const int64_t rows_per_block = std::min(M, kRowsPerBlock);
+  const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
+  at::parallel_for(0, num_row_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {  // panel-major: a panel's row blocks run back to back
+      const int64_t p = u / num_row_blocks, m0 = (u % num_row_blocks) * rows_per_block;
+      const int64_t rows = std::min(rows_per_block, M - m0), n0 = p * kPanel;
+      const uint8_t* panel = packed + p * nb * F::kRecord;
+      for (int64_t m = m0; m < m0 + rows; m += kMaxRows) {
+        const int64_t r = std::min<int64_t>(kMaxRows, m0 + rows - m);
+        tiles[r](xp.data() + m * K, xsum.empty() ? nullptr : xsum.data() + m * nb, panel, K,
+                 y + m * ldy + n0, ldy, N - n0, bias ? bias + n0 : nullptr);
+      }
+    }
+  });
+}
+#endif  // __AVX512BF16__
 
 // Blocks [b0, b1) of a panel dequantized into the dense panel layout of T (fp32 [k][kPanel],
 // bf16 [k/2][kPanel][2]): the weights the register tiles compute with, so the dense tiles over
@@ -209,10 +342,10 @@ void dequant_panel(const uint8_t* panel, int64_t b0, int64_t b1, T* out) {
   }
 }
 
-template <typename F, typename T>
+template <typename F>
 struct QTile {
   template <int R>
-  static constexpr auto fn = qtile<F, T, R>;
+  static constexpr auto fn = qtile<F, R>;
 };
 
 #if defined(TESSERA_HAVE_AMX)
@@ -268,32 +401,22 @@ void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uin
 }
 #endif
 
-// x [M, K] against every panel; see the header for the two ways through a panel.
-template <typename F, typename T>
-void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t num_panels,
-         int64_t N, T* y, int64_t ldy, const float* bias, int64_t dense_min_rows) {
-  constexpr bool kF32 = std::is_same_v<T, float>;
-  constexpr int P = kF32 ? 1 : 2;
+// fp32 x against every panel (natural layout); see the header for the two ways through a panel.
+template <typename F>
+void run_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
+             int64_t num_panels, int64_t N, float* y, int64_t ldy, const float* bias,
+             int64_t dense_min_rows) {
+  using T = float;
   using Fn = void (*)(const T*, const uint8_t*, int64_t, T*, int64_t, int64_t, const float*);
   using DenseFn = void (*)(const T*, const T*, int64_t, const Span&, T*, int64_t, int64_t,
                            const float*, const T*);
-  static const auto qtiles = make_tiles<Fn, QTile<F, T>>();
-  static const auto dense_tiles = [] {
-    if constexpr (kF32) return make_tiles<DenseFn, F32Tile>();
-#if defined(__AVX512BF16__)
-    else return make_tiles<DenseFn, Bf16Tile>();
-#endif
-  }();
-#if defined(TESSERA_HAVE_AMX)
-  if constexpr (!kF32) {
-    if (amx_ready()) return run_amx<F>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias);
-  }
-#endif
+  static const auto qtiles = make_tiles<Fn, QTile<F>>();
+  static const auto dense_tiles = make_tiles<DenseFn, F32Tile>();
   std::vector<T> xp_store;
   const T* xp = x;
   if (M > 1 || ldx != K) {  // M == 1 with a contiguous row is already in the packed layout
     xp_store.resize(M * K);
-    pack_rows<T, P>(x, ldx, M, K, xp_store.data());
+    pack_rows<T, 1>(x, ldx, M, K, xp_store.data());
     xp = xp_store.data();
   }
   const bool dense = dense_min_rows > 0 && M >= dense_min_rows;
@@ -344,6 +467,23 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, i
   });
 }
 
+// x [M, K] against every panel: bf16 in the block-sum form (or AMX), fp32 one of the two ways.
+template <typename F, typename T>
+void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed, int64_t num_panels,
+         int64_t N, T* y, int64_t ldy, const float* bias, int64_t dense_min_rows) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(TESSERA_HAVE_AMX)
+    if (amx_ready()) return run_amx<F>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias);
+#endif
+#if defined(__AVX512BF16__)
+    return run_blocksum<F>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias);
+#endif
+  } else {
+    run_f32<F>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
+  }
+}
+
+
 template <typename T>
 void dispatch(int64_t fmt, const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
               int64_t num_panels, int64_t N, T* y, int64_t ldy, const float* bias,
@@ -374,6 +514,16 @@ std::vector<std::string> supported_dtypes() {
 }
 
 int64_t packed_record_bytes(int64_t fmt) { return record_bytes(fmt); }
+
+// Whether bf16 activations read weights packed in the pairs layout (the block-sum form): yes,
+// unless this CPU runs them on AMX tiles (natural layout, exact dequantization).
+bool bf16_reads_pairs() {
+#if defined(__AVX512F__) && defined(TESSERA_HAVE_AMX)
+  return !amx_ready();
+#else
+  return true;
+#endif
+}
 
 // y (an [M, N] view with a contiguous last dim, e.g. a column slice of a fused output) =
 // x [M, K] @ W^T (+ bias). `packed` holds ceil(N / 48) panels of format `fmt`; `bias` is float32
@@ -419,5 +569,6 @@ void quant_linear_out(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported_dtypes", &supported_dtypes, "activation dtypes this build serves");
   m.def("packed_record_bytes", &packed_record_bytes, "bytes of one block record of a panel");
+  m.def("bf16_reads_pairs", &bf16_reads_pairs, "bf16 activations read the pairs code layout");
   m.def("quant_linear_out", &quant_linear_out, "y = x @ W^T (+ bias) on packed GGUF blocks");
 }

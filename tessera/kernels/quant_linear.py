@@ -36,13 +36,22 @@ batch 1 (the register way skips the bf16 rounding and pairing) and fall behind b
 prefill row predates 64-byte alignment of the AMX buffers: after it, 1531 against 1654 tok/s
 dense bf16 in one slot.
 
-The kernel's result equals the dense kernel (linear.py) on the gguf-dequantized weights bit for
-bit, for every row count; the fallback (no AVX-512 build, or another device) dequantizes with torch
-on every call and runs F.linear: the same memory, much slower.
+bf16 activations on CPUs without AMX now run the block-sum form instead (quant_linear.cpp):
+vdpbf16ps on the codes themselves, scaled once a block, one code path for every M. In-process
+A/B against exact dequantization on an AMD EPYC (Zen 5, avx512_bf16, no AMX), 30 layers of the
+default model's Q4_1 shapes, `benchmarks/quant_linear.py`: 0.62x the time at M = 1, 0.67x at 8,
+0.72x at 16, 0.87x at 64, about the same at 512.
+
+fp32 results (and bf16 on AMX) equal the dense kernel (linear.py) on the gguf-dequantized weights
+bit for bit, for every row count; the block-sum form does not round weights to bf16, so it lands
+closer to the fp32-weight result than the dense bf16 kernel, rows still independent of the batch.
+The fallback (no AVX-512 build, or another device) dequantizes with torch on every call and runs
+F.linear: the same memory, much slower.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,17 +68,16 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 PANEL = 48  # output features per panel: kPanel in linear_tiles.h
-# Row count from which a panel is dequantized once into a dense panel and the dense tiles run
-# over it (same result, bit for bit); below it each block is dequantized in registers for every
-# row. Measured on 30 layers of the default model's Q4_1 shapes (ms, registers / dense panel):
-#   fp32: M=8 17.5 / 28.7, M=16 29.9 / 37.6, M=32 ~50 / ~47, M=64 100 / 65, M=512 869 / 624
-#   bf16: M=8 33.6 / 48.7, M=16 78.9 / 60.5, M=32 134 / 109, M=64 180 / 127, M=512 1360 / 977
+# fp32: the row count from which a panel is dequantized once into a dense panel and the dense
+# tiles run over it (same result, bit for bit); below it each block is dequantized in registers
+# for every row. Measured on 30 layers of the default model's Q4_1 shapes (ms, registers / dense):
+#   M=8 17.5 / 28.7, M=16 29.9 / 37.6, M=32 ~50 / ~47, M=64 100 / 65, M=512 869 / 624
 # (on two cores shared with other jobs: differences under ~15% are noise).
 # With a dense way of one row block, each 64-wide K slice of a panel is dequantized into L1 once and
 # every row tile runs over it (linear_tiles.h); prefill sizes dequantize whole panels into L2.
-# bf16 on a CPU with AMX ignores the threshold: every M dequantizes panels to bf16 and runs the AMX
-# tiles, as the dense bf16 kernel does there (linear_amx.h), so the two stay equal bit for bit.
-DENSE_MIN_ROWS = {torch.float32: 32, torch.bfloat16: 16}
+# bf16 has one way for every M: the block-sum form, or on a CPU with AMX exact dequantization into
+# the AMX tiles, as the dense bf16 kernel does there (linear_amx.h).
+DENSE_MIN_ROWS = {torch.float32: 32}
 
 
 @dataclass(frozen=True)
@@ -115,27 +123,89 @@ def quant_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return module is not None and str(dtype).removeprefix("torch.") in module.supported_dtypes()
 
 
+def pairs_layout(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel for activations of `dtype` on `device` reads codes in the pairs layout
+    (code_positions): bf16 does (the block-sum form, quant_linear.cpp), except on a CPU that runs
+    bf16 on AMX tiles; fp32 and the torch fallback read the natural one."""
+    if dtype != torch.bfloat16 or not quant_kernel_supported(dtype, device):
+        return False
+    module = _module()
+    return module is not None and module.bf16_reads_pairs()
+
+
+@functools.cache
+def code_positions(fmt: QuantFormat, pairs: bool) -> np.ndarray:
+    """[block, 48] int64: where code (k, n) of a record lives in its code bytes, as a nibble
+    index (4-bit: byte i holds nibbles 2i low, 2i + 1 high) or a byte index (8-bit).
+
+    natural: K position by K position, 48 outputs each, so one 16-byte load gives one K position
+      of 16 outputs (4-bit: K 2j low nibble, 2j + 1 high, in one byte).
+    pairs: K positions in pairs, each output's two codes side by side, the lane order of
+      vdpbf16ps's operand (quant_linear.cpp, code_pairs). 4-bit: 16-bit word 2n + p of the 192
+      bytes of group g (8 K positions) holds, in nibble s, the code of K 8g + 2s + p; 8-bit: byte
+      (k // 2) * 96 + 2n + k % 2.
+    """
+    k = np.arange(fmt.block).reshape(-1, 1)
+    n = np.arange(PANEL).reshape(1, -1)
+    if not pairs:
+        return (2 * ((k // 2) * PANEL + n) + k % 2) if fmt.bits == 4 else k * PANEL + n
+    if fmt.bits == 8:
+        return (k // 2) * 2 * PANEL + 2 * n + k % 2
+    g, s, p = k // 8, (k % 8) // 2, k % 2
+    return (g * 2 * PANEL + 2 * n + p) * 4 + s
+
+
 def pack_quantized(
-    fmt: QuantFormat, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None
+    fmt: QuantFormat, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
+    pairs: bool = False,
 ) -> torch.Tensor:
     """codes [N, K] (uint8 0..15 for 4-bit, int8 for 8-bit), scales/mins [N, K / block] -> the
-    kernel's panels as one uint8 tensor. N is padded to a multiple of 48 with zero weights."""
+    kernel's panels as one uint8 tensor, codes in the layout `pairs` names (code_positions).
+    N is padded to a multiple of 48 with zero weights."""
     n, k = codes.shape
     if k % fmt.block:
         raise ValueError(f"K ({k}) is not a multiple of {fmt.name}'s block size {fmt.block}")
     nb = k // fmt.block
     n_pad = -(-n // PANEL) * PANEL
-    codes = np.ascontiguousarray(codes).view(np.uint8)
-    if fmt.bits == 4:
-        codes = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))  # k = 2j low nibble, 2j+1 high
-    parts = [_panels(codes.reshape(n, nb, -1), n_pad)]
+    padded = np.zeros((n_pad, k), dtype=np.uint8)
+    padded[:n] = np.ascontiguousarray(codes).view(np.uint8)
+    # [P, nb, block, 48]: record by record, code (k, n) at canonical index k * 48 + n
+    canonical = padded.reshape(n_pad // PANEL, PANEL, nb, fmt.block).transpose(0, 2, 3, 1)
+    canonical = torch.from_numpy(np.ascontiguousarray(canonical).reshape(n_pad // PANEL, nb, -1))
+    parts = [_lay_out_codes(fmt, canonical, pairs)]
     for table in (scales, mins) if fmt.has_min else (scales,):
         assert table is not None
         as_bytes = np.ascontiguousarray(table, dtype=fmt.scale_dtype).view(np.uint8)
-        parts.append(_panels(as_bytes.reshape(n, nb, -1), n_pad, item=np.dtype(fmt.scale_dtype).itemsize))
-    packed = np.concatenate(parts, axis=2)  # [P, nb, record]
+        item = np.dtype(fmt.scale_dtype).itemsize
+        parts.append(torch.from_numpy(_panels(as_bytes.reshape(n, nb, -1), n_pad, item=item)))
+    packed = torch.cat(parts, dim=2)  # [P, nb, record]
     assert packed.shape[2] == fmt.record_bytes
-    return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
+    return packed.reshape(-1)
+
+
+def _lay_out_codes(fmt: QuantFormat, canonical: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """uint8 codes [..., block * 48] of records, code (k, n) at k * 48 + n -> the records' code
+    bytes [..., code_bytes] in the layout `pairs` names."""
+    laid = torch.empty_like(canonical)
+    laid[..., torch.from_numpy(code_positions(fmt, pairs).reshape(-1))] = canonical
+    if fmt.bits == 4:
+        laid = laid[..., 0::2] | (laid[..., 1::2] << 4)  # nibble 2i low, 2i + 1 high
+    return laid
+
+
+def with_layout(part: QuantPart, pairs: bool) -> QuantPart:
+    """`part` with its codes in the layout `pairs` names: itself when they already are, else a
+    repacked copy (the same weights, bit for bit)."""
+    if part.pairs == pairs:
+        return part
+    fmt = part.fmt
+    records = part.packed.view(-1, part.k // fmt.block, fmt.record_bytes)
+    index, shift = _code_bytes(fmt, part.pairs)
+    raw = records[..., index.reshape(-1)]
+    canonical = (raw >> shift.reshape(-1).to(torch.uint8)) & 15 if fmt.bits == 4 else raw
+    codes = _lay_out_codes(fmt, canonical, pairs)
+    packed = torch.cat([codes, records[..., fmt.code_bytes :]], dim=-1).reshape(-1)
+    return QuantPart(fmt, packed, part.n, part.k, part.bias, pairs)
 
 
 def _panels(rows: np.ndarray, n_pad: int, item: int = 1) -> np.ndarray:
@@ -147,55 +217,65 @@ def _panels(rows: np.ndarray, n_pad: int, item: int = 1) -> np.ndarray:
     return grouped.transpose(0, 2, 3, 1, 4).reshape(n_pad // PANEL, nb, -1)
 
 
-def _codes_and_scales(
-    fmt: QuantFormat, records: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """records [..., nb, record_bytes] -> codes [..., nb, block, 48] (as float32), scales and
-    mins [..., nb, 48] float32."""
-    lead = records.shape[:-1]
-    raw = records[..., : fmt.code_bytes].reshape(*lead, -1, PANEL)
+def _code_bytes(fmt: QuantFormat, pairs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[block, 48] the byte of each code (k, n) in a record and its right shift (4-bit: 0 or 4)."""
+    pos = torch.from_numpy(code_positions(fmt, pairs))
     if fmt.bits == 4:
-        codes = torch.stack([raw & 15, raw >> 4], dim=-2).reshape(*lead, fmt.block, PANEL).float()
-    else:
-        codes = raw.view(torch.int8).float()
+        return pos // 2, (pos % 2) * 4
+    return pos, torch.zeros_like(pos)
+
+
+def _extract_codes(fmt: QuantFormat, raw: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Gathered code bytes and their shifts -> float32 codes (4-bit: a nibble, 8-bit: int8)."""
+    if fmt.bits == 4:
+        return ((raw >> shift.to(torch.uint8)) & 15).float()
+    return raw.view(torch.int8).float()
+
+
+def _tables(fmt: QuantFormat, records: torch.Tensor) -> list[torch.Tensor]:
+    """records [..., nb, record_bytes] -> [scales, (mins)], each [..., nb, 48] float32."""
     scale_dtype = torch.float16 if fmt.scale_dtype is np.float16 else torch.float32
     width = PANEL * np.dtype(fmt.scale_dtype).itemsize
-    tables = [
+    return [
         records[..., fmt.code_bytes + i * width : fmt.code_bytes + (i + 1) * width]
         .contiguous()
         .view(scale_dtype)
         .float()
         for i in range(2 if fmt.has_min else 1)
     ]
-    return codes, tables[0], tables[1] if fmt.has_min else None
 
 
-def dequantize_packed(fmt: QuantFormat, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def dequantize_packed(
+    fmt: QuantFormat, packed: torch.Tensor, n: int, k: int, pairs: bool = False
+) -> torch.Tensor:
     """The float32 weights [N, K] a packed tensor holds (gguf's values, bit for bit)."""
     nb = k // fmt.block
     records = packed.view(-1, nb, fmt.record_bytes)  # [P, nb, record]
-    codes, scales, mins = _codes_and_scales(fmt, records)
-    w = codes * scales.unsqueeze(-2)  # exact: a code times an fp16/fp32 scale fits in fp32
-    if mins is not None:
-        w = w + mins.unsqueeze(-2)  # the one rounding, as gguf's q * d + m
+    index, shift = _code_bytes(fmt, pairs)
+    raw = records[..., index.reshape(-1)].view(*records.shape[:2], fmt.block, PANEL)
+    codes = _extract_codes(fmt, raw, shift)  # [P, nb, block, 48]
+    tables = _tables(fmt, records)
+    w = codes * tables[0].unsqueeze(-2)  # exact: a code times an fp16/fp32 scale fits in fp32
+    if fmt.has_min:
+        w = w + tables[1].unsqueeze(-2)  # the one rounding, as gguf's q * d + m
     return w.permute(0, 3, 1, 2).reshape(-1, k)[:n]  # [P, 48, nb, block] -> [N, K]
 
 
-def dequantize_rows(fmt: QuantFormat, packed: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(
+    fmt: QuantFormat, packed: torch.Tensor, k: int, ids: torch.Tensor, pairs: bool = False
+) -> torch.Tensor:
     """Float32 rows `ids` [T] of a packed weight -> [T, K]: an embedding lookup that reads only
     the panels' bytes of those rows (the embedding and a tied lm_head share one packed copy)."""
     nb = k // fmt.block
     records = packed.view(-1, nb, fmt.record_bytes)[ids // PANEL]  # [T, nb, record] (48 rows each)
-    # each row's own lane of the bytes first, then decode: 1/48 of the work of decoding the
+    # each row's own bytes of its panel first, then decode: 1/48 of the work of decoding the
     # panels (1.1 ms -> see benchmarks/step_profile.py, at 16 ids of the default model)
-    lane = (ids % PANEL).view(-1, 1, 1)
-    t, scale_bytes = ids.numel(), np.dtype(fmt.scale_dtype).itemsize
-    raw = records[..., : fmt.code_bytes].reshape(t, nb, -1, PANEL)
-    raw = raw.gather(-1, lane.unsqueeze(-1).expand(t, nb, raw.shape[2], 1)).squeeze(-1)
-    if fmt.bits == 4:
-        codes = torch.stack([raw & 15, raw >> 4], dim=-1).reshape(t, nb, -1).float()  # [T, nb, block]
-    else:
-        codes = raw.view(torch.int8).float()
+    lane = ids % PANEL
+    index, shift = _code_bytes(fmt, pairs)
+    t = ids.numel()
+    raw = records.gather(-1, index.t()[lane].unsqueeze(1).expand(t, nb, fmt.block))
+    codes = _extract_codes(fmt, raw, shift.t()[lane].unsqueeze(1))  # [T, nb, block]
+    scale_bytes = np.dtype(fmt.scale_dtype).itemsize
     tables = records[..., fmt.code_bytes :].reshape(t, nb, -1, PANEL, scale_bytes)
     tables = tables.gather(-2, lane.view(-1, 1, 1, 1, 1).expand(t, nb, tables.shape[2], 1,
                                                                  scale_bytes)).squeeze(-2)
@@ -216,6 +296,7 @@ class QuantPart:
     n: int
     k: int
     bias: torch.Tensor | None = None  # float32, padded to the panel width (the kernel's form)
+    pairs: bool = False  # the codes' layout (code_positions, pairs_layout)
 
 
 class QuantLinear:
@@ -224,7 +305,9 @@ class QuantLinear:
 
     def __init__(self, parts: list[QuantPart], dtype: torch.dtype, device: torch.device):
         assert len({p.k for p in parts}) == 1, "fused parts share the input width"
-        self.parts = merge_parts(parts)
+        # the loader packs for the dtype already (pairs_layout); this covers a part packed for another
+        pairs = pairs_layout(dtype, device)
+        self.parts = merge_parts([with_layout(p, pairs) for p in parts])
         self.in_features = parts[0].k
         self.out_features = sum(p.n for p in parts)
         module = _module() if quant_kernel_supported(dtype, device) else None
@@ -260,7 +343,7 @@ class QuantLinear:
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
         for p in self.parts:
-            w = dequantize_packed(p.fmt, p.packed, p.n, p.k).to(x.dtype)
+            w = dequantize_packed(p.fmt, p.packed, p.n, p.k, p.pairs).to(x.dtype)
             b = None if p.bias is None else p.bias[: p.n].to(x.dtype)
             outs.append(F.linear(x, w, b))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -284,9 +367,12 @@ def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
             and last.n % PANEL == 0
             and (last.bias is None) == (p.bias is None)
             and last.packed.device == p.packed.device
+            and last.pairs == p.pairs
         ):
             bias = None if p.bias is None or last.bias is None else torch.cat([last.bias, p.bias])
-            merged[-1] = QuantPart(last.fmt, torch.cat([last.packed, p.packed]), last.n + p.n, p.k, bias)
+            merged[-1] = QuantPart(
+                last.fmt, torch.cat([last.packed, p.packed]), last.n + p.n, p.k, bias, p.pairs
+            )
         else:
             merged.append(p)
     return merged

@@ -67,10 +67,12 @@ class QuantizedTensor:
         n, k = self.shape
         return _DECODERS[self.qtype](np.ascontiguousarray(self.data).reshape(n, -1), n, k)
 
-    def pack(self, bias: torch.Tensor | None = None) -> QuantPart:
-        """The kernel's packed copy of this weight (built here; `data` may be dropped after)."""
+    def pack(self, bias: torch.Tensor | None = None, pairs: bool = False) -> QuantPart:
+        """The kernel's packed copy of this weight (built here; `data` may be dropped after), its
+        codes in the layout for the activations' dtype (quant_linear.pairs_layout)."""
         n, k = self.shape
-        return QuantPart(self.fmt, pack_quantized(self.fmt, *self.decode()), n, k, bias)
+        packed = pack_quantized(self.fmt, *self.decode(), pairs=pairs)
+        return QuantPart(self.fmt, packed, n, k, bias, pairs)
 
 
 def _blocks(raw: np.ndarray, n: int, block_bytes: int) -> np.ndarray:

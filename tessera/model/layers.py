@@ -11,7 +11,13 @@ import torch.nn.functional as F
 
 from tessera.kernels.fused import fused_ops_for
 from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
-from tessera.kernels.quant_linear import QuantLinear, QuantPart, dequantize_rows, pad_bias
+from tessera.kernels.quant_linear import (
+    QuantLinear,
+    QuantPart,
+    dequantize_rows,
+    pad_bias,
+    pairs_layout,
+)
 from tessera.model.gguf_quant import QuantizedTensor
 
 Weight = torch.Tensor | QuantizedTensor  # a loaded weight: dense (HF layout) or GGUF blocks
@@ -87,7 +93,7 @@ def make_linear(
             n = p.shape[0]
             # the bias is rounded to the compute dtype first, as the dense path's is
             b = None if bias is None else pad_bias(bias[row : row + n].to(dtype))
-            packed.append(p.pack(b))
+            packed.append(p.pack(b, pairs_layout(dtype, device)))
             row += n
         return QuantLinear([_to_device(q, device) for q in packed], dtype, device)
     dense = [_dense(p, dtype, device) for p in parts]
@@ -102,7 +108,7 @@ def _dense(w: Weight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _to_device(part: QuantPart, device: torch.device) -> QuantPart:
     bias = None if part.bias is None else part.bias.to(device)
-    return QuantPart(part.fmt, part.packed.to(device), part.n, part.k, bias)
+    return QuantPart(part.fmt, part.packed.to(device), part.n, part.k, bias, part.pairs)
 
 
 class Embedding:
@@ -121,7 +127,7 @@ class Embedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, QuantPart):
-            return dequantize_rows(w.fmt, w.packed, w.k, ids).to(self.dtype)
+            return dequantize_rows(w.fmt, w.packed, w.k, ids, w.pairs).to(self.dtype)
         return F.embedding(ids, w)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from tessera.attention import AttentionMetadata
 from tessera.distributed.group import TensorParallelGroup
-from tessera.kernels.quant_linear import QuantLinear
+from tessera.kernels.quant_linear import QuantLinear, pairs_layout
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.layers import (
@@ -138,7 +138,7 @@ class LlamaForCausalLM:
             assert isinstance(self.lm_head, QuantLinear)
             self.embed = Embedding(self.lm_head.parts[0], dtype)  # one packed copy for both
         elif isinstance(embed, QuantizedTensor):
-            self.embed = Embedding(_to_part(embed, device), dtype)
+            self.embed = Embedding(_to_part(embed, dtype, device), dtype)
         else:
             self.embed = Embedding(embed, dtype)
         self.rope = RotaryEmbedding(
@@ -188,7 +188,7 @@ class LlamaForCausalLM:
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
 
-def _to_part(w: QuantizedTensor, device: torch.device):
-    part = w.pack()
+def _to_part(w: QuantizedTensor, dtype: torch.dtype, device: torch.device):
+    part = w.pack(pairs=pairs_layout(dtype, device))
     part.packed = part.packed.to(device)
     return part
