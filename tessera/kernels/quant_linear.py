@@ -326,6 +326,13 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
+        if len(self.parts) == 1 and x.dim() == 2 and x.stride(1) == 1 and self._kernel is not None:
+            # the common call (one part, a flat batch): ~4 us of Python less than the general
+            # path, which at batch-1 decode's 121 calls a step is ~7% of the step
+            p = self.parts[0]
+            y = x.new_empty(x.shape[0], p.n)
+            self._kernel(x, p.packed, p.fmt.kernel_id, p.n, p.bias, y, self._dense_min_rows)
+            return y
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if self._kernel is None:
