@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -126,20 +127,28 @@ def run(engine, cfg, batches, ctx, steps, prefill_len):
 COMPARED = [("gguf", "float32"), ("gguf", "bfloat16"), ("none", "bfloat16"), ("none", "float32")]
 
 
-def compare_quantization(batches, ctx, steps, prefill_len) -> None:
-    """Quantized against dequantized weights, every workload, one process (same machine state)."""
+def compare_quantization(batches, ctx, steps, prefill_len, rounds: int = 3) -> None:
+    """Quantized against dequantized weights, every workload, one process. All four models are
+    loaded first and run in turn, `rounds` times: on a noisy machine a slow phase then hits every
+    model of a round, and each cell is the median over rounds (the ratio column: the median of
+    the per-round ratios)."""
     path = resolve_model_path(None)
-    rows: dict[str, dict[str, tuple[float, float]]] = {}
+    engines = {}
     for quantization, dtype in COMPARED:
         cfg, weights = load_model(path, quantization)
-        ours = Ours(cfg, weights, getattr(torch, dtype))
+        engines[f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"] = Ours(cfg, weights, getattr(torch, dtype))
         del weights
-        name = f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"
-        res = run(ours, cfg, batches, ctx, steps, prefill_len)
+    for name, ours in engines.items():
         mb = ours.weight_bytes
         print(f"{name}: linear weights {mb['linear'] / 1e6:.1f} MB, separate embedding {mb['embedding'] / 1e6:.1f} MB", flush=True)
-        rows[name] = {k: (tps, mb["linear"]) for k, (tps, _) in res.items()}
-        del ours
+    per_round: dict[str, list[dict]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, ours in engines.items():
+            per_round[name].append(run(ours, cfg, batches, ctx, steps, prefill_len))
+    rows = {name: {k: (statistics.median(r[k][0] for r in res), engines[name].weight_bytes["linear"])
+                   for k in res[0]} for name, res in per_round.items()}
+    ratios = {name: {k: statistics.median(r[k][0] / b[k][0] for r, b in zip(res, per_round["dense/bfloat16"], strict=True))
+                     for k in res[0]} for name, res in per_round.items()}
     base = "dense/bfloat16"
     print(f"{'workload':<12}{'weights':<16}{'tok/s':>9}{'MB/token':>10}{'GB/s':>7}{'vs bf16':>9}")
     for key in rows[base]:
@@ -147,7 +156,7 @@ def compare_quantization(batches, ctx, steps, prefill_len) -> None:
         for name, res in rows.items():
             tps, wbytes = res[key]
             print(f"{key:<12}{name:<16}{tps:>9.1f}{wbytes / per_step / 1e6:>10.2f}"
-                  f"{tps / per_step * wbytes / 1e9:>7.1f}{tps / rows[base][key][0]:>8.2f}x")
+                  f"{tps / per_step * wbytes / 1e9:>7.1f}{ratios[name][key]:>8.2f}x")
 
 
 def main() -> None:
@@ -158,6 +167,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="with --compare-quantization: rounds of all four models in turn")
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", metavar="BATCHES",
@@ -170,7 +180,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
     if args.compare_quantization:
-        compare_quantization(batches, args.ctx, args.steps, args.prefill_len)
+        compare_quantization(batches, args.ctx, args.steps, args.prefill_len, args.rounds)
         return
     if args.profile:
         from step_profile import main_profile  # benchmarks/step_profile.py
