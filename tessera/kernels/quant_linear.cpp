@@ -270,6 +270,19 @@ void qtile_blocksum(const at::BFloat16* x, const float* xsum, const uint8_t* pan
   for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, total[r], bias);
 }
 
+// A bf16 row's fp32 sum over each block of kBlock (32) K positions: the sum(x) of the block-sum
+// form, in one fixed order (two 16-lane halves added, then reduced), whatever the batch.
+template <typename F>
+inline void block_sums(const at::BFloat16* row, int64_t nb, float* out) {
+  static_assert(F::kBlock == 32, "4-bit blocks are 32 wide");
+  const auto widen = [](const at::BFloat16* p) {  // 16 bf16 -> fp32: the bits, shifted up
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  };
+  for (int64_t b = 0; b < nb; ++b)
+    out[b] = _mm512_reduce_add_ps(_mm512_add_ps(widen(row + 32 * b), widen(row + 32 * b + 16)));
+}
+
 template <typename F>
 struct BlockSumTile {
   template <int R>
@@ -288,15 +301,21 @@ void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, cons
   static const auto tiles = make_tiles<Fn, BlockSumTile<F>>();
   const int64_t nb = K / F::kBlock;
   std::vector<at::BFloat16> xp(M * K);
-  pack_rows<at::BFloat16, 2>(x, ldx, M, K, xp.data());
-  std::vector<float> xsum(F::kBits == 4 ? M * nb : 0);  // [M][nb], tile by tile as xp
-  for (int64_t m = 0; m < static_cast<int64_t>(xsum.size()) / nb; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      float s = 0.f;
-      for (int64_t k = b * F::kBlock; k < (b + 1) * F::kBlock; ++k)
-        s += static_cast<float>(x[m * ldx + k]);
-      xsum[m * nb + b] = s;
+  std::vector<float> xsum(F::kBits == 4 ? M * nb : 0);  // [M][nb]: each row's sum over each block
+  // Packing and block sums go row tile by row tile, split over the threads from two tiles up.
+  // As one thread's scalar loop they cost 2-11% of the call at M = 8-512 (alternated in-process
+  // against it: 0.94x at M = 8, 0.93x at 16, 0.89x at 64, 0.92x at 512).
+  const int64_t num_tiles = (M + kMaxRows - 1) / kMaxRows;
+  const auto prepare = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m0 = t * kMaxRows, rows = std::min<int64_t>(kMaxRows, M - m0);
+      pack_rows<at::BFloat16, 2>(x + m0 * ldx, ldx, rows, K, xp.data() + m0 * K);
+      if constexpr (F::kBits == 4)
+        for (int64_t m = m0; m < m0 + rows; ++m) block_sums<F>(x + m * ldx, nb, xsum.data() + m * nb);
     }
+  };
+  if (num_tiles < 2) prepare(0, num_tiles);
+  else at::parallel_for(0, num_tiles, 1, prepare);
   const int64_t rows_per_block = std::min(M, kRowsPerBlock);
   const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
   at::parallel_for(0, num_row_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
