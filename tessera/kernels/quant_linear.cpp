@@ -10,27 +10,11 @@
 // dense kernel on gguf-dequantized weights bit for bit, whatever M is: a row does not depend on the
 // rows batched with it, and --quantization gguf gives the tokens of --quantization none.
 //
-// bf16 activations: the block-sum form. A block's weights are q * d + m, so a row's dot product
-// over the block is d * sum(x q) + m * sum(x). The codes themselves are exact bf16 numbers, so
-// vdpbf16ps runs on x against the codes, with no dequantization per weight at all: 4-bit codes
-// become the bf16 number 128 + q by OR-ing the nibble under the exponent bits of 128 (one shift
-// and one ternary-logic op for 32 weights, against ten ops to dequantize, round and interleave
-// them), and the 128 comes back out with m' = m - 128 d: d * sum(x (128 + q)) + m' * sum(x).
-// One code path serves every M, so rows are independent as before. The products are exact and
-// the weights are never rounded to bf16, so this is closer to the fp32 reference than the dense
-// bf16 kernel on dequantized weights (which rounds every weight to bf16): the two no longer agree
-// bit for bit. (On a CPU with AMX the bf16 path is run_amx, exact dequantization into AMX tiles.)
+// bf16 activations: the block-sum form of quant_blocksum.h, on the codes themselves (closer to
+// the fp32 reference than dense bf16, which rounds every weight; the two no longer agree bit for
+// bit). On a CPU with AMX the bf16 path is run_amx, exact dequantization into AMX tiles.
 //
-// Layout (packed once at load by quant_linear.py): panels of kPanel (48) output features, each a
-// run of records, one per block of `kBlock` K-positions:
-//
-//   record = codes (4-bit: kBlock * 48 / 2 bytes; 8-bit: kBlock * 48 int8)
-//            scales [48] (fp16 or fp32), mins [48] (4-bit formats only)
-//
-// so a panel streams as one contiguous pass, 16 outputs a vector, like the dense panels. The codes
-// come in one of two orders (quant_linear.py, code_positions): "natural" for fp32 activations and
-// AMX (one K position of 16 outputs per 16-byte load; 4-bit: low nibble k = 2j, high k = 2j + 1)
-// and "pairs" for the block-sum form, in the lane order of vdpbf16ps's operand (code_pairs).
+// Block formats and the packed layout: quant_formats.h.
 //
 // Two ways through a panel for fp32, with the same result:
 // - registers (few rows): each block is dequantized in registers and used by every row at once;
@@ -47,51 +31,14 @@
 
 #include "linear_amx.h"
 #include "linear_tiles.h"
+#include "quant_blocksum.h"
+#include "quant_formats.h"
 
 namespace {
 
-using namespace tessera_tiles;
-
-// Kernel format ids, shared with quant_linear.py's QuantFormat.kernel_id.
-enum FormatId : int64_t { kQ4Half = 0, kQ4Float = 1, kQ8Half = 2, kQ8Float16 = 3 };
-
-template <int Bits, int Block, typename ScaleT, bool HasMin>
-struct Fmt {
-  static constexpr int kBits = Bits;
-  static constexpr int kBlock = Block;
-  static constexpr bool kHasMin = HasMin;
-  using Scale = ScaleT;
-  static constexpr int64_t kCodeBytes = (Bits == 4 ? Block / 2 : Block) * kPanel;
-  static constexpr int64_t kScaleBytes = kPanel * static_cast<int64_t>(sizeof(ScaleT));
-  static constexpr int64_t kRecord = kCodeBytes + kScaleBytes * (HasMin ? 2 : 1);
-};
-using Q4Half = Fmt<4, 32, at::Half, true>;     // Q4_0 (m = -8 d), Q4_1
-using Q4Float = Fmt<4, 32, float, true>;       // Q4_K (d * sc, -dmin * m per 32)
-using Q8Half = Fmt<8, 32, at::Half, false>;    // Q8_0
-using Q8Float16 = Fmt<8, 16, float, false>;    // Q6_K (d * sc per 16, codes q - 32)
-
-int64_t record_bytes(int64_t fmt) {
-  switch (fmt) {
-    case kQ4Half: return Q4Half::kRecord;
-    case kQ4Float: return Q4Float::kRecord;
-    case kQ8Half: return Q8Half::kRecord;
-    case kQ8Float16: return Q8Float16::kRecord;
-  }
-  TORCH_CHECK(false, "unknown quant format id ", fmt);
-}
-
-int64_t block_size(int64_t fmt) { return (fmt == kQ8Float16) ? 16 : 32; }
+using namespace tessera_quant;
 
 #if defined(__AVX512F__)
-
-template <typename S>
-inline __m512 load_scales(const uint8_t* p, int v) {
-  if constexpr (std::is_same_v<S, float>) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + 16 * v);
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + v));
-  }
-}
 
 // The fp32 weights of K-positions 2j (w0) and 2j + 1 (w1) of a block, outputs 16v..16v+15.
 template <typename F>
@@ -121,22 +68,6 @@ inline void block_scales(const uint8_t* rec, __m512* sc, __m512* mn) {
     sc[v] = load_scales<typename F::Scale>(sp, v);
     mn[v] = F::kHasMin ? load_scales<typename F::Scale>(sp + F::kScaleBytes, v) : _mm512_setzero_ps();
   }
-}
-
-#ifndef TESSERA_QUANT_PREFETCH_BLOCKS
-#define TESSERA_QUANT_PREFETCH_BLOCKS 8
-#endif
-// Records ahead of the one being dequantized that are pulled into L1. A record keeps its scales
-// after its codes, so each block starts by reading 768 bytes ahead: the hardware's stream
-// prefetcher does not run far enough ahead of that, and streaming from L3/DRAM ran at half the
-// cache-hot rate (benchmarks/quant_linear.py).
-constexpr int64_t kPrefetchBlocks = TESSERA_QUANT_PREFETCH_BLOCKS;
-
-template <typename F>
-inline void prefetch_ahead(const uint8_t* rec) {
-  const uint8_t* ahead = rec + kPrefetchBlocks * F::kRecord;
-  for (int64_t l = 0; l < F::kRecord; l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
 }
 
 #if defined(__AVX512BF16__)
@@ -180,158 +111,6 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* y, int64_t ld
   }
   for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, acc[r], bias);
 }
-
-#if defined(__AVX512BF16__)
-// body(std::integral_constant<int, J>{}) for J = 0..N-1: a code pair's index as a compile-time
-// constant, so the 4-bit shift below is an immediate.
-template <typename Body, int... J>
-inline void unroll_impl(Body&& body, std::integer_sequence<int, J...>) {
-  (body(std::integral_constant<int, J>{}), ...);
-}
-template <int N, typename Body>
-inline void unroll(Body&& body) {
-  unroll_impl(body, std::make_integer_sequence<int, N>{});
-}
-
-// The codes of K positions 2J, 2J + 1 of a block, outputs 16t..16t+15, as the bf16 operand of
-// vdpbf16ps (one 32-bit lane an output, its two K positions side by side), from the pairs layout:
-//   4-bit: 16-bit word 2L + p of the 64 bytes at (J / 4, t) (load_codes) holds, in nibble J % 4,
-//          the code of K 2J + p, output 16t + L; it becomes the bf16 number 128 + q (0x4300 | q);
-//   8-bit: bytes 32t.. of pair J hold lanes 2L + p in that order; int8 -> fp32 -> bf16 is exact.
-template <typename F>
-constexpr int kPairsPerLoad = F::kBits == 4 ? 4 : 1;  // 4-bit: one 64-byte load serves 4 pairs
-
-// The 4-bit codes of pairs 4G..4G+3, outputs 16t..16t+15 (unused for 8-bit).
-template <typename F, int G>
-inline __m512i load_codes(const uint8_t* rec, int t) {
-  if constexpr (F::kBits == 4) return _mm512_loadu_si512(rec + (G * kVecs + t) * 64);
-  return _mm512_setzero_si512();
-}
-
-template <typename F, int J>
-inline __m512bh code_pairs(const uint8_t* rec, __m512i z, int t) {
-  if constexpr (F::kBits == 4) {
-    if constexpr (J % 4 != 0) z = _mm512_srli_epi16(z, 4 * (J % 4));
-    // (z & 0x000F) | 0x4300 per 16-bit word
-    return (__m512bh)_mm512_ternarylogic_epi32(z, _mm512_set1_epi16(0x000F),
-                                               _mm512_set1_epi16(0x4300), 0xEA);
-  } else {
-    const __m128i* c = reinterpret_cast<const __m128i*>(rec + J * 2 * kPanel + 32 * t);
-    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c)));
-    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1)));
-    return _mm512_cvtne2ps_pbh(b, a);
-  }
-}
-
-// R rows of bf16 x (pack_rows: [K/2][R] pairs) against one panel in the block-sum form (see the
-// header). `xsum` [R][K / kBlock]: each row's fp32 sum over each block (4-bit formats only).
-template <typename F, int R>
-void qtile_blocksum(const at::BFloat16* x, const float* xsum, const uint8_t* panel, int64_t K,
-                    at::BFloat16* y, int64_t ldy, int64_t n_valid, const float* bias) {
-  static_assert(F::kBits == 8 || F::kHasMin, "the 4-bit form takes the 128 back out with the min");
-  const int64_t nb = K / F::kBlock;
-  const int32_t* xpairs = reinterpret_cast<const int32_t*>(x);
-  __m512 total[R][kVecs];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) total[r][v] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < nb; ++blk) {
-    const uint8_t* rec = panel + blk * F::kRecord;
-    prefetch_ahead<F>(rec);
-    __m512 acc[R][kVecs];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-    const int32_t* xb = xpairs + blk * (F::kBlock / 2) * R;
-    constexpr int kLoads = F::kBlock / 2 / kPairsPerLoad<F>;
-    unroll<kLoads>([&](auto g) {
-      __m512i z[kVecs];
-      for (int v = 0; v < kVecs; ++v) z[v] = load_codes<F, g>(rec, v);
-      unroll<kPairsPerLoad<F>>([&](auto s) {
-        constexpr int j = decltype(g)::value * kPairsPerLoad<F> + decltype(s)::value;
-        __m512bh w[kVecs];
-        for (int v = 0; v < kVecs; ++v) w[v] = code_pairs<F, j>(rec, z[v], v);
-        for (int r = 0; r < R; ++r) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(xb[j * R + r]);
-          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, w[v]);
-        }
-      });
-    });
-    const uint8_t* sp = rec + F::kCodeBytes;
-    for (int v = 0; v < kVecs; ++v) {
-      const __m512 d = load_scales<typename F::Scale>(sp, v);
-      for (int r = 0; r < R; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], d, total[r][v]);
-      if constexpr (F::kBits == 4) {
-        const __m512 m = load_scales<typename F::Scale>(sp + F::kScaleBytes, v);
-        const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);  // m - 128 d
-        for (int r = 0; r < R; ++r)
-          total[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * nb + blk]), m128, total[r][v]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) store_row(y + r * ldy, n_valid, total[r], bias);
-}
-
-// A bf16 row's fp32 sum over each block of kBlock (32) K positions: the sum(x) of the block-sum
-// form, in one fixed order (two 16-lane halves added, then reduced), whatever the batch.
-template <typename F>
-inline void block_sums(const at::BFloat16* row, int64_t nb, float* out) {
-  static_assert(F::kBlock == 32, "4-bit blocks are 32 wide");
-  const auto widen = [](const at::BFloat16* p) {  // 16 bf16 -> fp32: the bits, shifted up
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  };
-  for (int64_t b = 0; b < nb; ++b)
-    out[b] = _mm512_reduce_add_ps(_mm512_add_ps(widen(row + 32 * b), widen(row + 32 * b + 16)));
-}
-
-template <typename F>
-struct BlockSumTile {
-  template <int R>
-  static constexpr auto fn = qtile_blocksum<F, R>;
-};
-
-// bf16 x [M, K] against every panel (pairs layout), in the block-sum form: one way for every M.
-// Measured against exact dequantization (registers below 16 rows, dense panels above), 30 layers
-// of the default model's Q4_1 shapes (benchmarks/quant_linear.py): 0.62x the time at M = 1, 0.67x
-// at 8, 0.72x at 16, 0.87x at 64, the same at 512.
-template <typename F>
-void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
-                  int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
-  using Fn = void (*)(const at::BFloat16*, const float*, const uint8_t*, int64_t, at::BFloat16*,
-                      int64_t, int64_t, const float*);
-  static const auto tiles = make_tiles<Fn, BlockSumTile<F>>();
-  const int64_t nb = K / F::kBlock;
-  std::vector<at::BFloat16> xp(M * K);
-  std::vector<float> xsum(F::kBits == 4 ? M * nb : 0);  // [M][nb]: each row's sum over each block
-  // Packing and block sums go row tile by row tile, split over the threads from two tiles up.
-  // As one thread's scalar loop they cost 2-11% of the call at M = 8-512 (alternated in-process
-  // against it: 0.94x at M = 8, 0.93x at 16, 0.89x at 64, 0.92x at 512).
-  const int64_t num_tiles = (M + kMaxRows - 1) / kMaxRows;
-  const auto prepare = [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m0 = t * kMaxRows, rows = std::min<int64_t>(kMaxRows, M - m0);
-      pack_rows<at::BFloat16, 2>(x + m0 * ldx, ldx, rows, K, xp.data() + m0 * K);
-      if constexpr (F::kBits == 4)
-        for (int64_t m = m0; m < m0 + rows; ++m) block_sums<F>(x + m * ldx, nb, xsum.data() + m * nb);
-    }
-  };
-  if (num_tiles < 2) prepare(0, num_tiles);
-  else at::parallel_for(0, num_tiles, 1, prepare);
-  const int64_t rows_per_block = std::min(M, kRowsPerBlock);
-  const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
-  at::parallel_for(0, num_row_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {  // panel-major: a panel's row blocks run back to back
-      const int64_t p = u / num_row_blocks, m0 = (u % num_row_blocks) * rows_per_block;
-      const int64_t rows = std::min(rows_per_block, M - m0), n0 = p * kPanel;
-      const uint8_t* panel = packed + p * nb * F::kRecord;
-      for (int64_t m = m0; m < m0 + rows; m += kMaxRows) {
-        const int64_t r = std::min<int64_t>(kMaxRows, m0 + rows - m);
-        tiles[r](xp.data() + m * K, xsum.empty() ? nullptr : xsum.data() + m * nb, panel, K,
-                 y + m * ldy + n0, ldy, N - n0, bias ? bias + n0 : nullptr);
-      }
-    }
-  });
-}
-#endif  // __AVX512BF16__
 
 // Blocks [b0, b1) of a panel dequantized into the dense panel layout of T (fp32 [k][kPanel],
 // bf16 [k/2][kPanel][2]): the weights the register tiles compute with, so the dense tiles over

@@ -67,6 +67,7 @@ from tessera.kernels.linear import AMX_HEADER, TILES_HEADER
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
+_HEADERS = tuple(Path(__file__).with_name(h) for h in ("quant_formats.h", "quant_blocksum.h"))
 PANEL = 48  # output features per panel: kPanel in linear_tiles.h
 # fp32: the row count from which a panel is dequantized once into a dense panel and the dense
 # tiles run over it (same result, bit for bit); below it each block is dequantized in registers
@@ -97,9 +98,16 @@ class QuantFormat:
         return (self.block // 2 if self.bits == 4 else self.block) * PANEL
 
     @property
+    def scale_itemsize(self) -> int:
+        return np.dtype(self.scale_dtype).itemsize
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return torch.float16 if self.scale_dtype is np.float16 else torch.float32
+
+    @property
     def record_bytes(self) -> int:
-        scale_bytes = PANEL * np.dtype(self.scale_dtype).itemsize
-        return self.code_bytes + scale_bytes * (2 if self.has_min else 1)
+        return self.code_bytes + PANEL * self.scale_itemsize * (2 if self.has_min else 1)
 
     def packed_bytes(self, n: int, k: int) -> int:
         return -(-n // PANEL) * (k // self.block) * self.record_bytes
@@ -112,7 +120,7 @@ Q8_FLOAT16 = QuantFormat("q8_float16", 3, 8, 16, np.float32, False)
 
 
 def _module() -> ModuleType | None:
-    return load_extension("tessera_quant_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER))
+    return load_extension("tessera_quant_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER, *_HEADERS))
 
 
 def quant_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -176,8 +184,8 @@ def pack_quantized(
     for table in (scales, mins) if fmt.has_min else (scales,):
         assert table is not None
         as_bytes = np.ascontiguousarray(table, dtype=fmt.scale_dtype).view(np.uint8)
-        item = np.dtype(fmt.scale_dtype).itemsize
-        parts.append(torch.from_numpy(_panels(as_bytes.reshape(n, nb, -1), n_pad, item=item)))
+        parts.append(torch.from_numpy(_panels(as_bytes.reshape(n, nb, -1), n_pad,
+                                              item=fmt.scale_itemsize)))
     packed = torch.cat(parts, dim=2)  # [P, nb, record]
     assert packed.shape[2] == fmt.record_bytes
     return packed.reshape(-1)
@@ -234,12 +242,11 @@ def _extract_codes(fmt: QuantFormat, raw: torch.Tensor, shift: torch.Tensor) -> 
 
 def _tables(fmt: QuantFormat, records: torch.Tensor) -> list[torch.Tensor]:
     """records [..., nb, record_bytes] -> [scales, (mins)], each [..., nb, 48] float32."""
-    scale_dtype = torch.float16 if fmt.scale_dtype is np.float16 else torch.float32
-    width = PANEL * np.dtype(fmt.scale_dtype).itemsize
+    width = PANEL * fmt.scale_itemsize
     return [
         records[..., fmt.code_bytes + i * width : fmt.code_bytes + (i + 1) * width]
         .contiguous()
-        .view(scale_dtype)
+        .view(fmt.torch_scale_dtype)
         .float()
         for i in range(2 if fmt.has_min else 1)
     ]
@@ -275,12 +282,11 @@ def dequantize_rows(
     t = ids.numel()
     raw = records.gather(-1, index.t()[lane].unsqueeze(1).expand(t, nb, fmt.block))
     codes = _extract_codes(fmt, raw, shift.t()[lane].unsqueeze(1))  # [T, nb, block]
-    scale_bytes = np.dtype(fmt.scale_dtype).itemsize
+    scale_bytes = fmt.scale_itemsize
     tables = records[..., fmt.code_bytes :].reshape(t, nb, -1, PANEL, scale_bytes)
     tables = tables.gather(-2, lane.view(-1, 1, 1, 1, 1).expand(t, nb, tables.shape[2], 1,
                                                                  scale_bytes)).squeeze(-2)
-    scale_dtype = torch.float16 if fmt.scale_dtype is np.float16 else torch.float32
-    tables = tables.contiguous().view(scale_dtype).squeeze(-1).float()  # [T, nb, 1 or 2]
+    tables = tables.contiguous().view(fmt.torch_scale_dtype).squeeze(-1).float()  # [T, nb, 1 or 2]
     w = codes * tables[..., :1]
     if fmt.has_min:
         w = w + tables[..., 1:2]
