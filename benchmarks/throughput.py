@@ -4,7 +4,7 @@
     python benchmarks/throughput.py [--dtype bfloat16] [--num-requests 64] [--skip-hf] [--hf-batch 16]
     python benchmarks/throughput.py --workload w2 --hf-batch 8,16,32   # W2, HF at each batch size
     python benchmarks/throughput.py --quantization none   # dequantized weights (default: gguf)
-    python benchmarks/throughput.py --compare-quantization   # W1: quantized vs bf16 vs fp32, one run
+    python benchmarks/throughput.py --compare-quantization [--rounds 3]  # W1: quantized vs bf16 vs fp32
 
 `--num-requests` above 64 draws W1 again with seeds 1, 2, ... (the first 64 stay W1 itself).
 Prints how many requests ran, useful output tok/s for both, the ratio, and where Tessera's step
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import numpy as np
@@ -114,17 +115,25 @@ def run_hf(prompts, out_lens, dtype: str, batch_size: int) -> tuple[float, int]:
     return time.perf_counter() - start, sum(out_lens)
 
 
-def compare_quantization(prompts, out_lens, engine_args) -> None:
+def compare_quantization(prompts, out_lens, engine_args, rounds: int = 1) -> None:
     """W1 with the GGUF's quantized weights (fp32 and bf16 activations) against the same weights
-    dequantized to bf16 and fp32, in one process; output tok/s and the ratio to bf16."""
-    results = {}
-    for quantization, dtype in [("gguf", "float32"), ("gguf", "bfloat16"), ("none", "bfloat16"), ("none", "float32")]:
-        elapsed, tokens, llm = run_tessera(prompts, out_lens, dtype, quantization=quantization, **engine_args)
-        results[f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"] = tokens / elapsed
-        del llm
+    dequantized to bf16 and fp32, in one process; output tok/s and the ratio to bf16. The four
+    run in turn, `rounds` times, so a slow phase of a noisy machine hits a whole round: each
+    figure is the median over rounds, and the ratio is the median of each round's own ratio."""
+    configs = [("gguf", "float32"), ("gguf", "bfloat16"), ("none", "bfloat16"), ("none", "float32")]
+    results: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for quantization, dtype in configs:
+            elapsed, tokens, llm = run_tessera(prompts, out_lens, dtype, quantization=quantization, **engine_args)
+            name = f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"
+            results.setdefault(name, []).append(tokens / elapsed)
+            del llm
+        if rounds > 1:
+            print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in results.items()), flush=True)
     base = results["dense/bfloat16"]
     for name, tps in results.items():
-        print(f"W1 {name:<16}{tps:>8.1f} output tok/s{tps / base:>7.2f}x bf16")
+        ratio = statistics.median(t / b for t, b in zip(tps, base, strict=True))
+        print(f"W1 {name:<16}{statistics.median(tps):>8.1f} output tok/s{ratio:>7.2f}x bf16")
 
 
 def main() -> None:
@@ -138,6 +147,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", default="16", help="HF batch size, or a comma list to run each")
     ap.add_argument("--quantization", default="gguf", choices=["none", "gguf"])
     ap.add_argument("--compare-quantization", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --compare-quantization: rounds of all four models in turn (medians)")
     args = ap.parse_args()
     prompts, out_lens = build_workload(args.workload, args.num_requests)
     hf_batches = parse_batch_sizes(args.hf_batch)
@@ -146,7 +157,7 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
     }
     if args.compare_quantization:
-        compare_quantization(prompts, out_lens, engine_args)
+        compare_quantization(prompts, out_lens, engine_args, args.rounds)
         return
     elapsed, tokens, llm = run_tessera(
         prompts, out_lens, args.dtype, quantization=args.quantization, **engine_args
