@@ -14,7 +14,7 @@ from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
 from tessera.kernels.quant_linear import (
     QuantLinear,
     QuantPart,
-    dequantize_rows,
+    lookup_rows,
     pad_bias,
     pairs_layout,
 )
@@ -127,7 +127,7 @@ class Embedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, QuantPart):
-            return dequantize_rows(w.fmt, w.packed, w.k, ids, w.pairs).to(self.dtype)
+            return lookup_rows(w.fmt, w.packed, w.k, ids, self.dtype, w.pairs)
         return F.embedding(ids, w)
 
 

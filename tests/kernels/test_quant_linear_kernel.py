@@ -62,6 +62,24 @@ def test_packed_weights_dequantize_to_gguf_values(qtype):
             assert torch.equal(other.packed, w.pack(pairs=not pairs).packed)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_row_lookup_kernel_gives_the_gguf_values_in_each_dtype(qtype):
+    """The embedding lookup's C++ path (lookup_rows) against gguf's dequantization, cast as torch
+    casts, for both code layouts; an id past the packed rows is an error, not a read."""
+    for n, k in SHAPES:
+        w = random_weight(qtype, n, k, seed=1)
+        ref = torch.from_numpy(gguf.quants.dequantize(w.data, qtype).reshape(n, k).astype(np.float32))
+        ids = torch.tensor([n - 1, 0, n // 2, n - 1, 0])
+        for pairs in (False, True):
+            part = w.pack(pairs=pairs)
+            for dtype in (torch.float32, torch.bfloat16):
+                got = ql.lookup_rows(part.fmt, part.packed, k, ids, dtype, pairs)
+                assert got.dtype == dtype and torch.equal(got, ref[ids].to(dtype))
+            if ql._module() is not None:
+                with pytest.raises(RuntimeError, match="outside the packed rows"):
+                    ql.lookup_rows(part.fmt, part.packed, k, torch.tensor([10**6]), torch.float32, pairs)
+
+
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = x.double() @ w.to(x.dtype).double().T
     return y if bias is None else y + bias.to(x.dtype).double()
