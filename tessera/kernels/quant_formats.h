@@ -1,13 +1,13 @@
 // GGUF block formats as the quantized kernels (quant_linear.cpp, quant_blocksum.h) pack them.
 //
-// Layout (packed once at load by quant_linear.py): panels of kPanel (48) output features, each a
+// Layout (packed once at load by quant_layout.py): panels of kPanel (48) output features, each a
 // run of records, one per block of `kBlock` K-positions:
 //
 //   record = codes (4-bit: kBlock * 48 / 2 bytes; 8-bit: kBlock * 48 int8)
 //            scales [48] (fp16 or fp32), mins [48] (4-bit formats only)
 //
 // so a panel streams as one contiguous pass, 16 outputs a vector, like the dense panels. The codes
-// come in one of two orders (quant_linear.py, code_positions): "natural" for fp32 activations and
+// come in one of two orders (quant_layout.py, code_positions): "natural" for fp32 activations and
 // AMX (one K position of 16 outputs per 16-byte load; 4-bit: low nibble k = 2j, high k = 2j + 1)
 // and "pairs" for the block-sum form, in the lane order of vdpbf16ps's operand (code_pairs).
 #pragma once
@@ -22,7 +22,7 @@ namespace tessera_quant {
 
 using namespace tessera_tiles;
 
-// Kernel format ids, shared with quant_linear.py's QuantFormat.kernel_id.
+// Kernel format ids, shared with quant_layout.py's QuantFormat.kernel_id.
 enum FormatId : int64_t { kQ4Half = 0, kQ4Float = 1, kQ8Half = 2, kQ8Float16 = 3 };
 
 template <int Bits, int Block, typename ScaleT, bool HasMin>
@@ -40,14 +40,20 @@ using Q4Float = Fmt<4, 32, float, true>;       // Q4_K (d * sc, -dmin * m per 32
 using Q8Half = Fmt<8, 32, at::Half, false>;    // Q8_0
 using Q8Float16 = Fmt<8, 16, float, false>;    // Q6_K (d * sc per 16, codes q - 32)
 
-inline int64_t record_bytes(int64_t fmt) {
+// fn(F{}) for the format `fmt` names: the one place a runtime format id becomes a type.
+template <typename Fn>
+decltype(auto) with_format(int64_t fmt, Fn&& fn) {
   switch (fmt) {
-    case kQ4Half: return Q4Half::kRecord;
-    case kQ4Float: return Q4Float::kRecord;
-    case kQ8Half: return Q8Half::kRecord;
-    case kQ8Float16: return Q8Float16::kRecord;
+    case kQ4Half: return fn(Q4Half{});
+    case kQ4Float: return fn(Q4Float{});
+    case kQ8Half: return fn(Q8Half{});
+    case kQ8Float16: return fn(Q8Float16{});
   }
   TORCH_CHECK(false, "unknown quant format id ", fmt);
+}
+
+inline int64_t record_bytes(int64_t fmt) {
+  return with_format(fmt, [](auto f) { return decltype(f)::kRecord; });
 }
 
 inline int64_t block_size(int64_t fmt) { return (fmt == kQ8Float16) ? 16 : 32; }

@@ -34,6 +34,7 @@
 #include "linear_tiles.h"
 #include "quant_blocksum.h"
 #include "quant_formats.h"
+#include "quant_rows.h"
 
 namespace {
 
@@ -287,13 +288,9 @@ template <typename T>
 void dispatch(int64_t fmt, const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
               int64_t num_panels, int64_t N, T* y, int64_t ldy, const float* bias,
               int64_t dense_min_rows) {
-  switch (fmt) {
-    case kQ4Half: return run<Q4Half, T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
-    case kQ4Float: return run<Q4Float, T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
-    case kQ8Half: return run<Q8Half, T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
-    case kQ8Float16: return run<Q8Float16, T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
-  }
-  TORCH_CHECK(false, "unknown quant format id ", fmt);
+  with_format(fmt, [&](auto f) {
+    run<decltype(f), T>(x, ldx, M, K, packed, num_panels, N, y, ldy, bias, dense_min_rows);
+  });
 }
 
 #endif  // __AVX512F__
@@ -313,50 +310,6 @@ std::vector<std::string> supported_dtypes() {
 }
 
 int64_t packed_record_bytes(int64_t fmt) { return record_bytes(fmt); }
-
-namespace {
-
-// Row `n` of a packed weight of format F, dequantized to gguf's values (q * d + m: q * d is exact,
-// so this is the one rounding of dequantize_packed's mul + add) into `out` [K].
-// `positions` [block * 48]: code_positions of the layout, a nibble (4-bit) or byte index.
-template <typename F, typename T>
-void dequantize_row(const uint8_t* packed, int64_t K, int64_t n, const int32_t* positions, T* out) {
-  const int64_t nb = K / F::kBlock, lane = n % kPanel;
-  const uint8_t* rec = packed + (n / kPanel) * nb * F::kRecord;
-  for (int64_t b = 0; b < nb; ++b, rec += F::kRecord) {
-    const auto* scales = reinterpret_cast<const typename F::Scale*>(rec + F::kCodeBytes);
-    const float d = static_cast<float>(scales[lane]);
-    const float m = F::kHasMin ? static_cast<float>(scales[kPanel + lane]) : 0.f;
-    for (int64_t k = 0; k < F::kBlock; ++k) {
-      const int32_t pos = positions[k * kPanel + lane];
-      const float q = F::kBits == 4 ? static_cast<float>((rec[pos >> 1] >> (4 * (pos & 1))) & 15)
-                                    : static_cast<float>(static_cast<int8_t>(rec[pos]));
-      out[b * F::kBlock + k] = static_cast<T>(F::kHasMin ? std::fma(q, d, m) : q * d);
-    }
-  }
-}
-
-template <typename F, typename T>
-void dequantize_ids(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T_, const int32_t* positions,
-                    T* out) {
-  at::parallel_for(0, T_, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) dequantize_row<F, T>(packed, K, ids[t], positions, out + t * K);
-  });
-}
-
-template <typename T>
-void dequantize_ids_fmt(int64_t fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t n,
-                        const int32_t* positions, T* out) {
-  switch (fmt) {
-    case kQ4Half: return dequantize_ids<Q4Half, T>(packed, K, ids, n, positions, out);
-    case kQ4Float: return dequantize_ids<Q4Float, T>(packed, K, ids, n, positions, out);
-    case kQ8Half: return dequantize_ids<Q8Half, T>(packed, K, ids, n, positions, out);
-    case kQ8Float16: return dequantize_ids<Q8Float16, T>(packed, K, ids, n, positions, out);
-  }
-  TORCH_CHECK(false, "unknown quant format id ", fmt);
-}
-
-}  // namespace
 
 // out [T, K] (float32 or bfloat16) = rows `ids` [T] of a packed weight, gguf's values (rounded to
 // bf16 as torch's cast does): the quantized embedding lookup. In torch ops (gathers, shifts, a

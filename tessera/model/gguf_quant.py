@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 import torch
 
-from tessera.kernels.quant_linear import (
+from tessera.kernels.quant_layout import (
     Q4_FLOAT,
     Q4_HALF,
     Q8_FLOAT16,

@@ -11,13 +11,8 @@ import torch.nn.functional as F
 
 from tessera.kernels.fused import fused_ops_for
 from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
-from tessera.kernels.quant_linear import (
-    QuantLinear,
-    QuantPart,
-    lookup_rows,
-    pad_bias,
-    pairs_layout,
-)
+from tessera.kernels.quant_layout import QuantPart
+from tessera.kernels.quant_linear import QuantLinear, lookup_rows, pad_bias, pairs_layout
 from tessera.model.gguf_quant import QuantizedTensor
 
 Weight = torch.Tensor | QuantizedTensor  # a loaded weight: dense (HF layout) or GGUF blocks
