@@ -60,7 +60,7 @@ from tessera.kernels.quant_layout import (
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
-_HEADERS = tuple(Path(__file__).with_name(h) for h in ("quant_formats.h", "quant_blocksum.h", "quant_rows.h"))
+_HEADERS = tuple(Path(__file__).with_name(h) for h in ("quant_formats.h", "quant_blocksum.h", "quant_exact.h", "quant_rows.h"))
 # fp32: the row count from which a panel is dequantized once into a dense panel and the dense
 # tiles run over it (same result, bit for bit); below it each block is dequantized in registers
 # for every row. Measured on 30 layers of the default model's Q4_1 shapes (ms, registers / dense):
