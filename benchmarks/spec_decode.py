@@ -5,8 +5,8 @@ the same run.
         [--workloads A1,A8,B1,B64,A1/k8,A1/draft,B1/draft] [--draft-model PATH]
 
 Workloads (greedy, so both modes produce identical tokens; the script checks it):
-  A1, A8  the output mostly copies from the prompt: chat prompts asking to rewrite a function with
-          a variable renamed, or to quote a passage back; batch 1 (one request at a time) and 8;
+  A1, A8  the output mostly copies from the prompt: chat prompts asking to correct the spelling of
+          a passage, or to quote one back; batch 1 (one request at a time) and 8;
   B1, B64 W1-like random-token prompts (64-512 tokens), where prompt lookup finds little; batch 1
           and 64 (the batch-64 run speculates with `disable_by_batch_size`,
           --disable-by-batch-size, 16 by default).
@@ -33,43 +33,52 @@ from tessera.config import EngineArgs
 from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.loading import load_bundle
 
-FUNCTIONS = [
-    ("result", "total", "def compute(values):\n    result = 0\n    for v in values:\n"
-     "        if v > 0:\n            result += v * v\n        else:\n            result -= v\n"
-     "    return result\n"),
-    ("count", "n_items", "def count_words(text):\n    count = 0\n    for line in text.split('\\n'):\n"
-     "        for word in line.split():\n            if word.isalpha():\n                count += 1\n"
-     "    return count\n"),
-    ("acc", "running", "def moving_average(xs, width):\n    out = []\n    acc = 0.0\n"
-     "    for i, x in enumerate(xs):\n        acc += x\n        if i >= width:\n"
-     "            acc -= xs[i - width]\n        out.append(acc / min(i + 1, width))\n    return out\n"),
-    ("items", "entries", "def parse(path):\n    items = {}\n    with open(path) as f:\n"
-     "        for line in f:\n            key, _, value = line.partition('=')\n"
-     "            items[key.strip()] = value.strip()\n    return items\n"),
-]
 PASSAGES = [
     "The quick brown fox jumps over the lazy dog. The dog did not move, and the fox ran on into "
-    "the forest, where it found a small stream and drank from it before resting under an oak tree.",
+    "the forest, where it found a small stream and drank from it before resting under an oak tree. "
+    "When the sun went down, the fox walked back to its den at the edge of the field. Its cubs were "
+    "waiting there, and together they ate the berries it had picked on the way home.",
     "Paris is the capital of France. It is known for the Eiffel Tower, the Louvre museum and its "
-    "cafes. Every year millions of tourists visit the city to see its monuments and eat its food.",
+    "cafes. Every year millions of tourists visit the city to see its monuments and eat its food. "
+    "The river Seine runs through the middle of the city, and many of its bridges are hundreds of "
+    "years old. In the evening, people walk along its banks and watch the boats pass by.",
     "To install the package, run pip install tessera. Then start the server with tessera serve and "
-    "send a request to the completions endpoint with curl, passing the model name and a prompt.",
+    "send a request to the completions endpoint with curl, passing the model name and a prompt. "
+    "The server answers with a JSON object that holds the generated text and the number of tokens "
+    "it used. To stop the server, press Control and C in the terminal where it runs.",
     "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air pressure "
-    "is lower, so water boils at a lower temperature, which is why cooking takes longer there.",
+    "is lower, so water boils at a lower temperature, which is why cooking takes longer there. "
+    "Climbers on high mountains often bring pressure cookers to make their meals. A pressure cooker "
+    "keeps the steam inside, which raises the pressure and lets the water get hotter.",
 ]
+
+
+def with_typos(text: str, every: int = 6) -> str:
+    """The passage with two letters swapped in every `every`-th long word: text to correct."""
+    words = text.split(" ")
+    for i in range(2, len(words), every):
+        w = words[i]
+        if len(w) >= 5 and w.isalpha():
+            words[i] = w[:2] + w[3] + w[2] + w[4:]
+    return " ".join(words)
 
 
 def workload_a(tokenizer, num: int) -> list[list[int]]:
+    """Editing and quoting: fix the typos of a passage, or repeat one back word for word.
+
+    The default 135M model copies a passage when asked either (its answers are 40-45 tokens, all
+    but a few taken from the prompt). It does not rename a variable in code: it rewrites the
+    function as a one-liner, which copies nothing, so code editing is not part of this workload.
+    """
     from tessera.tokenizer import apply_chat_template
 
     prompts = []
     for i in range(num):
+        passage = PASSAGES[(i // 2) % len(PASSAGES)]
         if i % 2 == 0:
-            old, new, code = FUNCTIONS[(i // 2) % len(FUNCTIONS)]
-            text = f"Rewrite this function with the variable `{old}` renamed to `{new}`:\n\n{code}"
+            text = f"Correct the spelling mistakes in this text:\n\n{with_typos(passage)}"
         else:
-            text = ("Repeat the following text exactly, word for word:\n\n"
-                    + PASSAGES[(i // 2) % len(PASSAGES)])
+            text = f"Repeat the following text exactly, word for word:\n\n{passage}"
         prompts.append(apply_chat_template(tokenizer, [{"role": "user", "content": text}]))
     return prompts
 
