@@ -7,7 +7,9 @@ cross over without pickling. The engine is not thread-safe, so the rule is:
     event loop ──(commands: add / abort / abort-all, a thread-safe queue)──▶ engine thread
     engine thread ──(loop.call_soon_threadsafe(list of RequestOutput))──▶ per-request asyncio.Queue
 
-Only the engine thread touches the `LLMEngine`. When it has no work it sleeps on a
+Only the engine thread touches the `LLMEngine`, and `from_engine_args` builds it on that same
+thread (tessera/engine/engine_thread.py: torch's thread pools run 2.6x slower on a thread other
+than the one that loaded the model). When it has no work it sleeps on a
 `threading.Event` (set by every command), so an idle server burns no CPU (it wakes once a
 second to ask the executor whether its worker processes still live).
 
@@ -33,6 +35,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.engine.engine_thread import EngineThread
 from tessera.engine.stat_logger import StatLogger
 from tessera.engine.stats import StatsSnapshot
 from tessera.executor.abstract import ExecutorDeadError
@@ -76,10 +79,12 @@ IDLE_HEALTH_CHECK_S = 1.0
 class AsyncLLMEngine:
     """Asyncio front of one `LLMEngine`. Call `start()` from the event loop, `shutdown()` at exit.
 
-    `engine` is anything with the `LLMEngine` interface (tests use a fake)."""
+    `engine` is anything with the `LLMEngine` interface (tests use a fake). `engine_thread`, if
+    given, is the thread that built it, which then also runs the loop."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, engine_thread: EngineThread | None = None) -> None:
         self.engine = engine
+        self._engine_thread = engine_thread
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.config.model.max_model_len
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
@@ -107,7 +112,8 @@ class AsyncLLMEngine:
     def from_engine_args(cls, engine_args: Any) -> AsyncLLMEngine:
         from tessera.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(engine_args))
+        thread = EngineThread()
+        return cls(thread.call(LLMEngine.from_engine_args, engine_args), thread)
 
     # -- event-loop side --------------------------------------------------------------------
 
@@ -116,8 +122,12 @@ class AsyncLLMEngine:
         assert self._thread is None, "already started"
         self._loop = asyncio.get_running_loop()
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
-        self._thread.start()
+        if self._engine_thread is not None:
+            self._engine_thread.run(self._run)
+            self._thread = self._engine_thread.thread
+        else:
+            self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+            self._thread.start()
 
     @property
     def is_running(self) -> bool:

@@ -184,3 +184,49 @@ def test_metrics_snapshot_follows_engine():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_from_engine_args_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
+    """torch's thread pools run 2.6x slower on a thread other than the one that loaded the model
+    (tessera/engine/engine_thread.py): loading and stepping share one thread, not the caller's."""
+    from tessera.engine import llm_engine
+
+    built_on: list[int] = []
+    stepped_on: set[int] = set()
+
+    class RecordingEngine(FakeEngine):
+        def step(self):
+            stepped_on.add(threading.get_ident())
+            return super().step()
+
+    def build(args):
+        built_on.append(threading.get_ident())
+        return RecordingEngine()
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "from_engine_args", staticmethod(build))
+
+    async def main():
+        engine = AsyncLLMEngine.from_engine_args(object())
+        engine.start()
+        outs = [o async for o in engine.generate("abc", greedy(3), "r1")]
+        await engine.shutdown()
+        return engine, outs
+
+    engine, outs = asyncio.run(main())
+    assert outs[-1].outputs[0].text == "def"
+    assert built_on and built_on[0] != threading.get_ident()
+    assert stepped_on == {built_on[0]}
+    assert not engine.is_running
+
+
+def test_engine_thread_hands_back_results_and_errors_in_order():
+    from tessera.engine.engine_thread import EngineThread
+
+    thread = EngineThread("test-engine-thread")
+    assert thread.call(lambda a, b: (a + b, threading.get_ident()), 2, 3) == (5, thread.thread.ident)
+    with pytest.raises(ValueError, match="bad flag"):
+        thread.call(lambda: (_ for _ in ()).throw(ValueError("bad flag")))
+    ran = threading.Event()
+    thread.run(ran.set)
+    thread.thread.join(5)
+    assert ran.is_set() and not thread.thread.is_alive()
