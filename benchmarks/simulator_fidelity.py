@@ -40,22 +40,25 @@ from tessera.simulator.serving import TRACE_RATE, median_run, real_server_metric
 from tessera.simulator.step_fit import read_step_log, steps_by_kind
 
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
-          "--random-range-ratio 0.5 --num-prompts 40")
-# name -> (workload flags, engine flags, request rate). The rates put the server at about 70%
-# of its capacity here (~0.85 req/s on RANDOM, ~1.6 on the prefix workload, measured at 1 and 2
-# req/s): near the knee a few percent of step-time error becomes a doubling of TTFT, which
-# measures the knee's position, not the model.
+          "--random-range-ratio 0.5 --num-prompts 80")
+# name -> (workload flags, engine flags, request rate). The rates put the server at about half
+# of its capacity on the 2-core Zen 5 EPYC of session 13 (~4.9 req/s on RANDOM, simulated at
+# rate inf; 358 output tok/s measured at rate inf): near the knee a few percent of step-time
+# error becomes a doubling of TTFT, which measures the knee's position, not the model. Until
+# session 12 the server ran 2.3x slower per step here (tessera/engine/engine_thread.py) and the
+# rates were a quarter of these.
 SETTINGS = {
-    "default": (RANDOM, "", 0.6),
-    "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 0.6),
-    # 128 blocks hold 2032 tokens: the engine refuses a cache that cannot hold one request of
-    # --max-model-len, so these settings lower it (the longest request here is ~450 tokens)
-    "swap": (RANDOM, "--num-gpu-blocks-override 128 --max-model-len 1024 --preemption-mode swap",
-             0.6),
-    "recompute": (RANDOM, "--num-gpu-blocks-override 128 --max-model-len 1024 "
-                  "--preemption-mode recompute", 0.6),
+    "default": (RANDOM, "", 2.4),
+    "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 2.4),
+    # 64 blocks hold 1024 tokens, three requests of this trace: a few preemptions at this rate
+    # (the simulation counts 7). The engine refuses a cache that cannot hold one request of
+    # --max-model-len, so these settings lower it (the longest request here is ~450 tokens).
+    "swap": (RANDOM, "--num-gpu-blocks-override 64 --max-model-len 1024 --preemption-mode swap",
+             2.4),
+    "recompute": (RANDOM, "--num-gpu-blocks-override 64 --max-model-len 1024 "
+                  "--preemption-mode recompute", 2.4),
     "prefix": ("--dataset prefix --prefix-len 512 --suffix-len 32 --random-output-len 64 "
-               "--num-prompts 40", "--enable-prefix-caching", 1.1),
+               "--num-prompts 80", "--enable-prefix-caching", 4.4),
 }
 METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
            ("p99_ttft_ms", "p99 TTFT"), ("median_tpot_ms", "med TPOT"),
@@ -80,7 +83,7 @@ def main() -> None:
                              "AVX-512, where bf16 has no fast path)")
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="multiply every setting's request rate (and the calibration "
-                             "trace's): the rates are ~70%% of capacity on a 2-core AVX-512 "
+                             "trace's): the rates are ~50%% of capacity on a 2-core Zen 5 "
                              "EPYC; scale them to this machine's capacity")
     parser.add_argument("--result-file", default=None, help="write all figures as JSON")
     parser.add_argument("--real-results", default=None, metavar="JSON",
