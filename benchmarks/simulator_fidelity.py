@@ -4,15 +4,19 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
     flock -x /work/cpu.lock .venv/bin/python benchmarks/simulator_fidelity.py \\
         [--profile profile.json] [--settings default chunked swap recompute prefix] [--repeat 3]
 
-1. calibrate here (`tessera simulate calibrate --serving-requests 48 --serving-runs 3`, bf16:
-   the runner over a grid of shapes in two passes, then the serving overhead from the step logs
-   of three real-server runs on a calibration trace that is none of the traces below), unless
-   --profile names a profile;
-2. per setting: start `tessera serve` on 127.0.0.1 with the setting's engine flags, send the
+1. calibrate here (`tessera simulate calibrate`, bf16: the runner over a grid of shapes in two
+   passes), unless --profile names a profile;
+2. `--repeat` rounds of real runs. Each round first runs the real server on the calibration
+   trace (48 requests that are none of the traces below, with its step log), then every
+   setting once: start `tessera serve` on 127.0.0.1 with the setting's engine flags, send the
    trace with `bench serve` (ignore_eos, so both sides produce the dataset's output lengths),
-   stop the server; simulate the same samples at the same arrival times with the same flags;
-   `--repeat` rounds of real runs, each round every setting once (the simulation is
-   deterministic: it runs once);
+   stop the server. The serving overhead is then fitted to the calibration runs' logged steps
+   (tessera/simulator/serving.py), and each setting simulated once (deterministic) on the same
+   samples at the same arrival times with the same flags. Why the calibration runs are spread
+   over the rounds: this machine's speed drifts by 10-15% within half an hour, and a serving
+   fit made before the real runs (`--no-calibrate-between-rounds`: `simulate calibrate
+   --serving-runs 3` first) carried the drift of its own minutes into every setting (decode
+   steps priced 9-12% low in every setting of one run, 1-4% in the run before it);
 3. print a table of output throughput, median and p99 TTFT, median and p99 TPOT, the median of
    the real runs (and their spread) against simulated, with the relative error (target: <= 10%
    on throughput, median TTFT, median TPOT). One real run is not enough here: the same trace
@@ -33,10 +37,16 @@ import shlex
 import tempfile
 import time
 
-from tessera.entrypoints.cli import build_parser
+from tessera.entrypoints.cli import build_parser, engine_args_from
 from tessera.simulator.cli import load_samples, run_point
 from tessera.simulator.cost_model import ProfiledCostModel
-from tessera.simulator.serving import TRACE_RATE, median_run, real_server_metrics
+from tessera.simulator.serving import (
+    TRACE_RATE,
+    ServingRuns,
+    median_run,
+    real_server_metrics,
+    runner_only,
+)
 from tessera.simulator.step_fit import read_step_log, steps_by_kind
 
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
@@ -74,6 +84,11 @@ def main() -> None:
                         help="requests of the serving-overhead calibration (0: runner only)")
     parser.add_argument("--serving-runs", type=int, default=3,
                         help="real-server runs of the serving-overhead calibration")
+    parser.add_argument("--calibrate-between-rounds", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="fit the serving overhead to calibration-trace runs made before "
+                             "each round (the same minutes as the runs it predicts); with "
+                             "--no-calibrate-between-rounds, to runs made by the calibration")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--repeat", type=int, default=3,
                         help="real-server runs per setting, interleaved across settings; the "
@@ -97,15 +112,20 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="tessera-fidelity-")
     t0 = time.perf_counter()
     profile = args.profile
+    between_rounds = (args.calibrate_between_rounds and not args.real_results
+                      and args.serving_requests > 0)
+    cal = build_parser().parse_args(["simulate", "calibrate", *shlex.split(common),
+                                     "--serving-request-rate", str(args.rate_scale * TRACE_RATE),
+                                     "--grid", args.grid, "--output",
+                                     os.path.join(work, "profile.json"),
+                                     "--serving-requests",
+                                     str(0 if between_rounds else args.serving_requests),
+                                     "--serving-runs", str(args.serving_runs)])
     if profile is None:
-        profile = os.path.join(work, "profile.json")
-        cal = build_parser().parse_args(["simulate", "calibrate", *shlex.split(common),
-                                         "--serving-request-rate",
-                                         str(args.rate_scale * TRACE_RATE),
-                                         "--grid", args.grid, "--output", profile,
-                                         "--serving-requests", str(args.serving_requests),
-                                         "--serving-runs", str(args.serving_runs)])
         cal.func(cal)
+        profile = cal.output
+    serving = (ServingRuns(engine_args_from(cal), args.serving_requests,
+                           args.rate_scale * TRACE_RATE) if between_rounds else None)
     print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
     rows: dict[str, dict] = {}
     runs: dict[str, list[dict]] = {name: [] for name in args.settings}
@@ -120,10 +140,8 @@ def main() -> None:
         return ns, load_samples(ns), rate * args.rate_scale
 
     for name in args.settings:
-        ns, samples, rate = point(name)
-        sim = run_point(ns, samples, rate, include_requests=False)["metrics"]
-        rows[name] = {"sim": sim, "flags": SETTINGS[name][1], "workload": SETTINGS[name][0],
-                      "rate": rate}
+        rows[name] = {"flags": SETTINGS[name][1], "workload": SETTINGS[name][0],
+                      "rate": point(name)[2]}
     if args.real_results:
         with open(args.real_results, encoding="utf-8") as f:
             earlier = json.load(f)
@@ -140,6 +158,8 @@ def main() -> None:
     # repetition-major: each round runs every setting once, so a drift of this machine's speed
     # over the run lands on every setting alike instead of on the last ones
     for rep in range(0 if args.real_results else args.repeat):
+        if serving is not None:
+            serving.run()
         for name in args.settings:
             ns, samples, rate = point(name)
             step_log = os.path.join(work, f"server-{name}-{rep}.steps.jsonl")
@@ -148,14 +168,21 @@ def main() -> None:
                                        step_log=step_log)
             step_logs[name].append(step_log)
             runs[name].append(real)
-            sim = rows[name]["sim"]
             print(f"{name} (run {rep + 1}/{args.repeat}): real {real['output_throughput']:.1f} "
                   f"tok/s, median TTFT {real['median_ttft_ms']:.0f} ms, median TPOT "
-                  f"{real['median_tpot_ms']:.1f} ms vs sim {sim['output_throughput']:.1f}, "
-                  f"{sim['median_ttft_ms']:.0f}, {sim['median_tpot_ms']:.1f} "
-                  f"({time.perf_counter() - t0:.0f} s so far; real failed {real['failed']}, "
-                  f"preemptions real {real['num_preemptions']} sim {sim['num_preemptions']})",
-                  flush=True)
+                  f"{real['median_tpot_ms']:.1f} ms ({time.perf_counter() - t0:.0f} s so far; "
+                  f"failed {real['failed']}, preemptions {real['num_preemptions']})", flush=True)
+    if serving is not None:
+        with open(profile, encoding="utf-8") as f:
+            runner = runner_only(json.load(f))
+        profile = os.path.join(work, "profile-serving.json")
+        with open(profile, "w", encoding="utf-8") as f:
+            json.dump({**runner, **serving.fit(runner)}, f, indent=2)
+        print(f"profile with the serving overhead of {len(serving.real_runs)} calibration runs "
+              f"between the rounds: {profile}", flush=True)
+    for name in args.settings:
+        ns, samples, rate = point(name)
+        rows[name]["sim"] = run_point(ns, samples, rate, include_requests=False)["metrics"]
     model = ProfiledCostModel.load(profile)
     block_bytes = model.geometry.block_bytes(16)  # no setting changes --block-size
     for name, real_runs in runs.items():

@@ -196,6 +196,15 @@ class ServingRuns:
                            self.step_logs)
 
 
+def runner_only(profile: dict) -> dict:
+    """The profile less its serving overhead: the runner-only prices `fit_serving` fits the
+    overhead against (a profile that already holds rates would count them twice)."""
+    from tessera.simulator.cost_model import SERVING_FEATURES
+
+    drop = {"request_latency_s", "serving_fit", *(name for name, _ in SERVING_FEATURES)}
+    return {k: v for k, v in profile.items() if k not in drop}
+
+
 def fit_serving(args: EngineArgs, profile: dict, samples, rate: float, real_runs: list[dict],
                 step_logs: list[str]) -> dict:
     """The latency outside the engine (from the median of the real runs of the calibration
