@@ -254,6 +254,15 @@ def test_serving_rates_are_fitted_to_the_logged_steps(tmp_path):
     with pytest.raises(ValueError, match="at least"):
         fit_serving_rates(profile, [])
 
+    # a refit of the fitted profile (the fidelity benchmark's, after its rounds) must not count
+    # the old rates as runner time: stripped, it gives back the same rates, not ~0
+    from tessera.simulator.serving import runner_only
+
+    fitted = {**profile, **terms, "request_latency_s": 0.01, "serving_fit": {"runs": 3}}
+    assert runner_only(fitted) == profile
+    again, _ = fit_serving_rates(runner_only(fitted), read_step_log(str(log), block_bytes=64)[:-1])
+    assert again == pytest.approx(terms, rel=1e-6)
+
 
 def test_engine_flags_round_trip_through_the_cli():
     from tessera.config import EngineArgs
