@@ -13,10 +13,10 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
    stop the server. The serving overhead is then fitted to the calibration runs' logged steps
    (tessera/simulator/serving.py), and each setting simulated once (deterministic) on the same
    samples at the same arrival times with the same flags. Why the calibration runs are spread
-   over the rounds: this machine's speed drifts by 10-15% within half an hour, and a serving
+   over the rounds: this machine's speed drifts by 10% and more within half an hour, and a serving
    fit made before the real runs (`--no-calibrate-between-rounds`: `simulate calibrate
    --serving-runs 3` first) carried the drift of its own minutes into every setting (decode
-   steps priced 9-12% low in every setting of one run, 1-4% in the run before it);
+   steps priced 8-12% low in every setting of one run, within 3.6% in the run before it);
 3. print a table of output throughput, median and p99 TTFT, median and p99 TPOT, the median of
    the real runs (and their spread) against simulated, with the relative error (target: <= 10%
    on throughput, median TTFT, median TPOT). One real run is not enough here: the same trace
@@ -61,7 +61,7 @@ SETTINGS = {
     "default": (RANDOM, "", 2.4),
     "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 2.4),
     # 64 blocks hold 1024 tokens, three requests of this trace: a few preemptions at this rate
-    # (the simulation counts 7). The engine refuses a cache that cannot hold one request of
+    # (6-16 a run in sessions 13-14). The engine refuses a cache that cannot hold one request of
     # --max-model-len, so these settings lower it (the longest request here is ~450 tokens).
     "swap": (RANDOM, "--num-gpu-blocks-override 64 --max-model-len 1024 --preemption-mode swap",
              2.4),
@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument("--serving-requests", type=int, default=48,
                         help="requests of the serving-overhead calibration (0: runner only)")
     parser.add_argument("--serving-runs", type=int, default=3,
-                        help="real-server runs of the serving-overhead calibration")
+                        help="real-server runs of the serving-overhead calibration, with "
+                             "--no-calibrate-between-rounds (otherwise one before each round)")
     parser.add_argument("--calibrate-between-rounds", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="fit the serving overhead to calibration-trace runs made before "
