@@ -54,9 +54,9 @@ RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
 # name -> (workload flags, engine flags, request rate). The rates put the server at about half
 # of its capacity on the 2-core Zen 5 EPYC of session 13 (~4.9 req/s on RANDOM, simulated at
 # rate inf; 358 output tok/s measured at rate inf): near the knee a few percent of step-time
-# error becomes a doubling of TTFT, which measures the knee's position, not the model. Until
-# session 12 the server ran 2.3x slower per step here (tessera/engine/engine_thread.py) and the
-# rates were a quarter of these.
+# error becomes a doubling of TTFT, which measures the knee's position, not the model. Before
+# session 13's fix the server ran 2.3x slower per step here (tessera/engine/engine_thread.py)
+# and the rates were a quarter of these.
 SETTINGS = {
     "default": (RANDOM, "", 2.4),
     "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 2.4),
@@ -141,8 +141,8 @@ def main() -> None:
         return ns, load_samples(ns), rate * args.rate_scale
 
     for name in args.settings:
-        rows[name] = {"flags": SETTINGS[name][1], "workload": SETTINGS[name][0],
-                      "rate": point(name)[2]}
+        workload, flags, rate = SETTINGS[name]
+        rows[name] = {"flags": flags, "workload": workload, "rate": rate * args.rate_scale}
     if args.real_results:
         with open(args.real_results, encoding="utf-8") as f:
             earlier = json.load(f)

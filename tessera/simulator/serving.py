@@ -44,6 +44,7 @@ import sys
 import tempfile
 
 from tessera.config import EngineArgs
+from tessera.simulator.cost_model import SERVING_FEATURES
 from tessera.simulator.step_fit import fit_serving_rates, read_step_log
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 # error on 2048-token prefill steps and came out 2-3x too high for a loaded-but-stable server)
 TRACE = {"dataset": "random", "random_input_len": 192, "random_output_len": 48,
          "random_range_ratio": 0.5, "num_prompts": 48}
-TRACE_RATE = 3.2  # 0.8 until session 12, when the server ran 2.3x slower per step
+TRACE_RATE = 3.2  # 0.8 before session 13's fix: the server ran 2.3x slower per step
 
 
 def engine_flags(args: EngineArgs, skip: tuple[str, ...] = ()) -> list[str]:
@@ -199,8 +200,6 @@ class ServingRuns:
 def runner_only(profile: dict) -> dict:
     """The profile less its serving overhead: the runner-only prices `fit_serving` fits the
     overhead against (a profile that already holds rates would count them twice)."""
-    from tessera.simulator.cost_model import SERVING_FEATURES
-
     drop = {"request_latency_s", "serving_fit", *(name for name, _ in SERVING_FEATURES)}
     return {k: v for k, v in profile.items() if k not in drop}
 
