@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.engine.engine_thread import EngineThread
+from tessera.engine.malloc_tuning import release_free_memory
 from tessera.engine.stat_logger import StatLogger
 from tessera.engine.stats import StatsSnapshot
 from tessera.executor.abstract import ExecutorDeadError
@@ -98,6 +99,9 @@ class AsyncLLMEngine:
         self.fatal_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        # steps ran since the heap last gave its free pages back (malloc_tuning.py: the server
+        # keeps step buffers in the heap while busy and trims it when it goes idle)
+        self._heap_dirty = False
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._in_engine: set[str] = set()  # engine-thread side only
         self._metrics: dict[str, float] = dict(engine.get_metrics())
@@ -276,6 +280,9 @@ class AsyncLLMEngine:
                     break
                 if not self.engine.has_unfinished_requests():
                     self._take_snapshot()
+                    if self._heap_dirty:  # the first idle moment after work
+                        release_free_memory()
+                        self._heap_dirty = False
                     # idle: wake once a second to notice a dead worker without a request
                     if not self._wake.wait(IDLE_HEALTH_CHECK_S):
                         check = getattr(self.engine, "check_health", None)
@@ -283,6 +290,7 @@ class AsyncLLMEngine:
                             check()
                     continue
                 self._step()
+                self._heap_dirty = True
             except ExecutorDeadError as e:
                 logger.error("the engine's workers are gone (%s); failing the %d requests in "
                              "flight and stopping", e, len(self._in_engine))

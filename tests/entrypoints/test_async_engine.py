@@ -127,6 +127,28 @@ def test_step_failure_fails_in_flight_and_keeps_serving():
     asyncio.run(main())
 
 
+def test_heap_trimmed_once_each_time_the_engine_goes_idle(monkeypatch):
+    """The server keeps step buffers in the heap while busy (malloc_tuning.py) and hands the free
+    pages back when its engine goes idle: once per idle spell, not on every idle wake-up."""
+    import tessera.engine.async_engine as async_engine
+
+    trims = threading.Semaphore(0)
+    monkeypatch.setattr(async_engine, "release_free_memory", trims.release)
+
+    async def main():
+        engine = await _started(FakeEngine())
+        counts = []
+        for rid in ("r1", "r2"):
+            async for _ in engine.generate("abc", greedy(3), rid):
+                pass
+            counts.append(await asyncio.to_thread(trims.acquire, True, 5))  # trimmed on idling
+            counts.append(await asyncio.to_thread(trims.acquire, True, 0.2))  # and only once
+        await engine.shutdown()
+        return counts
+
+    assert asyncio.run(main()) == [True, False, True, False]
+
+
 def test_idle_loop_sleeps():
     async def main():
         fake = FakeEngine()
