@@ -280,14 +280,18 @@ class AsyncLLMEngine:
                     break
                 if not self.engine.has_unfinished_requests():
                     self._take_snapshot()
-                    if self._heap_dirty:  # the first idle moment after work
-                        release_free_memory()
-                        self._heap_dirty = False
                     # idle: wake once a second to notice a dead worker without a request
                     if not self._wake.wait(IDLE_HEALTH_CHECK_S):
                         check = getattr(self.engine, "check_health", None)
                         if check is not None:
                             check()
+                        if self._heap_dirty:
+                            # a whole second without work: hand the heap's free pages back. Not
+                            # at once on idling, since the next step faults in what it needs
+                            # again (~5 us a page here), and requests a few ms apart would
+                            # pay that every time
+                            release_free_memory()
+                            self._heap_dirty = False
                     continue
                 self._step()
                 self._heap_dirty = True

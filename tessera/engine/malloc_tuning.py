@@ -14,8 +14,8 @@ against 32 MiB). Decode steps, whose buffers are smaller, were not affected.
 
 So the threshold is now glibc's largest (32 MiB on 64-bit: a step's buffers are reused from the
 heap) with the trim threshold at twice that, as glibc's own adaptive rule sets it, and the server
-gives the heap's free pages back with `release_free_memory` when its engine goes idle: resident
-memory comes back down after a burst, and no step waits on page faults.
+gives the heap's free pages back with `release_free_memory` once its engine has been idle for a
+second: resident memory comes back down after a burst, and no step waits on page faults.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def test_step_failure_fails_in_flight_and_keeps_serving():
 
 def test_heap_trimmed_once_each_time_the_engine_goes_idle(monkeypatch):
     """The server keeps step buffers in the heap while busy (malloc_tuning.py) and hands the free
-    pages back when its engine goes idle: once per idle spell, not on every idle wake-up."""
+    pages back once its engine has been idle for a second: once per idle spell, not on every idle
+    wake-up, and not while requests keep coming."""
     import tessera.engine.async_engine as async_engine
 
     trims = threading.Semaphore(0)
@@ -137,7 +138,10 @@ def test_heap_trimmed_once_each_time_the_engine_goes_idle(monkeypatch):
 
     async def main():
         engine = await _started(FakeEngine())
-        counts = []
+        for rid in ("a", "b", "c"):  # back to back: no idle second between them
+            async for _ in engine.generate("abc", greedy(3), rid):
+                pass
+        counts = [trims.acquire(blocking=False)]
         for rid in ("r1", "r2"):
             async for _ in engine.generate("abc", greedy(3), rid):
                 pass
@@ -146,7 +150,7 @@ def test_heap_trimmed_once_each_time_the_engine_goes_idle(monkeypatch):
         await engine.shutdown()
         return counts
 
-    assert asyncio.run(main()) == [True, False, True, False]
+    assert asyncio.run(main()) == [False, True, False, True, False]
 
 
 def test_idle_loop_sleeps():
