@@ -100,7 +100,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         # steps ran since the heap last gave its free pages back (malloc_tuning.py: the server
-        # keeps step buffers in the heap while busy and trims it when it goes idle)
+        # keeps step buffers in the heap while busy and trims it after a second idle)
         self._heap_dirty = False
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._in_engine: set[str] = set()  # engine-thread side only
