@@ -22,7 +22,15 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
    on throughput, median TTFT, median TPOT). One real run is not enough here: the same trace
    and flags gave a median TTFT of 196 and 251 ms in two runs of the chunked setting;
 4. and step by step: every real server writes its engine step log (TESSERA_STEP_LOG), and each
-   logged step is priced by the profile, by kind of step (decode-only, prefill-only, mixed).
+   logged step is priced by the profile, by kind of step (decode-only, prefill-only, mixed);
+5. with `--sensitivity`, each setting simulated again with every step 6% and 3% cheaper and
+   dearer (the profile's runner and serving terms scaled): how much a setting's medians move
+   for an error of the step prices, which the real runs' own drift between rounds exceeds.
+   Run 16 here: recompute's median TPOT moved 8.79 / 9.36 / 10.30 / 11.03 / 11.67 ms at x0.94
+   .. x1.06 (preemptions 9 .. 14), swap's 8.40 .. 10.20 (9 .. 12).
+
+    python benchmarks/simulator_fidelity.py --real-results run.json --profile profile.json \
+        --sensitivity   # no server: re-score an earlier run's measurements
 
 Timing measurements on a 2-core machine: run it under the exclusive lock and nothing else.
 """
@@ -39,7 +47,7 @@ import time
 
 from tessera.entrypoints.cli import build_parser, engine_args_from
 from tessera.simulator.cli import load_samples, run_point
-from tessera.simulator.cost_model import ProfiledCostModel
+from tessera.simulator.cost_model import SERVING_FEATURES, ProfiledCostModel
 from tessera.simulator.serving import (
     TRACE_RATE,
     ServingRuns,
@@ -74,6 +82,19 @@ METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
            ("p99_ttft_ms", "p99 TTFT"), ("median_tpot_ms", "med TPOT"),
            ("p99_tpot_ms", "p99 TPOT"))
 TARGETS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+SENSITIVITY_SCALES = (0.94, 0.97, 1.03, 1.06)
+
+
+def scaled_profile(profile: dict, scale: float) -> dict:
+    """`profile` with every step priced `scale` times: the runner's coefficients, the swap rate
+    and the serving terms (the latency outside the engine is no step's and stays)."""
+    out = dict(profile)
+    out["coefficients"] = {k: v * scale for k, v in profile["coefficients"].items()}
+    out["swap_s_per_byte"] = profile["swap_s_per_byte"] * scale
+    for key, _ in SERVING_FEATURES:
+        if key in profile:
+            out[key] = profile[key] * scale
+    return out
 
 
 def main() -> None:
@@ -101,6 +122,10 @@ def main() -> None:
                         help="multiply every setting's request rate (and the calibration "
                              "trace's): the rates are ~50%% of capacity on a 2-core Zen 5 "
                              "EPYC; scale them to this machine's capacity")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="also simulate each setting with every step priced x0.94, x0.97, "
+                             "x1.03 and x1.06: how far the medians move for a small error of "
+                             "the step prices")
     parser.add_argument("--result-file", default=None, help="write all figures as JSON")
     parser.add_argument("--real-results", default=None, metavar="JSON",
                         help="take the real runs (and their step logs) from this earlier "
@@ -132,12 +157,13 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in args.settings}
     step_logs: dict[str, list[str]] = {name: [] for name in args.settings}
 
-    def point(name: str):
-        """The setting's simulate arguments, samples and request rate here."""
+    def point(name: str, profile_path: str | None = None):
+        """The setting's simulate arguments (with `profile_path`, default the run's profile),
+        samples and request rate here."""
         workload, engine_flags, rate = SETTINGS[name]
         ns = build_parser().parse_args(["simulate", *shlex.split(workload),
                                         *shlex.split(f"{common} {engine_flags}"),
-                                        "--profile", profile, "--quiet"])
+                                        "--profile", profile_path or profile, "--quiet"])
         return ns, load_samples(ns), rate * args.rate_scale
 
     for name in args.settings:
@@ -184,6 +210,18 @@ def main() -> None:
     for name in args.settings:
         ns, samples, rate = point(name)
         rows[name]["sim"] = run_point(ns, samples, rate, include_requests=False)["metrics"]
+    if args.sensitivity:
+        with open(profile, encoding="utf-8") as f:
+            fitted = json.load(f)
+        for scale in SENSITIVITY_SCALES:
+            path = os.path.join(work, f"profile-x{scale}.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(scaled_profile(fitted, scale), f)
+            for name in args.settings:
+                ns, samples, rate = point(name, path)
+                m = run_point(ns, samples, rate, include_requests=False)["metrics"]
+                rows[name].setdefault("sensitivity", {})[str(scale)] = {
+                    key: m[key] for key in (*TARGETS, "num_preemptions")}
     model = ProfiledCostModel.load(profile)
     block_bytes = model.geometry.block_bytes(16)  # no setting changes --block-size
     for name, real_runs in runs.items():
@@ -245,6 +283,18 @@ def main() -> None:
             err = (k["model_ms"] - k["real_ms"]) / k["real_ms"]
             print(f"{name:<10} {kind:<13} {k['steps']:6d} {k['real_ms']:8.1f} "
                   f"{k['model_ms']:8.1f} {100 * err:+7.1f}%")
+    if args.sensitivity:
+        print("\nsensitivity: the simulated medians with every step priced xS (TTFT ms / TPOT "
+              "ms / preemptions); x1.0 is the table above")
+        scales = (*SENSITIVITY_SCALES[:2], 1.0, *SENSITIVITY_SCALES[2:])
+        print(f"{'setting':<10} " + " ".join(f"{'x' + str(sc):>18}" for sc in scales))
+        for name, row in rows.items():
+            cells = []
+            for sc in scales:
+                m = row["sim"] if sc == 1.0 else row["sensitivity"][str(sc)]
+                cells.append(f"{m['median_ttft_ms']:6.0f}/{m['median_tpot_ms']:5.2f}/"
+                             f"{m['num_preemptions']:<3d}")
+            print(f"{name:<10} " + " ".join(f"{c:>18}" for c in cells))
     print(f"\nworst error on throughput / median TTFT / median TPOT: {100 * worst:.1f}% "
           f"(target 10%; * marks a miss); total {time.perf_counter() - t0:.0f} s")
 
