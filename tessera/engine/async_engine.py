@@ -282,16 +282,7 @@ class AsyncLLMEngine:
                     self._take_snapshot()
                     # idle: wake once a second to notice a dead worker without a request
                     if not self._wake.wait(IDLE_HEALTH_CHECK_S):
-                        check = getattr(self.engine, "check_health", None)
-                        if check is not None:
-                            check()
-                        if self._heap_dirty:
-                            # a whole second without work: hand the heap's free pages back. Not
-                            # at once on idling, since the next step faults in what it needs
-                            # again (~5 us a page here), and requests a few ms apart would
-                            # pay that every time
-                            release_free_memory()
-                            self._heap_dirty = False
+                        self._idle_second()
                     continue
                 self._step()
                 self._heap_dirty = True
@@ -336,6 +327,17 @@ class AsyncLLMEngine:
         self._take_snapshot()
         if items:
             self._post(items)
+
+    def _idle_second(self) -> None:
+        """A whole second without work: check the workers, and hand the heap's free pages back
+        once after steps ran. Not at once on idling: the next step faults in what it needs
+        again (~5 us a page here), and requests a few ms apart would pay that every time."""
+        check = getattr(self.engine, "check_health", None)
+        if check is not None:
+            check()
+        if self._heap_dirty:
+            release_free_memory()
+            self._heap_dirty = False
 
     def _take_snapshot(self) -> None:
         """What a scrape reads, copied on the engine thread between steps."""
