@@ -45,9 +45,11 @@ import shlex
 import tempfile
 import time
 
+from fidelity_sensitivity import format_sensitivity, sensitivity  # benchmarks/, beside this
+
 from tessera.entrypoints.cli import build_parser, engine_args_from
 from tessera.simulator.cli import load_samples, run_point
-from tessera.simulator.cost_model import SERVING_FEATURES, ProfiledCostModel
+from tessera.simulator.cost_model import ProfiledCostModel
 from tessera.simulator.serving import (
     TRACE_RATE,
     ServingRuns,
@@ -82,19 +84,6 @@ METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
            ("p99_ttft_ms", "p99 TTFT"), ("median_tpot_ms", "med TPOT"),
            ("p99_tpot_ms", "p99 TPOT"))
 TARGETS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
-SENSITIVITY_SCALES = (0.94, 0.97, 1.03, 1.06)
-
-
-def scaled_profile(profile: dict, scale: float) -> dict:
-    """`profile` with every step priced `scale` times: the runner's coefficients, the swap rate
-    and the serving terms (the latency outside the engine is no step's and stays)."""
-    out = dict(profile)
-    out["coefficients"] = {k: v * scale for k, v in profile["coefficients"].items()}
-    out["swap_s_per_byte"] = profile["swap_s_per_byte"] * scale
-    for key, _ in SERVING_FEATURES:
-        if key in profile:
-            out[key] = profile[key] * scale
-    return out
 
 
 def main() -> None:
@@ -211,17 +200,12 @@ def main() -> None:
         ns, samples, rate = point(name)
         rows[name]["sim"] = run_point(ns, samples, rate, include_requests=False)["metrics"]
     if args.sensitivity:
-        with open(profile, encoding="utf-8") as f:
-            fitted = json.load(f)
-        for scale in SENSITIVITY_SCALES:
-            path = os.path.join(work, f"profile-x{scale}.json")
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(scaled_profile(fitted, scale), f)
-            for name in args.settings:
-                ns, samples, rate = point(name, path)
-                m = run_point(ns, samples, rate, include_requests=False)["metrics"]
-                rows[name].setdefault("sensitivity", {})[str(scale)] = {
-                    key: m[key] for key in (*TARGETS, "num_preemptions")}
+        def simulate(name: str, profile_path: str) -> dict:
+            ns, samples, rate = point(name, profile_path)
+            return run_point(ns, samples, rate, include_requests=False)["metrics"]
+
+        for name, by_scale in sensitivity(profile, args.settings, work, simulate).items():
+            rows[name]["sensitivity"] = by_scale
     model = ProfiledCostModel.load(profile)
     block_bytes = model.geometry.block_bytes(16)  # no setting changes --block-size
     for name, real_runs in runs.items():
@@ -284,17 +268,7 @@ def main() -> None:
             print(f"{name:<10} {kind:<13} {k['steps']:6d} {k['real_ms']:8.1f} "
                   f"{k['model_ms']:8.1f} {100 * err:+7.1f}%")
     if args.sensitivity:
-        print("\nsensitivity: the simulated medians with every step priced xS (TTFT ms / TPOT "
-              "ms / preemptions); x1.0 is the table above")
-        scales = (*SENSITIVITY_SCALES[:2], 1.0, *SENSITIVITY_SCALES[2:])
-        print(f"{'setting':<10} " + " ".join(f"{'x' + str(sc):>18}" for sc in scales))
-        for name, row in rows.items():
-            cells = []
-            for sc in scales:
-                m = row["sim"] if sc == 1.0 else row["sensitivity"][str(sc)]
-                cells.append(f"{m['median_ttft_ms']:6.0f}/{m['median_tpot_ms']:5.2f}/"
-                             f"{m['num_preemptions']:<3d}")
-            print(f"{name:<10} " + " ".join(f"{c:>18}" for c in cells))
+        print("\n" + format_sensitivity(rows))
     print(f"\nworst error on throughput / median TTFT / median TPOT: {100 * worst:.1f}% "
           f"(target 10%; * marks a miss); total {time.perf_counter() - t0:.0f} s")
 
