@@ -119,6 +119,16 @@ def model_work(cfg: ModelArchConfig, weights: dict, elem_size: int) -> ModelWork
     )
 
 
+def decode_step(batch: int, context: float, work: ModelWork, peaks: Peaks
+                ) -> tuple[float, float, float]:
+    """A decode step of `batch` rows reading `context` KV tokens in all: its FLOPs, and its
+    seconds at the FLOP peak and at the DRAM bandwidth (it takes at least the larger)."""
+    flops = (batch * (work.linear_flops_per_token + work.logits_flops)
+             + work.attention_flops_per_pair * context)
+    nbytes = work.weight_bytes + context * work.kv_bytes_per_token
+    return flops, flops / peaks.flops, nbytes / peaks.bandwidth
+
+
 def ceiling(prompt_lens: list[int], out_lens: list[int], work: ModelWork, peaks: Peaks) -> dict:
     """Seconds of W1 at the roofline, by phase (see the module docstring)."""
     lens = np.array(prompt_lens, dtype=np.float64)
@@ -131,11 +141,7 @@ def ceiling(prompt_lens: list[int], out_lens: list[int], work: ModelWork, peaks:
     for s in range(1, int(outs.max())):
         active = outs > s  # requests with a token left to decode after s of them
         batch = int(active.sum())
-        context = (lens[active] + s).sum()
-        flops = (batch * (work.linear_flops_per_token + work.logits_flops)
-                 + work.attention_flops_per_pair * context)
-        nbytes = work.weight_bytes + context * work.kv_bytes_per_token
-        c, m = flops / peaks.flops, nbytes / peaks.bandwidth
+        _, c, m = decode_step(batch, float((lens[active] + s).sum()), work, peaks)
         if c >= m:
             compute_s, compute_steps = compute_s + c, compute_steps + 1
         else:
@@ -150,12 +156,8 @@ def ceiling(prompt_lens: list[int], out_lens: list[int], work: ModelWork, peaks:
 def decode_ceiling(batch: int, ctx: int, steps: int, work: ModelWork, peaks: Peaks) -> float:
     """The largest fraction of torch.mm's rate that runner.py's decode figure (batch rows at
     context ctx..ctx+steps, FLOPs of its linear_flops_per_token + attn_flops) can reach."""
-    context = batch * (ctx + steps / 2)
-    flops = (batch * (work.linear_flops_per_token + work.logits_flops)
-             + work.attention_flops_per_pair * context)
-    nbytes = work.weight_bytes + context * work.kv_bytes_per_token
-    seconds = max(flops / peaks.flops, nbytes / peaks.bandwidth)
-    return flops / seconds / peaks.torch_mm
+    flops, compute_s, memory_s = decode_step(batch, batch * (ctx + steps / 2), work, peaks)
+    return flops / max(compute_s, memory_s) / peaks.torch_mm
 
 
 def main() -> None:
