@@ -168,17 +168,49 @@ std::array<Fn, kMaxRows + 1> make_tiles() {
   return make_tiles_impl<Fn, Tile>(std::make_index_sequence<kMaxRows>{});
 }
 
+// Units [u0, u0 + 16) of 8 rows of 32-bit units (fp32 values, or bf16 pairs) into out[k * 8 + r],
+// unit k of row r: three rounds that each interleave rows i and i + 4 (lanes 0-7, then 8-15, of
+// both). With an element's index written as the bits of (row, unit), one round rotates them left
+// by one, so three rounds turn (row, unit) into (unit, row). 24 permutes, 8 loads and 8 stores for
+// 128 values, where the scalar regrouping stored one value at a time: it cost 26 us a call at
+// M = 64, K = 576 in fp32 (65 us at K = 1536), on one thread while the other waited.
+inline void transpose_8x16(const uint32_t* const rows[8], int64_t u0, uint32_t* out) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  __m512i v[8];
+  for (int r = 0; r < 8; ++r) v[r] = _mm512_loadu_si512(rows[r] + u0);
+  for (int round = 0; round < 3; ++round) {
+    __m512i w[8];
+    for (int i = 0; i < 4; ++i) {
+      w[2 * i] = _mm512_permutex2var_epi32(v[i], lo, v[i + 4]);
+      w[2 * i + 1] = _mm512_permutex2var_epi32(v[i], hi, v[i + 4]);
+    }
+    for (int r = 0; r < 8; ++r) v[r] = w[r];
+  }
+  for (int r = 0; r < 8; ++r) _mm512_storeu_si512(out + 16 * r, v[r]);
+}
+
 // Rows of x regrouped in tiles of kMaxRows (the last one shorter), each tile [K/P][R][P] with
 // P = 1 (fp32) or 2 (bf16 pairs): the R values a k-step broadcasts share one cache line, so the
-// weight stream passing through L1 does not evict them.
+// weight stream passing through L1 does not evict them. Whole 8-row tiles move 16 units at a
+// time (transpose_8x16); the rest value by value. Either way a plain copy: the same bytes.
 template <typename T, int P>
 void pack_rows(const T* x, int64_t ldx, int64_t M, int64_t K, T* out) {
+  static_assert(sizeof(T) * P == 4, "a unit (value or pair) is 32 bits");
+  const int64_t units = K / P;
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t R = std::min<int64_t>(kMaxRows, M - m0);
     T* tile = out + m0 * K;
+    int64_t g0 = 0;  // units below g0 are already in place
+    if (R == 8) {
+      const uint32_t* rows[8];
+      for (int r = 0; r < 8; ++r) rows[r] = reinterpret_cast<const uint32_t*>(x + (m0 + r) * ldx);
+      uint32_t* out32 = reinterpret_cast<uint32_t*>(tile);
+      for (; g0 + 16 <= units; g0 += 16) transpose_8x16(rows, g0, out32 + g0 * 8);
+    }
     for (int64_t r = 0; r < R; ++r) {
       const T* row = x + (m0 + r) * ldx;
-      for (int64_t g = 0; g < K / P; ++g)
+      for (int64_t g = g0; g < units; ++g)
         for (int p = 0; p < P; ++p) tile[(g * R + r) * P + p] = row[g * P + p];
     }
   }
