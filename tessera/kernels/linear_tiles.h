@@ -18,6 +18,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -214,6 +215,22 @@ void pack_rows(const T* x, int64_t ldx, int64_t M, int64_t K, T* out) {
         for (int p = 0; p < P; ++p) tile[(g * R + r) * P + p] = row[g * P + p];
     }
   }
+}
+
+// The calling thread's scratch for a call's packed rows (Slot tells a call's buffers apart),
+// grown when a call needs more and never zeroed: a step's ~120 calls reuse it. A std::vector per
+// call zeroed up to 12 MB each time (a 2048-row prefill, K = 1536, fp32) on one thread, and above
+// glibc's mmap threshold a fresh mapping's pages faulted in as well. Only the calling thread
+// writes or regrows it; the workers of its parallel region only read it.
+template <typename T, int Slot = 0>
+T* call_scratch(int64_t elems) {
+  thread_local std::unique_ptr<T[]> buf;
+  thread_local int64_t capacity = 0;
+  if (capacity < elems) {
+    buf.reset(new T[elems]);  // default-initialised: no pass over the memory
+    capacity = elems;
+  }
+  return buf.get();
 }
 
 // K positions per slice when several row tiles share a panel: a slice of the panel (12 KB in

@@ -138,8 +138,9 @@ void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, cons
                       int64_t, int64_t, const float*);
   static const auto tiles = make_tiles<Fn, BlockSumTile<F>>();
   const int64_t nb = K / F::kBlock;
-  std::vector<at::BFloat16> xp(M * K);
-  std::vector<float> xsum(F::kBits == 4 ? M * nb : 0);  // [M][nb]: each row's sum over each block
+  at::BFloat16* const xp = call_scratch<at::BFloat16>(M * K);
+  // [M][nb]: each row's sum over each block (4-bit formats only)
+  float* const xsum = F::kBits == 4 ? call_scratch<float, 1>(M * nb) : nullptr;
   // Packing and block sums go row tile by row tile, split over the threads from two tiles up.
   // As one thread's scalar loop they cost 2-11% of the call at M = 8-512 (alternated in-process
   // against it: 0.94x at M = 8, 0.93x at 16, 0.89x at 64, 0.92x at 512).
@@ -147,9 +148,9 @@ void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, cons
   const auto prepare = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = t * kMaxRows, rows = std::min<int64_t>(kMaxRows, M - m0);
-      pack_rows<at::BFloat16, 2>(x + m0 * ldx, ldx, rows, K, xp.data() + m0 * K);
+      pack_rows<at::BFloat16, 2>(x + m0 * ldx, ldx, rows, K, xp + m0 * K);
       if constexpr (F::kBits == 4)
-        for (int64_t m = m0; m < m0 + rows; ++m) block_sums<F>(x + m * ldx, nb, xsum.data() + m * nb);
+        for (int64_t m = m0; m < m0 + rows; ++m) block_sums<F>(x + m * ldx, nb, xsum + m * nb);
     }
   };
   if (num_tiles < 2) prepare(0, num_tiles);
@@ -163,7 +164,7 @@ void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, cons
       const uint8_t* panel = packed + p * nb * F::kRecord;
       for (int64_t m = m0; m < m0 + rows; m += kMaxRows) {
         const int64_t r = std::min<int64_t>(kMaxRows, m0 + rows - m);
-        tiles[r](xp.data() + m * K, xsum.empty() ? nullptr : xsum.data() + m * nb, panel, K,
+        tiles[r](xp + m * K, xsum == nullptr ? nullptr : xsum + m * nb, panel, K,
                  y + m * ldy + n0, ldy, N - n0, bias ? bias + n0 : nullptr);
       }
     }

@@ -143,12 +143,11 @@ void run_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* p
                            const float*, const T*);
   static const auto qtiles = make_tiles<Fn, QTile<F>>();
   static const auto dense_tiles = make_tiles<DenseFn, F32Tile>();
-  std::vector<T> xp_store;
   const T* xp = x;
   if (M > 1 || ldx != K) {  // M == 1 with a contiguous row is already in the packed layout
-    xp_store.resize(M * K);
-    pack_rows<T, 1>(x, ldx, M, K, xp_store.data());
-    xp = xp_store.data();
+    T* const packed_x = call_scratch<T>(M * K);
+    pack_rows<T, 1>(x, ldx, M, K, packed_x);
+    xp = packed_x;
   }
   const bool dense = dense_min_rows > 0 && M >= dense_min_rows;
   const int64_t rows_per_block = std::min(M, kRowsPerBlock);
