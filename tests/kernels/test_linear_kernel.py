@@ -87,6 +87,23 @@ def test_strided_rows_and_leading_dims():
     assert torch.allclose(packed(x3), x3 @ w.T, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_full_row_tiles_equal_rows_alone(dtype):
+    """Rows 130 apart in whole 8-row tiles, regrouped 16 units at a time with a tail after the last
+    16 (K = 72: 4 x 16 + 8 fp32 values, 2 x 16 + 4 bf16 pairs): each row's result is the lone
+    row's (M = 1 reads its row unregrouped), bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(60, 72, generator=gen).to(dtype)
+    _require(w)
+    packed = PackedLinearWeight(w)
+    x = torch.randn(24, 130, generator=gen).to(dtype)[:, 40:112]
+    got = packed(x)
+    alone = torch.cat([packed(x[i : i + 1].contiguous()) for i in range(24)])
+    assert torch.equal(got, alone)
+    ref = _reference(x, w, None)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() <= TOL[dtype]
+
+
 def test_odd_k_in_bf16_is_not_served():
     """vdpbf16ps works on pairs along K: an odd K goes to oneDNN instead (or to F.linear on a
     CPU where oneDNN packs no bf16)."""
