@@ -217,14 +217,18 @@ void pack_rows(const T* x, int64_t ldx, int64_t M, int64_t K, T* out) {
   }
 }
 
-// The calling thread's scratch for a call's packed rows (Slot tells a call's buffers apart),
-// grown when a call needs more and never zeroed: a step's ~120 calls reuse it. A std::vector per
-// call zeroed up to 12 MB each time (a 2048-row prefill, K = 1536, fp32) on one thread, and above
-// glibc's mmap threshold a fresh mapping's pages faulted in as well. Only the calling thread
-// writes or regrows it; the workers of its parallel region only read it. It stays allocated at
-// the largest call's size: 12.6 MB for 2048 rows of K = 1536 in fp32 (the default token budget).
-template <typename T, int Slot = 0>
-T* call_scratch(int64_t elems) {
+// What a thread's scratch buffer holds. Each use has its own buffer, because the calling thread
+// is also one of its parallel region's workers: its packed rows must outlive its own tiles'
+// partial sums and dequantized panels.
+enum class Scratch { kPackedRows, kBlockSums, kPartialSums, kDequantPanel };
+
+// This thread's buffer for `use`, at least `elems` long: grown when needed, never shrunk and
+// never zeroed (every use writes before it reads), so a step's ~120 linear calls allocate nothing.
+// A std::vector per call zeroed its packed rows first, up to 12 MB a call (2048 rows of K = 1536
+// in fp32) on one thread, and above glibc's mmap threshold faulted in fresh pages as well. The
+// packed rows stay allocated at the largest call's size: 12.6 MB at the default token budget.
+template <typename T, Scratch use>
+T* thread_scratch(int64_t elems) {
   thread_local std::unique_ptr<T[]> buf;
   thread_local int64_t capacity = 0;
   if (capacity < elems) {
@@ -246,9 +250,7 @@ static_assert(kSliceK % 32 == 0, "a slice holds whole bf16 pairs and vectors");
 
 // The fp32 partial sums of every row tile of a row block between K slices: [rows][kPanel].
 inline float* partial_sums(int64_t rows) {
-  thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < rows * kPanel) buf.resize(rows * kPanel);
-  return buf.data();
+  return thread_scratch<float, Scratch::kPartialSums>(rows * kPanel);
 }
 
 // Rows [0, M) of packed x (tiles of kMaxRows, see pack_rows) against K positions [k0, k1) of a

@@ -138,9 +138,9 @@ void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, cons
                       int64_t, int64_t, const float*);
   static const auto tiles = make_tiles<Fn, BlockSumTile<F>>();
   const int64_t nb = K / F::kBlock;
-  at::BFloat16* const xp = call_scratch<at::BFloat16>(M * K);
+  at::BFloat16* const xp = thread_scratch<at::BFloat16, Scratch::kPackedRows>(M * K);
   // [M][nb]: each row's sum over each block (4-bit formats only)
-  float* const xsum = F::kBits == 4 ? call_scratch<float, 1>(M * nb) : nullptr;
+  float* const xsum = F::kBits == 4 ? thread_scratch<float, Scratch::kBlockSums>(M * nb) : nullptr;
   // Packing and block sums go row tile by row tile, split over the threads from two tiles up.
   // As one thread's scalar loop they cost 2-11% of the call at M = 8-512 (alternated in-process
   // against it: 0.94x at M = 8, 0.93x at 16, 0.89x at 64, 0.92x at 512).

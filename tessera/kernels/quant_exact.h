@@ -145,7 +145,7 @@ void run_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* p
   static const auto dense_tiles = make_tiles<DenseFn, F32Tile>();
   const T* xp = x;
   if (M > 1 || ldx != K) {  // M == 1 with a contiguous row is already in the packed layout
-    T* const packed_x = call_scratch<T>(M * K);
+    T* const packed_x = thread_scratch<T, Scratch::kPackedRows>(M * K);
     pack_rows<T, 1>(x, ldx, M, K, packed_x);
     xp = packed_x;
   }
@@ -158,9 +158,9 @@ void run_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* p
   // into an L2 buffer and each row block runs over that.
   const bool whole_panel = dense && num_row_blocks > 1;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<T> buf;
-    const int64_t buf_elems = whole_panel ? K * kPanel : kSliceK * kPanel;
-    if (dense && static_cast<int64_t>(buf.size()) < buf_elems) buf.resize(buf_elems);
+    T* const buf = dense ? thread_scratch<T, Scratch::kDequantPanel>(
+                               whole_panel ? K * kPanel : kSliceK * kPanel)
+                         : nullptr;
     int64_t buf_panel = -1;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
@@ -179,18 +179,18 @@ void run_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* p
       }
       if (whole_panel) {
         if (buf_panel != p) {  // units are panel-major: a thread dequantizes each panel once
-          dequant_panel<F>(panel, 0, K / F::kBlock, buf.data());
+          dequant_panel<F>(panel, 0, K / F::kBlock, buf);
           buf_panel = p;
         }
-        rows_against_panel(xp + m0 * K, rows, buf.data(), K, y0, ldy, N - n0, b0,
+        rows_against_panel(xp + m0 * K, rows, buf, K, y0, ldy, N - n0, b0,
                            dense_tiles.data());
         continue;
       }
       float* partial = partial_sums(rows);
       for (int64_t k0 = 0; k0 < K; k0 += kSliceK) {
         const int64_t k1 = std::min(K, k0 + kSliceK);
-        dequant_panel<F>(panel, k0 / F::kBlock, k1 / F::kBlock, buf.data());
-        rows_against_slice(xp + m0 * K, rows, K, k0, k1, buf.data(), partial, y0, ldy, N - n0,
+        dequant_panel<F>(panel, k0 / F::kBlock, k1 / F::kBlock, buf);
+        rows_against_slice(xp + m0 * K, rows, K, k0, k1, buf, partial, y0, ldy, N - n0,
                            b0, dense_tiles.data(), static_cast<const T*>(nullptr));
       }
     }
