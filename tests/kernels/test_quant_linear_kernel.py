@@ -181,3 +181,22 @@ def test_torch_fallback_matches_kernel_reference():
     lin._kernel = None  # what a failed build leaves
     x = torch.randn(3, 256)
     assert torch.allclose(lin(x).double(), _reference(x, w.dequantize(), None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_large_batches_cover_every_panel_group_and_row_block(qtype):
+    """bf16 calls past one row block (96 rows) walk each thread's panels a group at a time
+    (kPanelGroupBytes, quant_blocksum.h). K = 4096 makes a Q4_1 panel 120 KiB, so 11 panels
+    form several groups, and 200 rows three row blocks (the last one partial). Every output must
+    be written, and equal to the row computed alone."""
+    _kernel_or_skip(torch.bfloat16)
+    n, k, m = 48 * 10 + 5, 4096, 200
+    w = random_weight(qtype, n, k, seed=5)
+    lin = ql.QuantLinear([w.pack()], torch.bfloat16, CPU)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    y = lin(x)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(m)])
+    assert torch.equal(y, alone)
+    ref = _reference(x, w.dequantize(), None)
+    scale = _reference(x.abs(), w.dequantize().abs(), None)
+    assert ((y.double() - ref).abs() / scale).max().item() < 1e-2
