@@ -8,12 +8,23 @@ pass over the 30 layers and GB/s of weight bytes streamed. This is what DENSE_MI
 tessera/kernels/quant_linear.py is chosen from.
 
     python benchmarks/quant_linear.py [--rows 1,8,16,32,64,512] [--dtype float32,bfloat16]
+    python benchmarks/quant_linear.py --baseline REF [--rounds 9] [--rows 64,512,2048]
+
+`--baseline REF` builds the quantized kernel of REF's sources (a temporary `git worktree`) beside
+this tree's and alternates the two in one process on the same packed weights, round by round,
+printing each one's min and median ms and the ratio. On a noisy machine this is the A/B to
+trust: whole-script runs one after the other drifted by more than a 5% change (session 17). The
+two builds must agree on the packed layout; the script says so when their outputs differ.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -21,6 +32,7 @@ import torch
 
 from tessera.config import default_num_threads
 from tessera.kernels import quant_linear as ql
+from tessera.kernels.build import load_extension
 from tessera.kernels.linear import PackedLinearWeight
 from tessera.model.gguf_quant import QuantizedTensor
 
@@ -42,12 +54,63 @@ def seconds(layers, xs, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def baseline_kernel(tree: str):
+    """quant_linear_out of the C++ kernel built from another checkout's sources, loaded beside
+    this tree's (its own module name, so both stay importable in one process)."""
+    kernels = Path(tree) / "tessera" / "kernels"
+    headers = sorted(kernels.glob("*.h"))
+    module = load_extension("tessera_quant_linear_baseline", kernels / "quant_linear.cpp", headers)
+    if module is None:
+        raise SystemExit(f"the baseline's quantized kernel did not build ({kernels})")
+    return module.quant_linear_out
+
+
+def compare_with_baseline(quant, xs_by_rows, baseline, rounds: int, name: str) -> None:
+    """Alternate this tree's kernel and the baseline's on the same layers, `rounds` times."""
+    ours = quant[0][0]._kernel
+    for rows, xs in xs_by_rows.items():
+        reps = max(2, 64 // rows)
+        times: dict[str, list[float]] = {"new": [], "baseline": []}
+        outputs = {}
+        for _ in range(rounds):
+            for label, kernel in (("new", ours), ("baseline", baseline)):
+                for layer in quant:
+                    for lin in layer:
+                        lin._kernel = kernel
+                times[label].append(seconds(quant, xs, reps))
+                outputs[label] = quant[0][0](xs[0])
+        same = torch.equal(outputs["new"], outputs["baseline"])
+        new, base = (min(times[k]) for k in ("new", "baseline"))
+        med_new, med_base = (statistics.median(times[k]) for k in ("new", "baseline"))
+        print(f"{name:<10}{rows:>6}{new * 1e3:>10.2f}{med_new * 1e3:>10.2f}{base * 1e3:>14.2f}"
+              f"{med_base * 1e3:>10.2f}{new / base:>9.3f}x{med_new / med_base:>9.3f}x"
+              f"{'' if same else '  (outputs differ: another packed layout or arithmetic)'}", flush=True)
+    for layer in quant:
+        for lin in layer:
+            lin._kernel = ours
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,16,32,64,512")
     ap.add_argument("--dtype", default="float32,bfloat16")
+    ap.add_argument("--baseline", metavar="REF", help="alternate with REF's kernel in this process")
+    ap.add_argument("--rounds", type=int, default=9, help="with --baseline: rounds of each kernel")
     args = ap.parse_args()
     torch.set_num_threads(default_num_threads())
+    if args.baseline:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from peers import baseline_worktree  # benchmarks/peers.py
+
+        with baseline_worktree(args.baseline) as (tree, commit):
+            print(f"baseline {args.baseline} = {commit[:10]}; default way of each dtype, ms per "
+                  f"pass over {LAYERS} layers, min and median of {args.rounds} alternated rounds")
+            run(args, baseline_kernel(tree))
+        return
+    run(args, None)
+
+
+def run(args, baseline) -> None:
     rng = np.random.default_rng(0)
     weights = [
         [
@@ -56,13 +119,23 @@ def main() -> None:
         ]
         for _ in range(LAYERS)
     ]
-    print(f"{'dtype':<10}{'rows':>6}{'dense ms':>10}{'GB/s':>7}{'q regs ms':>11}{'GB/s':>7}{'q dense-panel ms':>18}{'GB/s':>7}")
+    if baseline is not None:
+        print(f"{'dtype':<10}{'rows':>6}{'new min':>10}{'median':>10}{'baseline min':>14}"
+              f"{'median':>10}{'min':>10}{'median':>10}")
+    else:
+        print(f"{'dtype':<10}{'rows':>6}{'dense ms':>10}{'GB/s':>7}{'q regs ms':>11}{'GB/s':>7}"
+              f"{'q dense-panel ms':>18}{'GB/s':>7}")
     for name in args.dtype.split(","):
         dtype = getattr(torch, name)
         if not ql.quant_kernel_supported(dtype, torch.device("cpu")):
             print(f"{name}: quantized kernel unavailable here")
             continue
         quant = [[ql.QuantLinear([w.pack(pairs=ql.pairs_layout(dtype, torch.device("cpu")))], dtype, torch.device("cpu")) for w in layer] for layer in weights]
+        if baseline is not None:
+            xs_by_rows = {rows: [torch.randn(rows, k).to(dtype) for _, k in SHAPES]
+                          for rows in (int(r) for r in args.rows.split(","))}
+            compare_with_baseline(quant, xs_by_rows, baseline, args.rounds, name)
+            continue
         dense = [[PackedLinearWeight(w.dequantize().to(dtype)) for w in layer] for layer in weights]
         q_bytes = sum(lin.weight_bytes for layer in quant for lin in layer)
         d_bytes = sum(lin.panels.numel() * lin.panels.element_size() for layer in dense for lin in layer)
