@@ -42,8 +42,8 @@ using namespace tessera_quant;
 template <typename F>
 void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
              int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
-  std::vector<at::BFloat16> xa_store(round_up(M, kAmxRows) * K + kAlignElems);
-  at::BFloat16* const xa = align64(xa_store.data());
+  at::BFloat16* const xa = align64(
+      thread_scratch<at::BFloat16, Scratch::kPackedRows>(round_up(M, kAmxRows) * K + kAlignElems));
   amx_pack_rows(x, ldx, M, K, xa);
   const int64_t rows_per_block = std::min(M, kRowsPerBlock);
   const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
@@ -65,10 +65,8 @@ void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uin
       _tile_release();
       return;
     }
-    thread_local std::vector<at::BFloat16> buf_store;
-    if (static_cast<int64_t>(buf_store.size()) < K * kPanel + kAlignElems)
-      buf_store.resize(K * kPanel + kAlignElems);
-    at::BFloat16* const buf = align64(buf_store.data());
+    at::BFloat16* const buf =
+        align64(thread_scratch<at::BFloat16, Scratch::kDequantPanel>(K * kPanel + kAlignElems));
     int64_t buf_panel = -1;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
