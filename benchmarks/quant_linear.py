@@ -78,7 +78,9 @@ def compare_with_baseline(quant, xs_by_rows, baseline, rounds: int, name: str) -
                     for lin in layer:
                         lin._kernel = kernel
                 times[label].append(seconds(quant, xs, reps))
-                outputs[label] = quant[0][0](xs[0])
+        for label, kernel in (("new", ours), ("baseline", baseline)):
+            quant[0][0]._kernel = kernel
+            outputs[label] = quant[0][0](xs[0])
         same = torch.equal(outputs["new"], outputs["baseline"])
         new, base = (min(times[k]) for k in ("new", "baseline"))
         med_new, med_base = (statistics.median(times[k]) for k in ("new", "baseline"))
