@@ -7,7 +7,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from kernels.test_quant_linear_kernel import random_weight
+from quant_weights import random_weight
 
 from tessera.config import EngineArgs, ParallelConfig
 from tessera.distributed.sharding import ShardPlan, check_shardable, shard_quantized

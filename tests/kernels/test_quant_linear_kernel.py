@@ -13,33 +13,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from quant_weights import random_weight
 
 from tessera.kernels import quant_linear as ql
 from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
-from tessera.model.gguf_quant import QuantizedTensor
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
 CPU = torch.device("cpu")
 # (N, K): N not a multiple of the 48-wide panel, K multiple of 256 for the K-quants
 SHAPES = [(1, 256), (47, 256), (49, 512), (130, 768)]
-
-
-def random_weight(qtype, n: int, k: int, seed: int = 0) -> QuantizedTensor:
-    """Random weights in `qtype`'s blocks: quantized by gguf where it can, else random block
-    bytes with sane fp16 scales (gguf has no Q4_K/Q6_K quantizer)."""
-    rng = np.random.default_rng(seed)
-    if qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
-        w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
-        raw = gguf.quants.quantize(w, qtype)
-    else:
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-        for off in (0, 2) if qtype == T.Q4_K else (208,):
-            d = (rng.random((n, k // block, 1)) * 0.002).astype(np.float16)
-            raw[..., off : off + 2] = d.view(np.uint8)
-        raw = raw.reshape(n, -1)
-    return QuantizedTensor(qtype, raw, torch.Size((n, k)))
 
 
 def _kernel_or_skip(dtype):
