@@ -5,7 +5,10 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
         [--profile profile.json] [--settings default chunked swap recompute prefix] [--repeat 3]
 
 1. calibrate here (`tessera simulate calibrate`, bf16: the runner over a grid of shapes in two
-   passes), unless --profile names a profile;
+   passes), unless --profile names a profile; then pick each trace's request rate: `--load`
+   (default 0.5) of the capacity the runner-only profile simulates for it at rate inf with the
+   setting's flags, so that every setting runs at half of its own capacity on any machine
+   (`--load 0`: the fixed rates below, times `--rate-scale`);
 2. `--repeat` rounds of real runs. Each round first runs the real server on the calibration
    trace (48 requests that are none of the traces below, with its step log), then every
    setting once: start `tessera serve` on 127.0.0.1 with the setting's engine flags, send the
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shlex
 import tempfile
@@ -51,6 +55,7 @@ from tessera.entrypoints.cli import build_parser, engine_args_from
 from tessera.simulator.cli import load_samples, run_point
 from tessera.simulator.cost_model import ProfiledCostModel
 from tessera.simulator.serving import (
+    TRACE,
     TRACE_RATE,
     ServingRuns,
     median_run,
@@ -61,12 +66,13 @@ from tessera.simulator.step_fit import read_step_log, steps_by_kind
 
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
           "--random-range-ratio 0.5 --num-prompts 80")
-# name -> (workload flags, engine flags, request rate). The rates put the server at about half
-# of its capacity on the 2-core Zen 5 EPYC of session 13 (~4.9 req/s on RANDOM, simulated at
+# name -> (workload flags, engine flags, request rate with --load 0). The rates put the default
+# server at about half of its capacity on the 2-core Zen 5 EPYC of session 13 (~4.9 req/s on RANDOM, simulated at
 # rate inf; 358 output tok/s measured at rate inf): near the knee a few percent of step-time
 # error becomes a doubling of TTFT, which measures the knee's position, not the model. Before
 # session 13's fix the server ran 2.3x slower per step here (tessera/engine/engine_thread.py)
-# and the rates were a quarter of these.
+# and the rates were a quarter of these. They put the 64-block settings at 80-90% of theirs,
+# hence --load.
 SETTINGS = {
     "default": (RANDOM, "", 2.4),
     "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 2.4),
@@ -84,6 +90,50 @@ METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
            ("p99_ttft_ms", "p99 TTFT"), ("median_tpot_ms", "med TPOT"),
            ("p99_tpot_ms", "p99 TPOT"))
 TARGETS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+
+
+def trace_capacity(workload: str, flags: str, profile: str) -> float:
+    """Requests per second the simulator serves `workload` at with `flags` when every request
+    arrives at once: the trace's capacity under that profile."""
+    ns = build_parser().parse_args(["simulate", *shlex.split(workload), *shlex.split(flags),
+                                    "--profile", profile, "--quiet"])
+    metrics = run_point(ns, load_samples(ns), math.inf, include_requests=False)["metrics"]
+    return metrics["request_throughput"]
+
+
+def rates_at_load(profile: str, args: argparse.Namespace, common: str, work: str,
+                  between_rounds: bool) -> tuple[dict[str, float], float]:
+    """Each setting's request rate at `args.load` of its own capacity, and the calibration
+    trace's (unless calibrate already ran it, without --calibrate-between-rounds).
+
+    Why per setting: one rate for all put the default at half its capacity and a 64-block
+    cache at 80-90% of its own (run 18: 2.89 against 1.63-1.83 req/s simulated at rate inf),
+    at the knee, where the three real runs' median TTFTs spread by 237% and a few percent of
+    step price becomes a doubling of TTFT. Why the runner-only prices: they exist before any
+    real run (the serving overhead is fitted to runs made in the rounds), and they make every
+    capacity a few percent high alike."""
+    with open(profile, encoding="utf-8") as f:
+        runner = runner_only(json.load(f))
+    runner_path = os.path.join(work, "profile-runner-only.json")
+    with open(runner_path, "w", encoding="utf-8") as f:
+        json.dump(runner, f)
+    rates = {}
+    for name in args.settings:
+        workload, flags, _ = SETTINGS[name]
+        capacity = trace_capacity(workload, f"{common} {flags}", runner_path)
+        rates[name] = round(args.load * capacity, 3)
+        print(f"{name}: capacity {capacity:.2f} req/s simulated, sent at {rates[name]} req/s",
+              flush=True)
+    trace_rate = args.rate_scale * TRACE_RATE
+    if between_rounds:
+        trace = (f"--dataset {TRACE['dataset']} --random-input-len {TRACE['random_input_len']} "
+                 f"--random-output-len {TRACE['random_output_len']} --random-range-ratio "
+                 f"{TRACE['random_range_ratio']} --num-prompts {args.serving_requests}")
+        capacity = trace_capacity(trace, common, runner_path)
+        trace_rate = round(args.load * capacity, 3)
+        print(f"calibration trace: capacity {capacity:.2f} req/s simulated, sent at "
+              f"{trace_rate} req/s", flush=True)
+    return rates, trace_rate
 
 
 def main() -> None:
@@ -107,10 +157,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16",
                         help="the engine's --dtype on both sides (float32 on a CPU without "
                              "AVX-512, where bf16 has no fast path)")
+    parser.add_argument("--load", type=float, default=0.5,
+                        help="send each trace (every setting's and the calibration trace's) "
+                             "at this fraction of its own capacity here: the request rate the "
+                             "runner-only profile simulates at rate inf with the setting's "
+                             "flags (default %(default)s); 0: the fixed rates of SETTINGS "
+                             "times --rate-scale")
     parser.add_argument("--rate-scale", type=float, default=1.0,
-                        help="multiply every setting's request rate (and the calibration "
-                             "trace's): the rates are ~50%% of capacity on a 2-core Zen 5 "
-                             "EPYC; scale them to this machine's capacity")
+                        help="with --load 0, multiply every setting's request rate (and the "
+                             "calibration trace's): the rates are ~50%% of the default "
+                             "setting's capacity on a 2-core Zen 5 EPYC")
     parser.add_argument("--sensitivity", action="store_true",
                         help="also simulate each setting with every step priced x0.94, x0.97, "
                              "x1.03 and x1.06: how far the medians move for a small error of "
@@ -129,8 +185,9 @@ def main() -> None:
     profile = args.profile
     between_rounds = (args.calibrate_between_rounds and not args.real_results
                       and args.serving_requests > 0)
+    trace_rate = args.rate_scale * TRACE_RATE  # the calibration trace's, until --load sets it
     cal = build_parser().parse_args(["simulate", "calibrate", *shlex.split(common),
-                                     "--serving-request-rate", str(args.rate_scale * TRACE_RATE),
+                                     "--serving-request-rate", str(trace_rate),
                                      "--grid", args.grid, "--output",
                                      os.path.join(work, "profile.json"),
                                      "--serving-requests",
@@ -139,9 +196,12 @@ def main() -> None:
     if profile is None:
         cal.func(cal)
         profile = cal.output
-    serving = (ServingRuns(engine_args_from(cal), args.serving_requests,
-                           args.rate_scale * TRACE_RATE) if between_rounds else None)
     print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
+    rates = {name: SETTINGS[name][2] * args.rate_scale for name in args.settings}
+    if args.load > 0 and not args.real_results:
+        rates, trace_rate = rates_at_load(profile, args, common, work, between_rounds)
+    serving = (ServingRuns(engine_args_from(cal), args.serving_requests, trace_rate)
+               if between_rounds else None)
     rows: dict[str, dict] = {}
     runs: dict[str, list[dict]] = {name: [] for name in args.settings}
     step_logs: dict[str, list[str]] = {name: [] for name in args.settings}
@@ -153,24 +213,22 @@ def main() -> None:
         ns = build_parser().parse_args(["simulate", *shlex.split(workload),
                                         *shlex.split(f"{common} {engine_flags}"),
                                         "--profile", profile_path or profile, "--quiet"])
-        return ns, load_samples(ns), rate * args.rate_scale
+        return ns, load_samples(ns), rates[name]
 
-    for name in args.settings:
-        workload, flags, rate = SETTINGS[name]
-        rows[name] = {"flags": flags, "workload": workload, "rate": rate * args.rate_scale}
     if args.real_results:
         with open(args.real_results, encoding="utf-8") as f:
             earlier = json.load(f)
         for name in args.settings:
             row = earlier["rows"][name]
-            if row["rate"] != rows[name]["rate"]:
-                raise SystemExit(f"{name}: --real-results ran at {row['rate']} req/s, this run "
-                                 f"asks {rows[name]['rate']} (--rate-scale)")
+            rates[name] = row["rate"]  # simulate at the rates the real runs were sent at
             runs[name] = row["real_runs"]
             # older result files kept no paths: the logs lie beside their profile
             step_logs[name] = row.get("step_logs") or [
                 os.path.join(os.path.dirname(earlier["profile"]),
                              f"server-{name}-{rep}.steps.jsonl") for rep in range(len(runs[name]))]
+    for name in args.settings:
+        workload, flags, _ = SETTINGS[name]
+        rows[name] = {"flags": flags, "workload": workload, "rate": rates[name]}
     # repetition-major: each round runs every setting once, so a drift of this machine's speed
     # over the run lands on every setting alike instead of on the last ones
     for rep in range(0 if args.real_results else args.repeat):
@@ -217,7 +275,8 @@ def main() -> None:
         rows[name]["steps_by_kind"] = steps_by_kind(steps, {"model": model})
     if args.result_file:  # first: the figures outlive a bug in the printing below
         with open(args.result_file, "w", encoding="utf-8") as f:
-            json.dump({"profile": profile, "rows": rows}, f, indent=2)
+            json.dump({"profile": profile, "load": None if args.real_results else args.load,
+                       "calibration_trace_rate": trace_rate, "rows": rows}, f, indent=2)
     print()
     print(f"real = the median of {len(next(iter(runs.values())))} server runs per setting; "
           "spread = their (max - min) / median")
