@@ -7,13 +7,17 @@
 // contiguous. Token `pos` of sequence b lives in block block_tables[b][pos / block_size], row
 // pos % block_size, so one K row of one kv head is head_dim contiguous values.
 //
-// Work item = a sequence and a range of its kv heads: all of them when there are enough sequences
-// to keep the threads busy (each token's K/V rows are then one contiguous stretch of memory;
-// 1.15-1.2x faster than one kv head per item at B=64, ctx 512, one thread), else one kv head per
-// item. All `group` query heads of a kv head are processed together, so every K/V row is read from
-// memory once. Tokens are walked in tiles of kTile: scores for the tile, then one online-softmax
-// update (running max m, running sum l, fp32 accumulator acc) per head. Work items are handed out
-// through an atomic counter, because mixed sequence lengths make a static split uneven.
+// A row's context is attended in partitions of kPartition tokens, each an online softmax of its own,
+// folded in order (paged_attention_common.h says why, and why that keeps rows independent of the
+// batch). Work item = a whole row when there are enough rows to keep the threads busy (its
+// partitions folded on one thread), else one partition of a row (folded after the threads). Either
+// way an item covers all kv heads, so each token's K/V rows are one contiguous stretch of memory
+// that the touch pass loads ahead (1.15-1.2x faster than one kv head per item at B=64, ctx 512, one
+// thread; 1.4-1.7x at batch 1-6, where items were single kv heads before the partitions). All
+// `group` query heads of a kv head are processed together, so every K/V row is read from memory
+// once. Tokens are walked in tiles of kTile: scores for the tile, then one online-softmax update
+// (running max m, running sum l, fp32 accumulator acc) per head. Work items are handed out through
+// an atomic counter, because mixed sequence lengths make a static split uneven.
 //
 // The cache may hold another dtype than q/out (--kv-cache-dtype: bf16 K/V beside fp32 activations
 // halves the bytes read); K/V rows are widened to fp32 on load, so the arithmetic is fp32 either way.
@@ -48,21 +52,23 @@ using namespace tessera_paged;
 
 // ---------------------------------------------------------------------------------------------
 // Portable path.
+// The softmax state of row b's heads over tokens [t_begin, t_end), as attend_avx512.
 template <typename q_t, typename kv_t, typename index_t>
 void attend_scalar(const q_t* q, const kv_t* k, const kv_t* v, const index_t* table,
-                   int64_t seq_len, int64_t b, int64_t g0, int64_t nkv, float scale,
-                   const Geometry& geo, Scratch& sc, q_t* out) {
-  const int64_t D = geo.head_dim, G = geo.group, h0 = g0 * G, nh = nkv * G;
+                   int64_t t_begin, int64_t t_end, int64_t b, float scale, bool load_query,
+                   const Geometry& geo, Scratch& sc) {
+  const int64_t D = geo.head_dim, G = geo.group, nh = geo.num_heads;
   const kv_t* kp[kTile];
   const kv_t* vp[kTile];
-  load_q(q, geo, b, h0, nh, scale, sc);
-  for (int64_t t0 = 0; t0 < seq_len; t0 += kTile) {
-    const int64_t n = std::min(kTile, seq_len - t0);
-    tile_rows(k, v, table, g0, t0, n, geo, kp, vp);
+  if (load_query) load_q(q, geo, b, scale, sc);
+  reset_state(sc, nh, D);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+    const int64_t n = std::min(kTile, t_end - t0);
+    tile_rows(k, v, table, t0, n, geo, kp, vp);
     for (int64_t j = 0; j < nh; ++j) {
       float* s = sc.s.data() + j * kTile;
       const float* qj = sc.q.data() + j * D;
-      const int64_t off = (j / G) * D;  // this head's kv row, relative to the item's first
+      const int64_t off = (j / G) * D;  // this head's kv head within the token's row
       float tile_max = -std::numeric_limits<float>::infinity();
       for (int64_t i = 0; i < n; ++i) {
         float dot = 0.f;
@@ -79,7 +85,6 @@ void attend_scalar(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
       }
     }
   }
-  store_out(out, geo, b, h0, nh, sc);
 }
 
 template <typename q_t, typename kv_t, typename index_t>
@@ -121,20 +126,85 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   }
 #endif
 
-  // Whole sequences per item when there are enough of them to balance the threads.
   const int64_t num_threads = at::get_num_threads();
-  const int64_t nkv = geo.num_seqs >= 4 * num_threads ? geo.num_kv_heads : 1;
-  const int64_t items_per_seq = geo.num_kv_heads / nkv;
-  const int64_t num_items = geo.num_seqs * items_per_seq;
-  const int64_t num_workers = std::min(num_threads, num_items);
-  std::atomic<int64_t> next{0};
+  const int64_t D = geo.head_dim, H = geo.num_heads;
   const float fscale = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};
+  if (geo.num_seqs >= 4 * num_threads) {
+    // Enough rows to balance the threads: an item is a whole row, all its kv heads (each token's
+    // K/V rows are then one contiguous stretch of memory; 1.15-1.2x faster than one kv head per
+    // item at B=64, ctx 512, one thread), its partitions attended and folded in order.
+    const int64_t num_workers = std::min(num_threads, geo.num_seqs);
+    at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+      Scratch sc(geo);
+      for (int64_t w = begin; w < end; ++w) {
+        for (int64_t b = next.fetch_add(1); b < geo.num_seqs; b = next.fetch_add(1)) {
+          const index_t* table = tables + b * geo.max_blocks;
+          const int64_t parts = num_partitions(lens[b]);
+          for (int64_t p = 0; p < parts; ++p) {
+            const int64_t t_begin = p * kPartition;
+            const int64_t t_end = std::min(lens[b], t_begin + kPartition);
+            attend(qp, kp, vp, table, t_begin, t_end, b, fscale, p == 0, geo, sc);
+            if (parts == 1) break;
+            if (p == 0) {
+              std::copy(sc.acc.begin(), sc.acc.begin() + H * D, sc.fold_acc.begin());
+              std::copy(sc.m.begin(), sc.m.begin() + H, sc.fold_m.begin());
+              std::copy(sc.l.begin(), sc.l.begin() + H, sc.fold_l.begin());
+            } else {
+              for (int64_t h = 0; h < H; ++h)
+                fold_state(sc.fold_m[h], sc.fold_l[h], sc.fold_acc.data() + h * D, sc.m[h],
+                           sc.l[h], sc.acc.data() + h * D, D);
+            }
+          }
+          const bool folded = parts > 1;
+          for (int64_t h = 0; h < H; ++h)
+            store_head(op, geo, b, h, (folded ? sc.fold_acc : sc.acc).data() + h * D,
+                       (folded ? sc.fold_l : sc.l)[h]);
+        }
+      }
+    });
+    return;
+  }
+  // A few rows: an item is one partition of a row, so both threads have work. Each
+  // item leaves its state (m, l, acc) in `partial`; a pass after the threads folds each row's
+  // partitions in order, as the branch above does on one thread.
+  std::vector<int64_t> first(geo.num_seqs + 1, 0);  // row b's partitions: [first[b], first[b+1])
+  for (int64_t b = 0; b < geo.num_seqs; ++b) first[b + 1] = first[b] + num_partitions(lens[b]);
+  const int64_t stride = D + 2;  // per head: m, l, acc[D]
+  std::vector<float> partial(first[geo.num_seqs] * H * stride);
+  const int64_t num_items = first[geo.num_seqs];
+  const int64_t num_workers = std::min(num_threads, num_items);
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(geo);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
-        const int64_t b = item / items_per_seq, g0 = (item % items_per_seq) * nkv;
-        attend(qp, kp, vp, tables + b * geo.max_blocks, lens[b], b, g0, nkv, fscale, geo, sc, op);
+        const int64_t part = item;  // row b's partition part - first[b]
+        const int64_t b = std::upper_bound(first.begin(), first.end(), part) - first.begin() - 1;
+        const int64_t t_begin = (part - first[b]) * kPartition;
+        const int64_t t_end = std::min(lens[b], t_begin + kPartition);
+        attend(qp, kp, vp, tables + b * geo.max_blocks, t_begin, t_end, b, fscale, true, geo,
+               sc);
+        for (int64_t h = 0; h < H; ++h) {
+          float* rec = partial.data() + (part * H + h) * stride;
+          rec[0] = sc.m[h];
+          rec[1] = sc.l[h];
+          std::copy(sc.acc.begin() + h * D, sc.acc.begin() + (h + 1) * D, rec + 2);
+        }
+      }
+    }
+  });
+  at::parallel_for(0, geo.num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* rec = partial.data() + (first[b] * H + h) * stride;
+        float m = rec[0], l = rec[1];
+        std::copy(rec + 2, rec + 2 + D, acc.begin());
+        for (int64_t part = first[b] + 1; part < first[b + 1]; ++part) {
+          const float* r = partial.data() + (part * H + h) * stride;
+          fold_state(m, l, acc.data(), r[0], r[1], r + 2, D);
+        }
+        store_head(op, geo, b, h, acc.data(), l);
       }
     }
   });

@@ -129,30 +129,34 @@ inline void pv_group(const float* p, const float* corr, const kv_t* const* vp, i
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + g * D + 16 * c, acc[g][c]);
 }
 
+// The softmax state (sc.m, sc.l, sc.acc) of row b's query heads over tokens [t_begin, t_end) of
+// its sequence. `load_query`: convert the row's q into sc first (false: the row's next partition,
+// whose q is there already).
 template <int NC, typename q_t, typename kv_t, typename index_t>
 void attend_avx512(const q_t* q, const kv_t* k, const kv_t* v, const index_t* table,
-                   int64_t seq_len, int64_t b, int64_t g0, int64_t nkv, float scale,
-                   const Geometry& geo, Scratch& sc, q_t* out) {
+                   int64_t t_begin, int64_t t_end, int64_t b, float scale, bool load_query,
+                   const Geometry& geo, Scratch& sc) {
   static_assert(NC % 2 == 0, "vdpbf16ps takes head_dim in chunks of 32");
   constexpr bool kDp = use_dpbf16<q_t, kv_t>();
-  const int64_t D = geo.head_dim, G = geo.group, h0 = g0 * G, nh = nkv * G;
+  const int64_t D = geo.head_dim, G = geo.group, nkv = geo.num_kv_heads, nh = geo.num_heads;
   const kv_t* kp[kTile];
   const kv_t* vp[kTile];
-  load_q(q, geo, b, h0, nh, 1.f, sc);  // unscaled: the scale is applied to the scores
-  if constexpr (kDp) {
-    for (int64_t x = 0; x < nh * D; ++x) sc.qb[x] = static_cast<at::BFloat16>(sc.q[x]);  // exact
+  if (load_query) {
+    load_q(q, geo, b, 1.f, sc);  // unscaled: the scale is applied to the scores
+    if constexpr (kDp) {
+      for (int64_t x = 0; x < nh * D; ++x) sc.qb[x] = static_cast<at::BFloat16>(sc.q[x]);  // exact
+    }
   }
-  // Tokens per touch pass, when an item is a whole sequence (batches of 4 per thread and more).
-  // Items of one kv head (small batches) skip it: 3 such items on 2 threads at batch 1 ran 0-30%
-  // slower with it (benchmarks/attention.py --batch 1).
-  const int64_t touch_span = nkv == geo.num_kv_heads ? touch_tiles<kv_t>(nkv, D) * kTile : 0;
+  reset_state(sc, nh, D);
+  const int64_t touch_span = touch_tiles<kv_t>(nkv, D) * kTile;  // tokens per touch pass
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t0 = 0; t0 < seq_len; t0 += kTile) {
-    const int64_t n = std::min(kTile, seq_len - t0);
-    tile_rows(k, v, table, g0, t0, n, geo, kp, vp);
-    if (touch_span > 0 && t0 % touch_span == 0)  // the next rows into L2 (paged_attention_common.h)
-      touch_rows(k, v, table, g0, nkv, t0, std::min(touch_span, seq_len - t0), geo);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+    const int64_t n = std::min(kTile, t_end - t0);
+    tile_rows(k, v, table, t0, n, geo, kp, vp);
+    // the next rows into L2 (paged_attention_common.h)
+    if ((t0 - t_begin) % touch_span == 0)
+      touch_rows(k, v, table, t0, std::min(touch_span, t_end - t0), geo);
     const __mmask16 lo = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
     for (int64_t j = 0; j < nh; ++j) {
@@ -194,7 +198,6 @@ void attend_avx512(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
       }
     }
   }
-  store_out(out, geo, b, h0, nh, sc);
 }
 
 #endif  // __AVX512F__

@@ -7,11 +7,30 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace tessera_paged {
 
 constexpr int64_t kTile = 32;  // tokens per online-softmax update (two score vectors of 16)
+
+#ifndef TESSERA_ATTN_PARTITION
+#define TESSERA_ATTN_PARTITION 128
+#endif
+// A row's context is attended in partitions of this many tokens, positions [p P, (p + 1) P): each
+// partition is its own online softmax from a fresh state, and the partitions' states are folded in
+// order (fold_state). Why: a decode batch of a few rows is a few work items, one per kv head at
+// batch 1, three on two threads, so one thread waited and the other streamed its K/V alone; by
+// partition there are enough items for both threads and their misses. The partitions are fixed by
+// position, whatever the batch and whichever thread runs them, so a row's result does not depend
+// on the batch: rows too many to split fold their partitions in the same order on one thread, and
+// a context of at most P tokens is one partition, the plain online softmax.
+constexpr int64_t kPartition = TESSERA_ATTN_PARTITION;
+static_assert(kPartition % kTile == 0, "a partition is whole tiles");
+
+inline int64_t num_partitions(int64_t seq_len) {
+  return std::max<int64_t>(1, (seq_len + kPartition - 1) / kPartition);
+}
 
 struct Geometry {
   int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
@@ -19,16 +38,16 @@ struct Geometry {
 };
 
 // Calls row(i, offset) for tokens [t0, t0 + n) of one sequence, offset being the element offset of
-// kv head g of token t0 + i in either cache.
+// token t0 + i (its first kv head) in either cache.
 template <typename index_t, typename Row>
-inline void for_each_row(const index_t* table, int64_t g, int64_t t0, int64_t n,
-                         const Geometry& geo, Row row) {
+inline void for_each_row(const index_t* table, int64_t t0, int64_t n, const Geometry& geo,
+                         Row row) {
   // One division per call, not per token (a 64-bit divide costs as much as a head's dot product).
   int64_t idx = t0 / geo.block_size, in_block = t0 % geo.block_size;
   const int64_t row_stride = geo.num_kv_heads * geo.head_dim;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t block = static_cast<int64_t>(table[idx]);
-    row(i, (block * geo.block_size + in_block) * row_stride + g * geo.head_dim);
+    row(i, (block * geo.block_size + in_block) * row_stride);
     if (++in_block == geo.block_size) {
       in_block = 0;
       ++idx;
@@ -36,11 +55,11 @@ inline void for_each_row(const index_t* table, int64_t g, int64_t t0, int64_t n,
   }
 }
 
-// Row pointers of kv head g (the item's first) for tokens [t0, t0 + n) of one sequence.
+// Row pointers (all kv heads of a token) for tokens [t0, t0 + n) of one sequence.
 template <typename kv_t, typename index_t>
-inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t g, int64_t t0,
-                      int64_t n, const Geometry& geo, const kv_t** kp, const kv_t** vp) {
-  for_each_row(table, g, t0, n, geo, [&](int64_t i, int64_t offset) {
+inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t t0, int64_t n,
+                      const Geometry& geo, const kv_t** kp, const kv_t** vp) {
+  for_each_row(table, t0, n, geo, [&](int64_t i, int64_t offset) {
     kp[i] = k + offset;
     vp[i] = v + offset;
   });
@@ -59,20 +78,20 @@ inline void tile_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_
 // (benchmarks/attention.py --layers 30); 96 KiB measured as good as 192 and 512.
 constexpr int64_t kTouchBytes = TESSERA_ATTN_TOUCH_BYTES;
 
-// Tiles per touch pass for an item of nkv kv heads: its K and V rows of kTile tokens.
+// Tiles per touch pass over the K and V rows (nkv kv heads) of kTile tokens.
 template <typename kv_t>
 inline int64_t touch_tiles(int64_t nkv, int64_t head_dim) {
   const int64_t tile_bytes = 2 * kTile * nkv * head_dim * static_cast<int64_t>(sizeof(kv_t));
   return std::max<int64_t>(1, kTouchBytes / tile_bytes);
 }
 
-// Load one byte of every cache line of the K and V rows of kv heads [g, g + nkv) for tokens
-// [t0, t0 + n) of one sequence, so that the tiles attended next find them in L2.
+// Load one byte of every cache line of the K and V rows of tokens [t0, t0 + n) of one sequence,
+// so that the tiles attended next find them in L2.
 template <typename kv_t, typename index_t>
-inline void touch_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t g,
-                       int64_t nkv, int64_t t0, int64_t n, const Geometry& geo) {
-  const int64_t row_bytes = nkv * geo.head_dim * static_cast<int64_t>(sizeof(kv_t));
-  for_each_row(table, g, t0, n, geo, [&](int64_t, int64_t offset) {
+inline void touch_rows(const kv_t* k, const kv_t* v, const index_t* table, int64_t t0, int64_t n,
+                       const Geometry& geo) {
+  const int64_t row_bytes = geo.num_kv_heads * geo.head_dim * static_cast<int64_t>(sizeof(kv_t));
+  for_each_row(table, t0, n, geo, [&](int64_t, int64_t offset) {
     const volatile char* kr = reinterpret_cast<const volatile char*>(k + offset);
     const volatile char* vr = reinterpret_cast<const volatile char*>(v + offset);
     for (int64_t b = 0; b < row_bytes; b += 64) {
@@ -82,8 +101,7 @@ inline void touch_rows(const kv_t* k, const kv_t* v, const index_t* table, int64
   });
 }
 
-// Per-thread scratch, allocated once per worker; sized for all heads of a sequence, an item's heads
-// (nh = nkv * group of them, starting at query head h0 = g0 * group) use the front.
+// Per-thread scratch, allocated once per worker: the state of one row's heads (nh of them).
 struct Scratch {
   std::vector<float> q;    // [nh, head_dim] fp32
   std::vector<at::BFloat16> qb;  // the same as bf16, for vdpbf16ps
@@ -91,35 +109,51 @@ struct Scratch {
   std::vector<float> s;    // [nh, kTile] scores, then probabilities
   std::vector<float> m, l;  // [nh]
   std::vector<float> corr;  // [nh] this tile's rescaling of acc
+  std::vector<float> fold_acc, fold_m, fold_l;  // the partitions so far of a row's item, folded
   explicit Scratch(const Geometry& geo)
       : q(geo.num_heads * geo.head_dim), qb(geo.num_heads * geo.head_dim),
         acc(geo.num_heads * geo.head_dim), s(geo.num_heads * kTile), m(geo.num_heads),
-        l(geo.num_heads), corr(geo.num_heads) {}
+        l(geo.num_heads), corr(geo.num_heads), fold_acc(geo.num_heads * geo.head_dim),
+        fold_m(geo.num_heads), fold_l(geo.num_heads) {}
 };
 
-template <typename q_t>
-inline void load_q(const q_t* q, const Geometry& geo, int64_t b, int64_t h0, int64_t nh,
-                   float scale, Scratch& sc) {
-  for (int64_t j = 0; j < nh; ++j) {
-    const q_t* qh = q + b * geo.q_stride_b + (h0 + j) * geo.q_stride_h;
-    for (int64_t d = 0; d < geo.head_dim; ++d)
-      sc.q[j * geo.head_dim + d] = static_cast<float>(qh[d]) * scale;
-  }
-  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
-  std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
-  std::fill(sc.l.begin(), sc.l.end(), 0.f);
+// (M, L, A) <- the softmax state of its tokens and of the next partition's (m, l, a) as one: both
+// rescaled to the larger max. One out-of-line function with explicit fmas, so every caller (one
+// thread folding its row's partitions, or the pass after the threads) rounds the same way.
+__attribute__((noinline)) inline void fold_state(float& M, float& L, float* A, float m, float l,
+                                                 const float* a, int64_t head_dim) {
+  const float mx = std::max(M, m);
+  if (mx == -std::numeric_limits<float>::infinity()) return;  // both empty
+  const float ca = std::exp(M - mx), cb = std::exp(m - mx);
+  L = std::fma(L, ca, l * cb);
+  for (int64_t d = 0; d < head_dim; ++d) A[d] = std::fma(A[d], ca, a[d] * cb);
+  M = mx;
 }
 
 template <typename q_t>
-inline void store_out(q_t* out, const Geometry& geo, int64_t b, int64_t h0, int64_t nh,
-                      const Scratch& sc) {
-  for (int64_t j = 0; j < nh; ++j) {
-    q_t* oh = out + b * geo.out_stride_b + (h0 + j) * geo.out_stride_h;
-    // l > 0 whenever the sequence has at least one token; an empty context gives zeros.
-    const float inv = sc.l[j] > 0.f ? 1.f / sc.l[j] : 0.f;
+inline void load_q(const q_t* q, const Geometry& geo, int64_t b, float scale, Scratch& sc) {
+  for (int64_t j = 0; j < geo.num_heads; ++j) {
+    const q_t* qh = q + b * geo.q_stride_b + j * geo.q_stride_h;
     for (int64_t d = 0; d < geo.head_dim; ++d)
-      oh[d] = static_cast<q_t>(sc.acc[j * geo.head_dim + d] * inv);
+      sc.q[j * geo.head_dim + d] = static_cast<float>(qh[d]) * scale;
   }
+}
+
+// A fresh softmax state for the front nh heads: no tokens yet.
+inline void reset_state(Scratch& sc, int64_t nh, int64_t head_dim) {
+  std::fill(sc.acc.begin(), sc.acc.begin() + nh * head_dim, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + nh, -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.begin(), sc.l.begin() + nh, 0.f);
+}
+
+// Head h of row b's output from its softmax state: acc / l.
+template <typename q_t>
+inline void store_head(q_t* out, const Geometry& geo, int64_t b, int64_t h, const float* acc,
+                       float l) {
+  q_t* oh = out + b * geo.out_stride_b + h * geo.out_stride_h;
+  // l > 0 whenever the sequence has at least one token; an empty context gives zeros.
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int64_t d = 0; d < geo.head_dim; ++d) oh[d] = static_cast<q_t>(acc[d] * inv);
 }
 
 // Online-softmax step for head j of the portable path: raise its running max to cover the tile

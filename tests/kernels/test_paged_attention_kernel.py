@@ -82,6 +82,19 @@ def test_matches_reference(kernel, dtype, block_size, heads, head_dim):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens", [[1000], [129, 5, 700], [128, 256, 384, 1, 513, 90, 64]])
+def test_few_rows_spread_by_partition_match_reference(kernel, dtype, seq_lens):
+    """Batches too small to balance the threads by rows: each row's 128-token partitions are
+    attended apart and folded after; the result is the softmax over the whole context."""
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    q, k_cache, v_cache, tables, lens = _make_case(9, 3, 64, 16, seq_lens, dtype, gen, torch.int64)
+    out = pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    ref = _reference(q, k_cache, v_cache, tables, lens, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0)
+
+
 def test_strided_q_and_out(kernel):
     """q and out may be row slices of the flat batch (decodes first, prefill tokens after)."""
     gen = torch.Generator().manual_seed(0)
@@ -161,18 +174,23 @@ def test_cache_dtype_differs_from_q(kernel, dtypes, head_dim):
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.bfloat16,) * 2, MIXED[0]])
 def test_row_independent_bitwise(kernel, dtypes):
     """A row's result never depends on its batch neighbours, nor on how the rows are split into work
-    items (one kv head per item at small batches, whole sequences at large ones): bitwise."""
+    items (a row's 128-token partitions spread over the threads at small batches, folded on one
+    thread at large ones): bitwise. Contexts on both sides of the partition bounds and past
+    several of them."""
     q_dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(3)
-    seq_lens = torch.randint(1, 400, (40,), generator=gen).tolist()
+    edges = [1, 127, 128, 129, 256, 257, 1000]
+    seq_lens = edges + torch.randint(1, 400, (33,), generator=gen).tolist()
     q, k_cache, v_cache, tables, lens = _make_case(
         9, 3, 64, 16, seq_lens, kv_dtype, gen, torch.int64
     )
     q = q.to(q_dtype)
     batched = pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
-    for b in (0, 7, 39):
+    for b in (*range(len(edges)), 20, 39):
         alone = pa.paged_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125)
         assert torch.equal(alone[0], batched[b]), b
+    few = pa.paged_attention(q[2:5], k_cache, v_cache, tables[2:5], lens[2:5], 0.125)
+    assert torch.equal(few, batched[2:5])
 
 
 def _new_kv_case(q_dtype, kv_dtype):
