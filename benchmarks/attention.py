@@ -18,16 +18,30 @@ over a bf16 KV cache (--kv-cache-dtype bfloat16), half the bytes of `float32`.
 
 Timings are the best of three means of --reps calls (wall clock): run it on an otherwise idle
 machine; other busy processes on two cores inflate the two-thread numbers erratically.
+
+    python benchmarks/attention.py --baseline REF --batch 1,4,16,64 --contexts 406 [--rounds 5]
+
+`--baseline REF` builds REF's kernel from a `git worktree` and alternates it with this tree's, in
+this process, round by round on the same inputs (the A/B a noisy machine allows): min and median
+us per layer of each, their ratio, and whether the outputs are equal. Each case gets enough
+layers that the K/V it touches exceed 96 MiB, so every layer reads them from DRAM, as between a
+step's layers, where the weights stream through L3.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from tessera.attention import SeqSpan, select_attention_backend
+from tessera.kernels import paged_attention as pa
+from tessera.kernels.build import load_extension
 from tessera.kernels.paged_attention import paged_attention_available
 from tessera.utils import cdiv
 
@@ -74,7 +88,7 @@ def time_ms(fn, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", default="64", help="rows; with --baseline a list (1,4,64)")
     ap.add_argument("--contexts", default="256,512")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--heads", default="9,3", help="num_heads,num_kv_heads")
@@ -84,6 +98,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--layers", type=int, default=1,
                     help="caches attended in turn, one per layer (30: from DRAM, as in a step)")
+    ap.add_argument("--baseline", metavar="REF", help="alternate with REF's kernel in this process")
+    ap.add_argument("--rounds", type=int, default=5, help="with --baseline: rounds of each kernel")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,6 +112,16 @@ def main() -> None:
     )
     if not have_kernel:
         raise SystemExit("the paged_kernel backend needs the C++ kernel (see the warning above)")
+    if args.baseline:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from peers import baseline_worktree  # benchmarks/peers.py
+
+        with baseline_worktree(args.baseline) as (tree, commit):
+            print(f"baseline {args.baseline} = {commit[:10]}; us per layer, min and median of "
+                  f"{args.rounds} alternated rounds")
+            compare_with_baseline(args, baseline_module(tree), (num_heads, num_kv_heads))
+        return
+    args.batch = int(args.batch)
     print(
         f"B={args.batch} heads={num_heads}/{num_kv_heads} head_dim={args.head_dim} "
         f"block_size={args.block_size}"
@@ -140,6 +166,61 @@ def bench_case(batch, ctx, geometry, dtype, kv_dtype, reps, gen, layers: int = 1
         f"{name:>16} {ctx:>5} {ms_t:>9.3f} {ms_k:>10.3f} {ms_t / ms_k:>7.2f}x "
         f"{kv_bytes / ms_k / 1e6:>6.1f}   (max |diff| {diff:.1e})"
     )
+
+
+def baseline_module(tree: str):
+    """The paged attention kernel built from another checkout's sources, loaded beside this
+    tree's (its own module name, so both stay importable in one process)."""
+    kernels = Path(tree) / "tessera" / "kernels"
+    headers = sorted(kernels.glob("paged_*.h"))
+    module = load_extension("tessera_paged_attention_baseline", kernels / "paged_attention.cpp",
+                            headers)
+    if module is None:
+        raise SystemExit(f"the baseline's attention kernel did not build ({kernels})")
+    return module
+
+
+def compare_with_baseline(args, baseline, heads: tuple[int, int]) -> None:
+    ours = pa._module
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'dtype':>16} {'B':>4} {'ctx':>5} {'layers':>6} {'new min':>9} {'median':>8} "
+          f"{'base min':>9} {'median':>8} {'min':>7} {'median':>7}  equal")
+    for entry in args.dtypes.split(","):
+        q_name, _, kv_name = entry.partition("/")
+        dtype = getattr(torch, q_name)
+        kv_dtype = getattr(torch, kv_name) if kv_name else dtype
+        for batch in (int(b) for b in args.batch.split(",")):
+            for ctx in (int(c) for c in args.contexts.split(",")):
+                geometry = (*heads, args.head_dim, args.block_size)
+                touched = 2 * batch * ctx * heads[1] * args.head_dim * kv_dtype.itemsize
+                layers = max(args.layers, -(-96 * 2**20 // touched))
+                cases = [make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen)
+                         for _ in range(layers)]
+                reps = max(2, 2000 // layers)
+
+                out = torch.empty_like(cases[0][0])
+
+                def per_layer_us(module, cases=cases, reps=reps, out=out) -> float:
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        for q, kc, vc, tables, lens in cases:
+                            module.paged_attention(q, kc, vc, tables, lens, 0.125, out)
+                    return (time.perf_counter() - t) / reps / len(cases) * 1e6
+
+                times: dict[str, list[float]] = {"new": [], "baseline": []}
+                for module in (ours, baseline):  # warm-up
+                    per_layer_us(module)
+                for _ in range(args.rounds):
+                    times["new"].append(per_layer_us(ours))
+                    times["baseline"].append(per_layer_us(baseline))
+                q, kc, vc, tables, lens = cases[0]
+                outs = [m.paged_attention(q, kc, vc, tables, lens, 0.125, torch.empty_like(q))
+                        for m in (ours, baseline)]
+                new, base = min(times["new"]), min(times["baseline"])
+                med_new, med_base = (statistics.median(times[k]) for k in ("new", "baseline"))
+                print(f"{entry:>16} {batch:>4} {ctx:>5} {layers:>6} {new:>9.1f} {med_new:>8.1f} "
+                      f"{base:>9.1f} {med_base:>8.1f} {new / base:>6.3f}x "
+                      f"{med_new / med_base:>6.3f}x  {torch.equal(*outs)}", flush=True)
 
 
 if __name__ == "__main__":
