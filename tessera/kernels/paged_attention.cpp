@@ -50,6 +50,50 @@ namespace {
 
 using namespace tessera_paged;
 
+// (M, L, A) <- the softmax states of H heads over their tokens so far and over the next
+// partition's (m, l, a) as one, each rescaled to the larger max: M, L [H], A [H][D]. One
+// out-of-line function with explicit fmas, so both callers (one thread folding its row's
+// partitions, the pass after the threads) round the same way. The exponentials of 16 heads at a
+// time: one std::exp per head and partition was most of the partitions' cost in prefill.
+__attribute__((noinline)) void fold_states(float* M, float* L, float* A, const float* m,
+                                           const float* l, const float* a, int64_t H, int64_t D) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t h0 = 0; h0 < H; h0 += 16) {
+    const int64_t n = std::min<int64_t>(16, H - h0);
+    float ca[16], cb[16];
+#if defined(__AVX512F__)
+    const __mmask16 lanes = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const __m512 ninf = _mm512_set1_ps(kNegInf);
+    const __m512 vM = _mm512_mask_loadu_ps(ninf, lanes, M + h0);
+    const __m512 vm = _mm512_mask_loadu_ps(ninf, lanes, m + h0);
+    const __m512 mx = _mm512_max_ps(vM, vm);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(lanes, mx, ninf, _CMP_NEQ_OQ);  // not both empty
+    const __m512 va = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(vM, mx)));
+    const __m512 vb = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(vm, mx)));
+    const __m512 vl = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, L + h0), va,
+                                      _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, l + h0), vb));
+    _mm512_mask_storeu_ps(L + h0, lanes, vl);
+    _mm512_mask_storeu_ps(M + h0, lanes, mx);
+    _mm512_storeu_ps(ca, va);
+    _mm512_storeu_ps(cb, vb);
+#else
+    for (int64_t j = 0; j < n; ++j) {
+      const float mx = std::max(M[h0 + j], m[h0 + j]);
+      const bool live = mx != kNegInf;  // not both empty
+      ca[j] = live ? std::exp(M[h0 + j] - mx) : 0.f;
+      cb[j] = live ? std::exp(m[h0 + j] - mx) : 0.f;
+      L[h0 + j] = std::fma(L[h0 + j], ca[j], l[h0 + j] * cb[j]);
+      M[h0 + j] = mx;
+    }
+#endif
+    for (int64_t j = 0; j < n; ++j) {
+      float* Ah = A + (h0 + j) * D;
+      const float* ah = a + (h0 + j) * D;
+      for (int64_t d = 0; d < D; ++d) Ah[d] = std::fma(Ah[d], ca[j], ah[d] * cb[j]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Portable path.
 // The softmax state of row b's heads over tokens [t_begin, t_end), as attend_avx512.
@@ -151,9 +195,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
               std::copy(sc.m.begin(), sc.m.begin() + H, sc.fold_m.begin());
               std::copy(sc.l.begin(), sc.l.begin() + H, sc.fold_l.begin());
             } else {
-              for (int64_t h = 0; h < H; ++h)
-                fold_state(sc.fold_m[h], sc.fold_l[h], sc.fold_acc.data() + h * D, sc.m[h],
-                           sc.l[h], sc.acc.data() + h * D, D);
+              fold_states(sc.fold_m.data(), sc.fold_l.data(), sc.fold_acc.data(), sc.m.data(),
+                          sc.l.data(), sc.acc.data(), H, D);
             }
           }
           const bool folded = parts > 1;
@@ -170,8 +213,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   // partitions in order, as the branch above does on one thread.
   std::vector<int64_t> first(geo.num_seqs + 1, 0);  // row b's partitions: [first[b], first[b+1])
   for (int64_t b = 0; b < geo.num_seqs; ++b) first[b + 1] = first[b] + num_partitions(lens[b]);
-  const int64_t stride = D + 2;  // per head: m, l, acc[D]
-  std::vector<float> partial(first[geo.num_seqs] * H * stride);
+  const int64_t stride = H * (D + 2);  // per partition: m [H], l [H], acc [H][D]
+  std::vector<float> partial(first[geo.num_seqs] * stride);
   const int64_t num_items = first[geo.num_seqs];
   const int64_t num_workers = std::min(num_threads, num_items);
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
@@ -184,28 +227,24 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
         const int64_t t_end = std::min(lens[b], t_begin + kPartition);
         attend(qp, kp, vp, tables + b * geo.max_blocks, t_begin, t_end, b, fscale, true, geo,
                sc);
-        for (int64_t h = 0; h < H; ++h) {
-          float* rec = partial.data() + (part * H + h) * stride;
-          rec[0] = sc.m[h];
-          rec[1] = sc.l[h];
-          std::copy(sc.acc.begin() + h * D, sc.acc.begin() + (h + 1) * D, rec + 2);
-        }
+        float* rec = partial.data() + part * stride;
+        std::copy(sc.m.begin(), sc.m.begin() + H, rec);
+        std::copy(sc.l.begin(), sc.l.begin() + H, rec + H);
+        std::copy(sc.acc.begin(), sc.acc.begin() + H * D, rec + 2 * H);
       }
     }
   });
   at::parallel_for(0, geo.num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
+    std::vector<float> state(stride);  // m [H], l [H], acc [H][D], as a partition's record
+    float *m = state.data(), *l = m + H, *acc = l + H;
     for (int64_t b = begin; b < end; ++b) {
-      for (int64_t h = 0; h < H; ++h) {
-        const float* rec = partial.data() + (first[b] * H + h) * stride;
-        float m = rec[0], l = rec[1];
-        std::copy(rec + 2, rec + 2 + D, acc.begin());
-        for (int64_t part = first[b] + 1; part < first[b + 1]; ++part) {
-          const float* r = partial.data() + (part * H + h) * stride;
-          fold_state(m, l, acc.data(), r[0], r[1], r + 2, D);
-        }
-        store_head(op, geo, b, h, acc.data(), l);
+      const float* rec = partial.data() + first[b] * stride;
+      std::copy(rec, rec + stride, state.begin());
+      for (int64_t part = first[b] + 1; part < first[b + 1]; ++part) {
+        const float* r = partial.data() + part * stride;
+        fold_states(m, l, acc, r, r + H, r + 2 * H, H, D);
       }
+      for (int64_t h = 0; h < H; ++h) store_head(op, geo, b, h, acc + h * D, l[h]);
     }
   });
 }

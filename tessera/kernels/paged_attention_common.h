@@ -19,7 +19,7 @@ constexpr int64_t kTile = 32;  // tokens per online-softmax update (two score ve
 #endif
 // A row's context is attended in partitions of this many tokens, positions [p P, (p + 1) P): each
 // partition is its own online softmax from a fresh state, and the partitions' states are folded in
-// order (fold_state). Why: a decode batch of a few rows is a few work items, one per kv head at
+// order (fold_states in paged_attention.cpp). Why: a decode batch of a few rows is a few work items, one per kv head at
 // batch 1, three on two threads, so one thread waited and the other streamed its K/V alone; by
 // partition there are enough items for both threads and their misses. The partitions are fixed by
 // position, whatever the batch and whichever thread runs them, so a row's result does not depend
@@ -116,19 +116,6 @@ struct Scratch {
         l(geo.num_heads), corr(geo.num_heads), fold_acc(geo.num_heads * geo.head_dim),
         fold_m(geo.num_heads), fold_l(geo.num_heads) {}
 };
-
-// (M, L, A) <- the softmax state of its tokens and of the next partition's (m, l, a) as one: both
-// rescaled to the larger max. One out-of-line function with explicit fmas, so every caller (one
-// thread folding its row's partitions, or the pass after the threads) rounds the same way.
-__attribute__((noinline)) inline void fold_state(float& M, float& L, float* A, float m, float l,
-                                                 const float* a, int64_t head_dim) {
-  const float mx = std::max(M, m);
-  if (mx == -std::numeric_limits<float>::infinity()) return;  // both empty
-  const float ca = std::exp(M - mx), cb = std::exp(m - mx);
-  L = std::fma(L, ca, l * cb);
-  for (int64_t d = 0; d < head_dim; ++d) A[d] = std::fma(A[d], ca, a[d] * cb);
-  M = mx;
-}
 
 template <typename q_t>
 inline void load_q(const q_t* q, const Geometry& geo, int64_t b, float scale, Scratch& sc) {
