@@ -175,9 +175,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const float fscale = static_cast<float>(scale);
   std::atomic<int64_t> next{0};
   if (geo.num_seqs >= 4 * num_threads) {
-    // Enough rows to balance the threads: an item is a whole row, all its kv heads (each token's
-    // K/V rows are then one contiguous stretch of memory; 1.15-1.2x faster than one kv head per
-    // item at B=64, ctx 512, one thread), its partitions attended and folded in order.
+    // Enough rows to balance the threads: an item is a whole row, its partitions attended and
+    // folded in order.
     const int64_t num_workers = std::min(num_threads, geo.num_seqs);
     at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
       Scratch sc(geo);
@@ -208,9 +207,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     });
     return;
   }
-  // A few rows: an item is one partition of a row, so both threads have work. Each
-  // item leaves its state (m, l, acc) in `partial`; a pass after the threads folds each row's
-  // partitions in order, as the branch above does on one thread.
+  // A few rows: an item is one partition of a row, so both threads have work. Each item leaves
+  // its state (m, l, acc) in `partial`; a pass after the threads folds each row's partitions in
+  // order, as the branch above does on one thread.
   std::vector<int64_t> first(geo.num_seqs + 1, 0);  // row b's partitions: [first[b], first[b+1])
   for (int64_t b = 0; b < geo.num_seqs; ++b) first[b + 1] = first[b] + num_partitions(lens[b]);
   const int64_t stride = H * (D + 2);  // per partition: m [H], l [H], acc [H][D]
