@@ -43,19 +43,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import shlex
 import tempfile
 import time
 
-from fidelity_sensitivity import format_sensitivity, sensitivity  # benchmarks/, beside this
+from fidelity_rates import rates_at_load  # benchmarks/, beside this
+from fidelity_sensitivity import format_sensitivity, sensitivity
 
 from tessera.entrypoints.cli import build_parser, engine_args_from
 from tessera.simulator.cli import load_samples, run_point
 from tessera.simulator.cost_model import ProfiledCostModel
 from tessera.simulator.serving import (
-    TRACE,
     TRACE_RATE,
     ServingRuns,
     median_run,
@@ -90,50 +89,6 @@ METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "med TTFT"),
            ("p99_ttft_ms", "p99 TTFT"), ("median_tpot_ms", "med TPOT"),
            ("p99_tpot_ms", "p99 TPOT"))
 TARGETS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
-
-
-def trace_capacity(workload: str, flags: str, profile: str) -> float:
-    """Requests per second the simulator serves `workload` at with `flags` when every request
-    arrives at once: the trace's capacity under that profile."""
-    ns = build_parser().parse_args(["simulate", *shlex.split(workload), *shlex.split(flags),
-                                    "--profile", profile, "--quiet"])
-    metrics = run_point(ns, load_samples(ns), math.inf, include_requests=False)["metrics"]
-    return metrics["request_throughput"]
-
-
-def rates_at_load(profile: str, args: argparse.Namespace, common: str, work: str,
-                  between_rounds: bool) -> tuple[dict[str, float], float]:
-    """Each setting's request rate at `args.load` of its own capacity, and the calibration
-    trace's (unless calibrate already ran it, without --calibrate-between-rounds).
-
-    Why per setting: one rate for all put the default at half its capacity and a 64-block
-    cache at 80-90% of its own (run 18: 2.89 against 1.63-1.83 req/s simulated at rate inf),
-    at the knee, where the three real runs' median TTFTs spread by 237% and a few percent of
-    step price becomes a doubling of TTFT. Why the runner-only prices: they exist before any
-    real run (the serving overhead is fitted to runs made in the rounds), and they make every
-    capacity a few percent high alike."""
-    with open(profile, encoding="utf-8") as f:
-        runner = runner_only(json.load(f))
-    runner_path = os.path.join(work, "profile-runner-only.json")
-    with open(runner_path, "w", encoding="utf-8") as f:
-        json.dump(runner, f)
-    rates = {}
-    for name in args.settings:
-        workload, flags, _ = SETTINGS[name]
-        capacity = trace_capacity(workload, f"{common} {flags}", runner_path)
-        rates[name] = round(args.load * capacity, 3)
-        print(f"{name}: capacity {capacity:.2f} req/s simulated, sent at {rates[name]} req/s",
-              flush=True)
-    trace_rate = args.rate_scale * TRACE_RATE
-    if between_rounds:
-        trace = (f"--dataset {TRACE['dataset']} --random-input-len {TRACE['random_input_len']} "
-                 f"--random-output-len {TRACE['random_output_len']} --random-range-ratio "
-                 f"{TRACE['random_range_ratio']} --num-prompts {args.serving_requests}")
-        capacity = trace_capacity(trace, common, runner_path)
-        trace_rate = round(args.load * capacity, 3)
-        print(f"calibration trace: capacity {capacity:.2f} req/s simulated, sent at "
-              f"{trace_rate} req/s", flush=True)
-    return rates, trace_rate
 
 
 def main() -> None:
@@ -199,7 +154,11 @@ def main() -> None:
     print(f"profile: {profile} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
     rates = {name: SETTINGS[name][2] * args.rate_scale for name in args.settings}
     if args.load > 0 and not args.real_results:
-        rates, trace_rate = rates_at_load(profile, args, common, work, between_rounds)
+        workloads = {name: (SETTINGS[name][0], f"{common} {SETTINGS[name][1]}")
+                     for name in args.settings}
+        rates, trace_rate = rates_at_load(profile, workloads, args.load, common, work,
+                                          args.serving_requests if between_rounds else None,
+                                          trace_rate)
     serving = (ServingRuns(engine_args_from(cal), args.serving_requests, trace_rate)
                if between_rounds else None)
     rows: dict[str, dict] = {}
