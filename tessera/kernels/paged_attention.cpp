@@ -44,6 +44,7 @@
 
 #include "paged_attention_avx512.h"
 #include "paged_attention_common.h"
+#include "paged_attention_scalar.h"
 #include "paged_kv_store.h"
 
 namespace {
@@ -90,43 +91,6 @@ __attribute__((noinline)) void fold_states(float* M, float* L, float* A, const f
       float* Ah = A + (h0 + j) * D;
       const float* ah = a + (h0 + j) * D;
       for (int64_t d = 0; d < D; ++d) Ah[d] = std::fma(Ah[d], ca[j], ah[d] * cb[j]);
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Portable path.
-// The softmax state of row b's heads over tokens [t_begin, t_end), as attend_avx512.
-template <typename q_t, typename kv_t, typename index_t>
-void attend_scalar(const q_t* q, const kv_t* k, const kv_t* v, const index_t* table,
-                   int64_t t_begin, int64_t t_end, int64_t b, float scale, bool load_query,
-                   const Geometry& geo, Scratch& sc) {
-  const int64_t D = geo.head_dim, G = geo.group, nh = geo.num_heads;
-  const kv_t* kp[kTile];
-  const kv_t* vp[kTile];
-  if (load_query) load_q(q, geo, b, scale, sc);
-  reset_state(sc, nh, D);
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
-    const int64_t n = std::min(kTile, t_end - t0);
-    tile_rows(k, v, table, t0, n, geo, kp, vp);
-    for (int64_t j = 0; j < nh; ++j) {
-      float* s = sc.s.data() + j * kTile;
-      const float* qj = sc.q.data() + j * D;
-      const int64_t off = (j / G) * D;  // this head's kv head within the token's row
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < n; ++i) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qj[d] * static_cast<float>(kp[i][off + d]);
-        s[i] = dot;
-        tile_max = std::max(tile_max, dot);
-      }
-      const float m_new = rescale_head(sc, j, D, tile_max);
-      float* a = sc.acc.data() + j * D;
-      for (int64_t i = 0; i < n; ++i) {
-        const float p = std::exp(s[i] - m_new);
-        sc.l[j] += p;
-        for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vp[i][off + d]);
-      }
     }
   }
 }
