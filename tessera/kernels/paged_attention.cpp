@@ -144,14 +144,19 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     const int64_t num_workers = std::min(num_threads, geo.num_seqs);
     at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
       Scratch sc(geo);
+      const index_t* prev = nullptr;  // the table and length of this thread's previous row
+      int64_t prev_len = 0;
       for (int64_t w = begin; w < end; ++w) {
         for (int64_t b = next.fetch_add(1); b < geo.num_seqs; b = next.fetch_add(1)) {
           const index_t* table = tables + b * geo.max_blocks;
           const int64_t parts = num_partitions(lens[b]);
+          const int64_t warm = warm_tokens<kv_t>(table, lens[b], prev, prev_len, geo);
+          prev = table;
+          prev_len = lens[b];
           for (int64_t p = 0; p < parts; ++p) {
             const int64_t t_begin = p * kPartition;
             const int64_t t_end = std::min(lens[b], t_begin + kPartition);
-            attend(qp, kp, vp, table, t_begin, t_end, b, fscale, p == 0, geo, sc);
+            attend(qp, kp, vp, table, t_begin, t_end, b, fscale, p == 0, warm, geo, sc);
             if (parts == 1) break;
             if (p == 0) {
               std::copy(sc.acc.begin(), sc.acc.begin() + H * D, sc.fold_acc.begin());
@@ -188,7 +193,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
         const int64_t b = std::upper_bound(first.begin(), first.end(), part) - first.begin() - 1;
         const int64_t t_begin = (part - first[b]) * kPartition;
         const int64_t t_end = std::min(lens[b], t_begin + kPartition);
-        attend(qp, kp, vp, tables + b * geo.max_blocks, t_begin, t_end, b, fscale, true, geo,
+        attend(qp, kp, vp, tables + b * geo.max_blocks, t_begin, t_end, b, fscale, true, 0, geo,
                sc);
         float* rec = partial.data() + part * stride;
         std::copy(sc.m.begin(), sc.m.begin() + H, rec);

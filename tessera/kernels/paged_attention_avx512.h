@@ -131,11 +131,12 @@ inline void pv_group(const float* p, const float* corr, const kv_t* const* vp, i
 
 // The softmax state (sc.m, sc.l, sc.acc) of row b's query heads over tokens [t_begin, t_end) of
 // its sequence. `load_query`: convert the row's q into sc first (false: the row's next partition,
-// whose q is there already).
+// whose q is there already). `warm_end`: this thread has just read tokens [0, warm_end) of the
+// sequence (warm_tokens), so the touch pass starts after them.
 template <int NC, typename q_t, typename kv_t, typename index_t>
 void attend_avx512(const q_t* q, const kv_t* k, const kv_t* v, const index_t* table,
                    int64_t t_begin, int64_t t_end, int64_t b, float scale, bool load_query,
-                   const Geometry& geo, Scratch& sc) {
+                   int64_t warm_end, const Geometry& geo, Scratch& sc) {
   static_assert(NC % 2 == 0, "vdpbf16ps takes head_dim in chunks of 32");
   constexpr bool kDp = use_dpbf16<q_t, kv_t>();
   const int64_t D = geo.head_dim, G = geo.group, nkv = geo.num_kv_heads, nh = geo.num_heads;
@@ -155,8 +156,10 @@ void attend_avx512(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
     const int64_t n = std::min(kTile, t_end - t0);
     tile_rows(k, v, table, t0, n, geo, kp, vp);
     // the next rows into L2 (paged_attention_common.h)
-    if ((t0 - t_begin) % touch_span == 0)
-      touch_rows(k, v, table, t0, std::min(touch_span, t_end - t0), geo);
+    if ((t0 - t_begin) % touch_span == 0) {
+      const int64_t from = std::max(t0, warm_end), to = std::min(t0 + touch_span, t_end);
+      if (from < to) touch_rows(k, v, table, from, to - from, geo);
+    }
     const __mmask16 lo = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? __mmask16(0) : __mmask16((1u << (n - 16)) - 1);
     for (int64_t j = 0; j < nh; ++j) {

@@ -10,11 +10,12 @@
 
 namespace tessera_paged {
 
-// The softmax state of row b's heads over tokens [t_begin, t_end), as attend_avx512.
+// The softmax state of row b's heads over tokens [t_begin, t_end), as attend_avx512 (without its
+// touch pass, so warm_end is unused).
 template <typename q_t, typename kv_t, typename index_t>
 void attend_scalar(const q_t* q, const kv_t* k, const kv_t* v, const index_t* table,
                    int64_t t_begin, int64_t t_end, int64_t b, float scale, bool load_query,
-                   const Geometry& geo, Scratch& sc) {
+                   int64_t /*warm_end*/, const Geometry& geo, Scratch& sc) {
   const int64_t D = geo.head_dim, G = geo.group, nh = geo.num_heads;
   const kv_t* kp[kTile];
   const kv_t* vp[kTile];
