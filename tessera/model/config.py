@@ -118,6 +118,13 @@ class ModelArchConfig:
         return self.sliding_window
 
     @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has the same one (its KV blocks can be released behind
+        the window), else None."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def layer_windows(self) -> tuple[int | None, ...]:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
