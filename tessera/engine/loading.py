@@ -63,7 +63,7 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     del weights  # the model holds its own (packed) copies; the file's blocks go now
     release_free_memory()  # and their pages, which the heap would otherwise keep resident
     return ModelBundle(
-        path, arch, model, load_tokenizer(path), config.model.dtype, config.device.device,
+        path, arch, model, load_tokenizer(path, arch.architecture), config.model.dtype, config.device.device,
         config.model.max_model_len, config.model.quantization, stored_dtype,
     )
 

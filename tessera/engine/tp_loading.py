@@ -42,7 +42,7 @@ def build_tp_engine(engine_cls, args: EngineArgs):
     # --kv-cache-space and --swap-space are per rank, as vLLM's memory fraction is per device
     spec = kv_cache_spec(arch, config, plan.num_local_kv_heads)
     num_gpu_blocks, num_cpu_blocks = size_kv_pools(config, spec)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, arch.architecture)
     eos = tuple(arch.eos_token_ids)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)

@@ -211,8 +211,8 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
     if rank == 0:  # the only rank that samples: structured outputs need the tokenizer there
         from tessera.tokenizer import load_tokenizer
 
-        grammar_backend = GrammarBackend(load_tokenizer(init.model_path), arch.vocab_size,
-                                         init.eos_token_ids)
+        tokenizer = load_tokenizer(init.model_path, arch.architecture)
+        grammar_backend = GrammarBackend(tokenizer, arch.vocab_size, init.eos_token_ids)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device,
                          eos_token_ids=init.eos_token_ids, speculative_config=config.speculative,
                          grammar_backend=grammar_backend, is_driver=rank == 0)
