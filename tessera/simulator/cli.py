@@ -153,7 +153,8 @@ def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, in
     from tessera.entrypoints.cli import engine_args_from
 
     engine_args = dataclasses.replace(engine_args_from(args), dtype=cost_model.dtype, device="meta")
-    config = engine_args.create_engine_config(cost_model.max_model_len)
+    config = engine_args.create_engine_config(
+        cost_model.max_model_len, sliding_window=getattr(cost_model, "sliding_window", None))
     block_bytes = cost_model.geometry.block_bytes(config.cache.block_size)
     num_gpu = config.cache.num_gpu_blocks_override or int(config.cache.kv_cache_space * GiB) // block_bytes
     num_cpu = int(config.cache.swap_space * GiB) // block_bytes
