@@ -110,6 +110,8 @@ class AsyncLLMEngine:
         # steps with a sample handed to `on_dashboard` on the event loop
         self.on_dashboard: Any = None
         self._dashboard_wanted = False
+        self._dashboard_min_interval_s = 0.0
+        self._dashboard_last = -float("inf")  # time.monotonic() of the last sample
         # vLLM's periodic "Avg prompt throughput ..." line, while there is work
         self.stat_logger = StatLogger()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,10 +162,11 @@ class AsyncLLMEngine:
         if recorder is not None:
             recorder.active = active  # one bool the engine thread reads per step
 
-    def request_dashboard_snapshot(self) -> None:
+    def request_dashboard_snapshot(self, min_interval_s: float = 0.0) -> None:
         """Ask for one sample: the engine thread builds it after its current step (at once when
-        idle) and calls `on_dashboard(sample)` on the event loop. Requests before it answers
-        are one request."""
+        idle), but not sooner than `min_interval_s` after the previous one, and calls
+        `on_dashboard(sample)` on the event loop. Requests before it answers are one request."""
+        self._dashboard_min_interval_s = min_interval_s
         self._dashboard_wanted = True
         self._wake.set()
 
@@ -365,7 +368,11 @@ class AsyncLLMEngine:
             self._publish_dashboard()
 
     def _publish_dashboard(self) -> None:
+        now = time.monotonic()
+        if now - self._dashboard_last < self._dashboard_min_interval_s:
+            return  # too soon: a later step (or the next request's wake-up) answers it
         self._dashboard_wanted = False
+        self._dashboard_last = now
         build = getattr(self.engine, "get_dashboard_snapshot", None)
         listener = self.on_dashboard
         if build is None or listener is None or self._loop is None:

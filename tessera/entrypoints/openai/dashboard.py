@@ -67,7 +67,7 @@ class DashboardHub:
 
     async def _tick(self) -> None:
         while True:
-            self.engine.request_dashboard_snapshot()
+            self.engine.request_dashboard_snapshot(self.interval_ms / 1e3)
             await asyncio.sleep(self.interval_ms / 1e3)
 
     def _publish(self, sample: dict[str, Any]) -> None:

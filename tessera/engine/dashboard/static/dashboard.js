@@ -69,12 +69,16 @@
     var w = canvas.width, h = canvas.height;
     ctx.clearRect(0, 0, w, h);
     if (!steps.length) { text("step-last", "no step yet"); return; }
-    var bw = w / HISTORY, maxMs = 1;
-    steps.forEach(function (s) { maxMs = Math.max(maxMs, s.step_ms); });
-    var scale = (h - 4) / Math.max(budget, 1);
+    // bars scale to the largest step in view (a decode-only batch is a sliver of the budget)
+    var bw = w / HISTORY, maxMs = 1, maxTokens = 1;
+    steps.forEach(function (s) {
+      maxMs = Math.max(maxMs, s.step_ms);
+      maxTokens = Math.max(maxTokens, s.num_tokens + Math.min(s.spec_accepted, s.spec_drafted));
+    });
+    var top = Math.min(maxTokens, Math.max(budget, 1)), scale = (h - 16) / top;
     steps.forEach(function (s, i) {
       var x = (HISTORY - steps.length + i) * bw, y = h;
-      var spec = Math.min(s.spec_accepted, s.decode_tokens + s.spec_drafted);
+      var spec = Math.min(s.spec_accepted, s.spec_drafted);
       var parts = [[s.prefill_tokens, color("--prefill")], [s.decode_tokens, color("--decode")],
         [spec, color("--spec")]];
       parts.forEach(function (p) {
@@ -89,7 +93,9 @@
     ctx.stroke();
     ctx.fillStyle = color("--time"); ctx.font = "11px sans-serif";
     ctx.fillText("max " + fmt(maxMs) + " ms", 4, 11);
-    ctx.fillText("budget " + budget + " tokens", w - 120, 11);
+    ctx.textAlign = "right";
+    ctx.fillText("bar top " + top + " tokens (budget " + budget + ")", w - 4, 11);
+    ctx.textAlign = "left";
     var s = steps[steps.length - 1];
     text("step-last", "step " + s.step + ": prefill " + s.prefill_tokens + " tok, decode " +
       s.decode_tokens + " tok, spec " + s.spec_accepted + "/" + s.spec_drafted +
