@@ -160,6 +160,8 @@ class AsyncLLMEngine:
         """While True the engine records each step's batch for the live view (a page is open)."""
         recorder = getattr(self.engine, "dashboard", None)
         if recorder is not None:
+            if active and not recorder.active:
+                recorder.reset()  # deque and set swaps: safe beside the engine thread
             recorder.active = active  # one bool the engine thread reads per step
 
     def request_dashboard_snapshot(self, min_interval_s: float = 0.0) -> None:

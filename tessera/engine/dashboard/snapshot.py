@@ -46,6 +46,11 @@ class DashboardRecorder:
         self._swap_cpu: set[int] = set()
         self._seq = 0
 
+    def reset(self) -> None:
+        """Forget the steps and swaps of an earlier viewing (a page opens after none was)."""
+        self._steps.clear()
+        self._swap_gpu, self._swap_cpu = set(), set()
+
     def record_step(self, out: SchedulerOutput, start: float, end: float,
                     num_spec_accepted: int = 0) -> None:
         """One step's batch: `start`/`end` in the snapshot's clock (seconds)."""
