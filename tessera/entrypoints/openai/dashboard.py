@@ -55,7 +55,6 @@ class DashboardHub:
             self.engine.set_dashboard_active(True)
             self._ticker = asyncio.create_task(self._tick())
         try:
-            yield f"retry: {max(1000, 4 * self.interval_ms)}\n\n".encode()
             while True:
                 yield await queue.get()
         finally:
