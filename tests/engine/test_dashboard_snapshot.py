@@ -5,6 +5,7 @@ rolling rates."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,6 +37,8 @@ def test_fields_and_block_counts_equal_the_block_managers():
     sched.add_seq_group(make_group("b", 0, prompt=shared + [3], max_tokens=6, arrival=3.0))
     sched.add_seq_group(make_group("c", 40, max_tokens=4, arrival=3.5))
     _step(recorder, runner, 3.0)
+    # the adapter a request runs under, by the LoRARequest's name (None without LoRA)
+    sched.running[-1].lora_request = SimpleNamespace(lora_name="sql-adapter", lora_int_id=1)
     snap = recorder.snapshot(now=5.0)
     json.dumps(snap)  # plain JSON, nothing live
     assert set(snap) >= {"version", "seq", "time", "config", "queues", "kv", "steps", "counters",
@@ -68,6 +71,7 @@ def test_fields_and_block_counts_equal_the_block_managers():
     assert set(rows) == {"a", "b", "c"}
     assert rows["a"]["state"] == "decode" and rows["a"]["output_tokens"] == 4
     assert rows["a"]["tokens_total"] == 18 + 6 and rows["c"]["prompt_tokens"] == 40
+    assert [r["adapter"] for r in snap["requests"]["rows"]] == [None, None, "sql-adapter"]
     assert set(rows["a"]) == {"id", "adapter", "prompt_tokens", "output_tokens", "tokens_done",
                               "tokens_total", "num_seqs", "state"}  # counts only, no tokens
     assert snap["counters"]["prefix_cache_hits"] == bm.num_prefix_cache_hits > 0
