@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install install-gemma serve test test-all lint bench
+.PHONY: install install-gemma serve test test-all test-browser lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ test: install
 # everything, including the multi-process and long scenarios marked `heavy`
 test-all: install
 	$(PY) -m pytest -q --durations=15 $(ARGS)
+
+# the dashboard in a real headless browser: Debian's chromium (`apt-get install -y chromium`)
+# driven by Playwright; skipped with the reason when either is missing
+test-browser: install
+	$(PY) -m pytest -q -m heavy tests/entrypoints/test_dashboard_browser.py $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check tessera tests benchmarks

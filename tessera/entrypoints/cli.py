@@ -130,6 +130,11 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                         help="the model's tool-call format: hermes = <tool_call>{json}"
                              "</tool_call> (Hermes 2 Pro/3, Qwen2.5, Qwen3)")
+    server.add_argument("--disable-dashboard", action="store_true",
+                        help="do not serve the live view /dashboard (and /dashboard/events)")
+    server.add_argument("--dashboard-interval", type=int, default=250, metavar="MS",
+                        help="the fastest the dashboard samples the engine, in ms (at least "
+                             "10) (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
 
@@ -160,6 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
         args.parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.enable_log_requests and args.disable_log_requests:
         args.parser.error("--enable-log-requests and --disable-log-requests contradict")
+    if args.dashboard_interval < 10:
+        args.parser.error(f"--dashboard-interval must be >= 10 (ms), got {args.dashboard_interval}")
     origins = args.allowed_origins
     if origins is not None and not (isinstance(origins, list)
                                     and all(isinstance(o, str) for o in origins)):
@@ -204,7 +211,9 @@ def _serve(args: argparse.Namespace) -> int:
                uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
                log_requests=args.enable_log_requests, allowed_origins=origins,
                root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
-               max_request_body_bytes=args.max_request_body_bytes)
+               max_request_body_bytes=args.max_request_body_bytes,
+               enable_dashboard=not args.disable_dashboard,
+               dashboard_interval_ms=args.dashboard_interval)
 
 
 def _serve_worker_node(args: argparse.Namespace) -> int:
