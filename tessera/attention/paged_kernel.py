@@ -11,7 +11,7 @@ whether its prompt arrived whole, in chunks, or after a prefix-cache hit: bf16 g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from tessera.utils import cdiv
 class PagedKernelMetadata(AttentionMetadata):
     token_block_tables: torch.Tensor  # [num_tokens, max_blocks] its sequence's table, padded
     token_seq_lens: torch.Tensor  # [num_tokens] tokens it attends to (position + 1)
+    _window_starts: dict[int, torch.Tensor] = field(default_factory=dict, kw_only=True, repr=False)
 
     def forward(
         self,
@@ -37,14 +38,25 @@ class PagedKernelMetadata(AttentionMetadata):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """The new K/V are stored by the attention kernel's own call, not by write_kv first
-        (windowed and soft-capped layers: the base class's path)."""
-        if window is not None or softcap is not None:
+        """The new K/V are stored by the attention kernel's own call, not by write_kv first. A
+        sliding window is each row's first visible token (the kernel skips what lies before);
+        soft-capped scores take the base class's torch path."""
+        if softcap is not None:
             return super().forward(q, k, v, k_cache, v_cache, scale, out, window, softcap)
         return paged_attention(
             q, k_cache, v_cache, self.token_block_tables, self.token_seq_lens, scale, out=out,
-            new_kv=(k, v, self.slot_mapping),
+            new_kv=(k, v, self.slot_mapping), seq_starts=self._starts(window),
         )
+
+    def _starts(self, window: int | None) -> torch.Tensor | None:
+        """[num_tokens] the first key each row sees under `window` (once per step and window)."""
+        if window is None:
+            return None
+        starts = self._window_starts.get(window)
+        if starts is None:
+            starts = (self.token_seq_lens - window).clamp_(min=0)
+            self._window_starts[window] = starts
+        return starts
 
     def attend(
         self,

@@ -1,7 +1,8 @@
 // Paged attention for CPU: one query token per row b, attending to the first seq_lens[b] tokens of its
 // sequence, K/V read in place through the block tables (no gather into a padded tensor). A row is a
 // decode or one token of a prompt chunk (then seq_lens[b] = its position + 1, so the causal mask is
-// the length); below, "sequence b" means row b and its block table.
+// the length); below, "sequence b" means row b and its block table. With a sliding window,
+// `seq_starts[b]` is its first visible token: the partitions and blocks before it are skipped.
 //
 // Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
 // contiguous. Token `pos` of sequence b lives in block block_tables[b][pos / block_size], row
@@ -69,8 +70,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     TORCH_CHECK(lens[b] >= 0 && lens[b] <= geo.max_blocks * geo.block_size, "seq_lens[", b,
                 "] = ", lens[b], " does not fit in ", geo.max_blocks, " blocks of ",
                 geo.block_size);
+    TORCH_CHECK(geo.start(b) >= 0 && (geo.start(b) < lens[b] || geo.start(b) == 0),
+                "seq_starts[", b, "] = ", geo.start(b), " is not within seq_lens ", lens[b]);
     const int64_t used = (lens[b] + geo.block_size - 1) / geo.block_size;
-    for (int64_t i = 0; i < used; ++i) {
+    // blocks before the window are never read (the block manager may have released them)
+    for (int64_t i = geo.start(b) / geo.block_size; i < used; ++i) {
       const int64_t blk = static_cast<int64_t>(tables[b * geo.max_blocks + i]);
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", b, "][", i, "] = ", blk,
                   " is outside the cache (", num_blocks, " blocks)");
@@ -106,13 +110,14 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       for (int64_t w = begin; w < end; ++w) {
         for (int64_t b = next.fetch_add(1); b < geo.num_seqs; b = next.fetch_add(1)) {
           const index_t* table = tables + b * geo.max_blocks;
-          const int64_t parts = num_partitions(lens[b]);
+          const int64_t p0 = first_partition(geo.start(b));
+          const int64_t parts = num_partitions(lens[b]) - p0;
           const int64_t warm = warm_tokens<kv_t>(table, lens[b], prev, prev_len, geo);
           prev = table;
           prev_len = lens[b];
           for (int64_t p = 0; p < parts; ++p) {
-            const int64_t t_begin = p * kPartition;
-            const int64_t t_end = std::min(lens[b], t_begin + kPartition);
+            const int64_t t_begin = std::max(geo.start(b), (p0 + p) * kPartition);
+            const int64_t t_end = std::min(lens[b], (p0 + p + 1) * kPartition);
             attend(qp, kp, vp, table, t_begin, t_end, b, fscale, p == 0, warm, geo, sc);
             if (parts == 1) break;
             if (p == 0) {
@@ -137,7 +142,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   // its state (m, l, acc) in `partial`; a pass after the threads folds each row's partitions in
   // order, as the branch above does on one thread.
   std::vector<int64_t> first(geo.num_seqs + 1, 0);  // row b's partitions: [first[b], first[b+1])
-  for (int64_t b = 0; b < geo.num_seqs; ++b) first[b + 1] = first[b] + num_partitions(lens[b]);
+  for (int64_t b = 0; b < geo.num_seqs; ++b)
+    first[b + 1] = first[b] + num_partitions(lens[b]) - first_partition(geo.start(b));
   const int64_t stride = H * (D + 2);  // per partition: m [H], l [H], acc [H][D]
   std::vector<float> partial(first[geo.num_seqs] * stride);
   const int64_t num_items = first[geo.num_seqs];
@@ -148,8 +154,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
         const int64_t part = item;  // row b's partition part - first[b]
         const int64_t b = std::upper_bound(first.begin(), first.end(), part) - first.begin() - 1;
-        const int64_t t_begin = (part - first[b]) * kPartition;
-        const int64_t t_end = std::min(lens[b], t_begin + kPartition);
+        const int64_t p = first_partition(geo.start(b)) + part - first[b];
+        const int64_t t_begin = std::max(geo.start(b), p * kPartition);
+        const int64_t t_end = std::min(lens[b], (p + 1) * kPartition);
         attend(qp, kp, vp, tables + b * geo.max_blocks, t_begin, t_end, b, fscale, true, 0, geo,
                sc);
         float* rec = partial.data() + part * stride;
@@ -188,7 +195,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               double scale, torch::Tensor out,
                               c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
-                              c10::optional<torch::Tensor> slot_mapping) {
+                              c10::optional<torch::Tensor> slot_mapping,
+                              c10::optional<torch::Tensor> seq_starts) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q/out [B, H, D] and caches [num_blocks, block_size, kv_heads, D]");
@@ -224,6 +232,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   geo.q_stride_h = q.stride(1);
   geo.out_stride_b = out.stride(0);
   geo.out_stride_h = out.stride(1);
+  if (seq_starts.has_value() && seq_starts->defined()) {
+    TORCH_CHECK(seq_starts->dim() == 1 && seq_starts->size(0) == q.size(0) &&
+                    seq_starts->scalar_type() == torch::kInt64 && seq_starts->is_contiguous(),
+                "seq_starts must be contiguous int64 [B]");
+    geo.starts = seq_starts->data_ptr<int64_t>();
+  }
   const bool writes = k_new.has_value() && k_new->defined();
   TORCH_CHECK(writes == (v_new.has_value() && v_new->defined()) &&
                   writes == (slot_mapping.has_value() && slot_mapping->defined()),
@@ -254,5 +268,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(CPU); first stores k_new/v_new at slot_mapping when given",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("out"), py::arg("k_new") = py::none(),
-        py::arg("v_new") = py::none(), py::arg("slot_mapping") = py::none());
+        py::arg("v_new") = py::none(), py::arg("slot_mapping") = py::none(),
+        py::arg("seq_starts") = py::none());
 }

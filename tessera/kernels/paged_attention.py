@@ -14,6 +14,8 @@ every token of a step:
     block_tables  [B, max_blocks] int64 or int32, contiguous; entries past a sequence's last used
                   block are never read (any padding value works)
     seq_lens      [B] int64: tokens to attend, the new one included (already written in the cache)
+    seq_starts    [B] int64 or None: a sliding window's first visible token of each row (tokens
+                  and blocks before it are never read)
 GQA: query head h reads kv head h // (num_heads // num_kv_heads) (HF repeat_kv order).
 """
 
@@ -63,6 +65,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim]
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    seq_starts: torch.Tensor | None = None,  # [B] int64
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V for each query row over the first seq_lens[b] tokens of its paged
     context. `new_kv` = (k, v [T, num_kv_heads, head_dim], slot_mapping [T] int64): rows stored
@@ -74,13 +77,14 @@ def paged_attention(
         assert _module is not None
         k_new, v_new, slots = new_kv if new_kv is not None else (None, None, None)
         return _module.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out, k_new, v_new, slots
+            q, k_cache, v_cache, block_tables, seq_lens, float(scale), out, k_new, v_new, slots,
+            seq_starts,
         )
     if new_kv is not None:
         from tessera.attention.backend import write_kv  # here: attention imports this module
 
         write_kv(new_kv[0], new_kv[1], k_cache, v_cache, new_kv[2])
-    return _torch_fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    return _torch_fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, out, seq_starts)
 
 
 def _torch_fallback(
@@ -91,19 +95,23 @@ def _torch_fallback(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    seq_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The SDPA backend's decode path (tessera/attention/sdpa.py): gather whole blocks, mask the
     padding, one SDPA."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    blocks = block_tables.reshape(-1).long()
+    blocks = block_tables.reshape(-1).long().clamp(min=0)  # released entries (-1) stay masked
     kd = k_cache.index_select(0, blocks).to(q.dtype)  # a bf16 cache beside fp32 q: widen
     vd = v_cache.index_select(0, blocks).to(q.dtype)
     kd = kd.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     vd = vd.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(kd.shape[2], device=q.device)
-    mask = (positions.unsqueeze(0) < seq_lens.to(q.device).unsqueeze(1)).view(num_seqs, 1, 1, -1)
+    mask = positions.unsqueeze(0) < seq_lens.to(q.device).unsqueeze(1)
+    if seq_starts is not None:
+        mask &= positions.unsqueeze(0) >= seq_starts.to(q.device).unsqueeze(1)
+    mask = mask.view(num_seqs, 1, 1, -1)
     qd = q.reshape(num_seqs, num_kv_heads, group, head_dim)  # [B, kvh, group, D]
     od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
     out.copy_(od.reshape(num_seqs, num_heads, head_dim))

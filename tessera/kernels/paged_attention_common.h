@@ -35,7 +35,14 @@ inline int64_t num_partitions(int64_t seq_len) {
 struct Geometry {
   int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
+  // sliding window: row b attends to tokens [starts[b], seq_lens[b]); nullptr = from 0
+  const int64_t* starts = nullptr;
+  int64_t start(int64_t b) const { return starts == nullptr ? 0 : starts[b]; }
 };
+
+// A row's partitions are fixed by position, [p * kPartition, (p + 1) * kPartition), whatever its
+// window: the first one it attends is the one holding its first visible token.
+inline int64_t first_partition(int64_t start) { return start / kPartition; }
 
 // Calls row(i, offset) for tokens [t0, t0 + n) of one sequence, offset being the element offset of
 // token t0 + i (its first kv head) in either cache.

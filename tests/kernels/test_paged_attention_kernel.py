@@ -240,3 +240,42 @@ def test_new_kv_on_the_torch_fallback(monkeypatch):
     assert torch.equal(k_cache.view(-1, 3, 64)[slots], k.to(torch.bfloat16))
     ref = _reference(q, k_cache, v_cache, tables, lens, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def _reference_window(q, k_cache, v_cache, tables, lens, starts, scale):
+    """_reference over tokens [start, len) of each row: a window's keys only."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    bs = k_cache.shape[1]
+    for b in range(q.shape[0]):
+        s = int(starts[b])
+        # a table and length that begin at the window's first token
+        pos = torch.arange(s, int(lens[b]))
+        blocks = tables[b].long()[pos // bs]
+        k = k_cache[blocks, pos % bs].unsqueeze(1)  # [n, 1, kvh, D]: blocks of one token
+        v = v_cache[blocks, pos % bs].unsqueeze(1)
+        table = torch.arange(len(pos)).unsqueeze(0)
+        n = torch.tensor([len(pos)])
+        out[b] = _reference(q[b : b + 1], k, v, table, n, scale)[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 40], ids=["by-partition", "by-row"])
+def test_sliding_window_starts(kernel, dtype, rows):
+    """seq_starts: each row attends to [start, len) only; the blocks before its window are never
+    read (their table entries here point outside the cache, as a released block's -1 would)."""
+    gen = torch.Generator().manual_seed(rows)
+    lens = torch.randint(1, 700, (rows,), generator=gen).tolist()
+    q, k_cache, v_cache, tables, lens_t = _make_case(8, 2, 64, 16, lens, dtype, gen, torch.int64)
+    windows = torch.randint(1, 300, (rows,), generator=gen)
+    starts = (lens_t - windows).clamp(min=0)
+    for b in range(rows):
+        tables[b, : int(starts[b]) // 16] = -1
+    out = pa.paged_attention(q, k_cache, v_cache, tables, lens_t, 0.125, seq_starts=starts)
+    ref = _reference_window(q, k_cache, v_cache, tables.clamp(min=0), lens_t, starts, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0)
+    in_cache = tables.where(tables < k_cache.shape[0], 0)  # the fallback gathers padding too
+    fallback = pa._torch_fallback(q, k_cache, v_cache, in_cache, lens_t, 0.125,
+                                  torch.empty_like(q), starts)
+    torch.testing.assert_close(fallback.float(), ref, atol=tol, rtol=0)

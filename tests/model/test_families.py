@@ -79,7 +79,9 @@ def test_greedy_matches_hf(family):
     {"preemption_mode": "swap"},
     {"enable_chunked_prefill": True, "max_num_batched_tokens": 16},
     {"enable_prefix_caching": True},
-], ids=["recompute", "swap", "chunked", "prefix"])
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
+], ids=["recompute", "swap", "chunked", "prefix", "ngram"])
 def test_invariant_under_scheduling(family, engine_args):
     """All three prompts fit the cache at admission, their outputs do not: preemptions, unless
     the window releases blocks (Mistral). The tokens stay HF's."""
