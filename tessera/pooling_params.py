@@ -35,6 +35,10 @@ class PoolingParams:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, "
                              f"got {self.pooling_type!r}")
 
+    def clone(self) -> PoolingParams:
+        """Frozen: one object serves every prompt of a request (SamplingParams' interface)."""
+        return self
+
     def resolve(self, config: PoolerConfig) -> PoolingParams:
         """These params with the engine's defaults filled in (what the runner reads)."""
         return PoolingParams(
