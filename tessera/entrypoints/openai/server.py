@@ -57,9 +57,11 @@ from tessera.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from tessera.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
+from tessera.entrypoints.openai.protocol_responses import ResponsesRequest
 from tessera.entrypoints.openai.serving_chat import OpenAIServingChat
 from tessera.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tessera.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from tessera.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tessera.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -193,6 +195,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     chat = OpenAIServingChat(engine, model_name, preprocessor, **common)
     tokens = OpenAIServingTokenization(engine, model_name, preprocessor, **common)
     embeddings = OpenAIServingEmbedding(engine, model_name, preprocessor, **common)
+    responses = OpenAIServingResponses(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -205,7 +208,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     app = FastAPI(title="Tessera", version=_version(), lifespan=lifespan)
     install_error_handlers(app, {"/v1/completions": CompletionRequest,
                                  "/v1/chat/completions": ChatCompletionRequest,
-                                 "/v1/embeddings": EmbeddingRequest})
+                                 "/v1/embeddings": EmbeddingRequest,
+                                 "/v1/responses": ResponsesRequest})
     # added last runs first: the key is checked before a body is read
     app.add_middleware(_BodyLimitMiddleware, limit=max_request_body_bytes)
     if api_key:
@@ -248,6 +252,18 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
         return await embeddings.create(body, request)
+
+    @app.post("/v1/responses", responses={200: _SSE_OR_JSON, **_ERRORS})
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def retrieve_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
