@@ -12,13 +12,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from tiny_llama import save_tiny_llama_with_tokenizer
 
 from tessera.config import EngineArgs
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.entrypoints.openai.response_store import ResponseStore
 from tessera.entrypoints.openai.server import build_app
 from tessera.model.default_model import default_model_path
-from tiny_llama import save_tiny_llama_with_tokenizer
 
 from .conftest import UvicornThread
 
