@@ -156,6 +156,18 @@ def test_previous_response_id_continues_and_store_false_bypasses(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_vllm_sampling_extras_reach_the_chat_path(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    for kw in ({"temperature": 1.0, "top_k": 50, "seed": 7},  # the same draws with the seed
+               {"temperature": 0.0, "logit_bias": {"42": 100}}):  # token 42 every time
+        r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4,
+                                    extra_body=kw)
+        chat = client.chat.completions.create(model=MODEL, max_tokens=4, messages=messages,
+                                              extra_body=kw)
+        assert r.output_text == chat.choices[0].message.content, kw
+        assert r.usage.output_tokens == 4
+
+
 def test_text_format_json_schema(client):
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}},
               "required": ["color"], "additionalProperties": False}
@@ -180,6 +192,7 @@ def test_text_format_json_schema(client):
     ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"input": []}, "input"),
+    ({"input": "hi", "seed": -(2**70)}, "seed"),
 ])
 def test_refusals_name_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)

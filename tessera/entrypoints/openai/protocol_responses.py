@@ -14,7 +14,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from tessera.entrypoints.openai.protocol import MAX_TEXT_CHARS, _Request
-from tessera.sampling.params import INT32_MAX
+from tessera.sampling.params import (
+    INT32_MAX,
+    MAX_ABS_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STR_LEN,
+    MAX_STOP_STRINGS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 _Status = Literal["in_progress", "completed", "incomplete"]
 _LongText = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
@@ -131,3 +139,23 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = Field(None, description="continue that stored response")
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(
         None, description="returned with the response")
+    # vLLM's sampling extras, passed to the chat path as they are
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    stop: (Annotated[str, Field(min_length=1, max_length=MAX_STOP_STR_LEN)]
+           | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STR_LEN)]],
+                       Field(max_length=MAX_STOP_STRINGS)] | None) = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+
+
+# the extras above, by name (what `/v1/responses` hands to the chat path unchanged)
+SAMPLING_EXTRAS = ("seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "stop", "ignore_eos", "min_tokens", "logit_bias",
+                   "priority")
