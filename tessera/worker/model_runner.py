@@ -6,8 +6,9 @@ Order inside the flat batch: decodes first, then prompt chunks (the attention ba
 tessera/attention/backend.py). Logits are computed only at sampled positions: the
 last token of a request whose KV reaches its full length this step. An embedding request
 (`pooling_params`) samples nothing: its chunks' final hidden states are pooled
-(tessera/worker/pooler.py) and the step that completes its prompt returns the vector. All request state the runner
-reads (tokens, block tables, seeded generators) is its own copy, in `self.requests`.
+(tessera/worker/pooler.py) and the step that completes its prompt returns the vector. All
+request state the runner reads (tokens, block tables, seeded generators, pooling states) is its
+own copy, in `self.requests`.
 
 Speculative decoding: a request verifying k draft tokens (`scheduled_spec_decode_tokens`) runs its
 last token and the k drafts as k + 1 new tokens of the same flat batch (to attention, a chunk that
