@@ -1,5 +1,5 @@
-"""Pydantic models of `POST /v1/responses`: the core of OpenAI's Responses API (requests strict, as in
-protocol.py: a field we do not honour is a 400 naming it).
+"""Pydantic models of `POST /v1/responses`: the core of OpenAI's Responses API (requests strict, as
+in protocol.py: a field we do not honour is a 400 naming it).
 
 Input items are the three kinds a function-calling conversation needs: `message` (a turn; its
 `type` may be left out, as the SDKs do), `function_call` (the model's call, sent back) and

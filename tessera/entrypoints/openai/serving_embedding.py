@@ -35,11 +35,12 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
         prompts = await self._prompts(req)
         base_id = f"embd-{uuid.uuid4().hex}"
-        finals = await self.run_to_completion(raw_request, base_id, prompts, params,  # type: ignore[arg-type]
-                                              req.priority or 0)
+        # PoolingParams in place of SamplingParams: the engine makes the request prefill-only
+        finals: list = await self.run_to_completion(raw_request, base_id, prompts, params,
+                                                    req.priority or 0)
         if finals is None:
             return self.aborted_response()
-        data = [EmbeddingData(index=i, embedding=_encode(out.outputs.embedding,  # type: ignore[union-attr]
+        data = [EmbeddingData(index=i, embedding=_encode(out.outputs.embedding,
                                                          req.encoding_format))
                 for i, out in enumerate(finals)]
         num_tokens = sum(len(p) for p in prompts)

@@ -67,7 +67,8 @@ class OpenAIServingResponses:
             if body_iterator is None:  # refused or aborted before a stream began
                 return answer
             # the chat response keeps aborting its engine request when the stream ends
-            answer.body_iterator = self._events(req, base, conversation, body_iterator)  # type: ignore[attr-defined]
+            events = self._events(req, base, conversation, body_iterator)
+            answer.body_iterator = events  # type: ignore[attr-defined]
             return answer
         if answer.status_code != 200:
             return answer  # aborted (client gone, or shutdown)
