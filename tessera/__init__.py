@@ -2,7 +2,8 @@
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
 __version__ = "0.1.0"
 
 
@@ -16,7 +17,11 @@ def __getattr__(name: str) -> Any:
         from tessera.sampling import params
 
         return getattr(params, name)
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name == "PoolingParams":
+        from tessera.pooling_params import PoolingParams
+
+        return PoolingParams
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
         from tessera import outputs
 
         return getattr(outputs, name)

@@ -383,6 +383,41 @@ class ParallelConfig:
         return range(self.node_rank * n, (self.node_rank + 1) * n)
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+_POOLER_KEYS = ("pooling_type", "normalize")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How `/v1/embeddings` and `LLM.embed` turn a prompt's final (normed) hidden states into one
+    vector (vLLM's names and defaults for a decoder LM): LAST takes the last token's state (the
+    only one that has seen the whole prompt under causal attention), MEAN averages every
+    position, CLS takes the first; `normalize` scales the result to unit L2 norm."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooler_config: pooling_type must be one of "
+                             f"{', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config: normalize must be true or false, "
+                             f"got {self.normalize!r}")
+
+    @classmethod
+    def from_dict(cls, value: dict | str | PoolerConfig | None) -> PoolerConfig:
+        """From `LLM(pooler_config={...})` or the JSON of `--pooler-config`; None: the defaults."""
+        if value is None:
+            return cls()
+        if isinstance(value, PoolerConfig):
+            return value
+        value = config_dict(value, "pooler_config", _POOLER_KEYS)
+        if isinstance(value.get("pooling_type"), str):  # vLLM spells them in capitals
+            value = {**value, "pooling_type": value["pooling_type"].upper()}
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -392,6 +427,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
 
     def __post_init__(self) -> None:
         # tensor-parallel ranks build their runners without a draft model: refuse rather than
@@ -475,6 +511,12 @@ class EngineArgs:
         '"kv_producer", "kv_ip": "127.0.0.1", "kv_port": 14579}',
         json=True,
     )
+    pooler_config: dict | str | None = _arg(
+        None,
+        'how embeddings pool the final hidden states, as JSON: {"pooling_type": "LAST" | "MEAN" '
+        '| "CLS", "normalize": true} (default: LAST, normalized)',
+        json=True,
+    )
     max_logprobs: int = _arg(
         20, "most log-probability alternatives per token a request may ask for (logprobs, "
             "prompt_logprobs, top_logprobs)"
@@ -521,6 +563,7 @@ class EngineArgs:
                 raise ValueError(f"{flag_name(name)} must be one of {choices}, got {value!r}")
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
+        pooler = PoolerConfig.from_dict(self.pooler_config)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.device)
         if speculative is not None and speculative.method == "draft_model" or kv_transfer is not None:
             # a draft model attends to the whole context, and a KV connector moves whole tables:
@@ -553,6 +596,7 @@ class EngineArgs:
             speculative=speculative,
             parallel=self.parallel_config(),
             kv_transfer=kv_transfer,
+            pooler=pooler,
         )
 
     def parallel_config(self) -> ParallelConfig:

@@ -58,3 +58,32 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     # on a KV producer's final output: the params a consumer pulls this request's KV with
     kv_transfer_params: dict | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's pooled vector (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request (`LLM.embed`, `/v1/embeddings`) finishes with: vLLM's shape,
+    `.outputs.embedding`. It comes once, finished; `outputs` is None when the request was
+    rejected (`error` says why) or failed."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+    failed: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    kv_transfer_params: dict | None = None  # never set: an embedding's KV is not moved

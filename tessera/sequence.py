@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from tessera.utils import token_range
 
 if TYPE_CHECKING:
+    from tessera.pooling_params import PoolingParams
     from tessera.sampling.params import SamplingParams
 
 
@@ -148,6 +149,8 @@ class SequenceGroup:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     # its peer's KV was pulled once (or failed): after a recompute it prefills here
     remote_kv_tried: bool = False
+    # an embedding request (prefill-only): pooled instead of sampled, finished with its prompt
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         for i, seq in enumerate(self.seqs):

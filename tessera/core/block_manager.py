@@ -116,8 +116,11 @@ class BlockManager:
 
     def _prefix_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
         """Cached leading blocks of `seq`; none for a request that wants prompt logprobs, since
-        those need the logits of every prompt position."""
+        those need the logits of every prompt position, nor for an embedding request that pools
+        every position (MEAN) or the first (CLS)."""
         if self.prefix_cache is None or getattr(group.sampling_params, "prompt_logprobs", None) is not None:
+            return []
+        if group.pooling_params is not None and group.pooling_params.needs_every_position:
             return []
         return self.prefix_cache.hit_blocks(seq)
 

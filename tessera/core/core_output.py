@@ -34,3 +34,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # a producer's finished request: where a consumer pulls its KV from (disaggregation)
     kv_transfer_params: dict[str, object] | None = None
+    # an embedding request's pooled vector, with `finished` (its prompt is all it computes)
+    pooler_output: list[float] | None = None

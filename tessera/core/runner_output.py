@@ -7,6 +7,8 @@ scheduler's `update_from_output` reads it without importing torch.
 usually one; several when draft tokens were accepted (speculative decoding); and, when the prompt
 of a request with n > 1 completes, its n first tokens (the first for itself, one per child the
 scheduler forks). A request that computed a prompt chunk and sampled nothing has an empty list.
+An embedding request never samples: the step that completes its prompt puts its pooled vector in
+`pooler_output` instead.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class ModelRunnerOutput:
     finished_recving: list[str] = field(default_factory=list)
     failed_recving: list[str] = field(default_factory=list)
     kv_transfer_stats: KVTransferStats | None = None
+    # embedding requests whose prompt completed this step: req_id -> the pooled vector (floats,
+    # normalized if asked); such a request has no row in `req_ids` (it samples nothing)
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

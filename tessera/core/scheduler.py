@@ -14,6 +14,10 @@ A step, in order:
 Steps 2 and 3 are skipped after a preemption in step 1: memory is tight, and swapping a group back
 in the step it left would only churn.
 
+An embedding request (`group.pooling_params`, /v1/embeddings) is the same rule without a decode:
+it is scheduled like any prompt (budget, chunks, prefix hits, preemption), and the update of the
+step that completes its prompt finishes it with the runner's pooled vector, freeing its seat.
+
 Speculative decoding is the same rule: a decoding sequence with draft tokens (proposed by the
 runner after its last step, `seq.spec_token_ids`) gets 1 + k new tokens, listed in
 `scheduled_spec_decode_tokens`. Drafts take only budget left over by the decodes still to come,

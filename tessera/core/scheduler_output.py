@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera.core.kv_connector import KVConnectorMetadata
+from tessera.pooling_params import PoolingParams
 from tessera.sampling.params import SamplingParams
 
 
@@ -34,6 +35,8 @@ class NewRequestData:
     block_ids: list[int]  # the whole device block table
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits, swap-in)
     seed: int | None = None  # of this stream's generator (child k of a seeded request: seed + k)
+    # set for an embedding request: the runner pools its prompt's hidden states, samples nothing
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)

@@ -5,7 +5,8 @@ draft token's KV does not count: a stream that verified k drafts and got a + 1 t
 accepted drafts and the target's own next token, advances by 1 + a), stores the drafts the runner
 proposed for its next step, appends the sampled tokens up to the first that stops the stream
 (core/stop_conditions.py), forks the n-1 children of an n > 1 request when its prompt completes,
-frees what finished and offers newly full blocks to the prefix cache. It answers, per request that
+finishes an embedding request whose prompt completed (with the runner's pooled vector), frees
+what finished and offers newly full blocks to the prefix cache. It answers, per request that
 changed, an `EngineCoreOutput` for the engine's output processor.
 
 Kept apart from the scheduling phases (core/scheduler.py) as a base class of `Scheduler`: the two
@@ -118,6 +119,10 @@ class UpdateFromOutput:
             self.block_manager.release_out_of_window(seq)
             if prompt_logprobs and req_id in prompt_logprobs:
                 self._output_of(group, touched).prompt_logprobs = prompt_logprobs[req_id]
+            if group.pooling_params is not None:
+                pooled = runner_output.pooler_output.get(req_id)
+                any_finished |= self._finish_pooled(group, seq, pooled, touched, now)
+                continue
             if not tokens:
                 continue
             out = self._output_of(group, touched)
@@ -146,6 +151,23 @@ class UpdateFromOutput:
                     group.finished_time = now
                 out.metrics = _metrics(group)
         return [out for _, out in touched.values()]
+
+    def _finish_pooled(
+        self, group: SequenceGroup, seq: Sequence, pooled: list[float] | None,
+        touched: dict[str, tuple[SequenceGroup, EngineCoreOutput]], now: float,
+    ) -> bool:
+        """An embedding request ends in the step that completes its prompt: its vector goes out
+        and its blocks are freed (after the prefix cache took its full ones), so it never holds a
+        decode seat. True if it finished."""
+        if seq.num_computed_tokens < seq.get_len():
+            assert pooled is None, f"{seq.req_id}: pooled before its prompt was complete"
+            return False
+        assert pooled is not None, f"{seq.req_id}: prompt complete but the runner pooled nothing"
+        self._output_of(group, touched).pooler_output = pooled
+        group.first_token_time = group.last_token_time = now
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        self._free_seq(seq)
+        return True
 
     def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
         """Speculative-decoding counters (vLLM's): one verified request, its drafts, and how many

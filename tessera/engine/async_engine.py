@@ -40,7 +40,8 @@ from tessera.engine.malloc_tuning import release_free_memory
 from tessera.engine.stat_logger import StatLogger
 from tessera.engine.stats import StatsSnapshot
 from tessera.executor.abstract import ExecutorDeadError
-from tessera.outputs import RequestOutput
+from tessera.outputs import EmbeddingRequestOutput, RequestOutput
+from tessera.pooling_params import PoolingParams
 from tessera.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class EngineShutdownError(RuntimeError):
 class _Add:
     request_id: str
     prompt: str | list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | PoolingParams
     priority: int
     arrival_time: float
     accepted: asyncio.Future  # set once the engine has taken (or refused) the request
@@ -176,10 +177,11 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | PoolingParams,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[Any]:
         """Hand a request to the engine; return its output stream once the engine has accepted it.
+        (With `PoolingParams` the stream yields one `EmbeddingRequestOutput`.)
 
         Raises `ValueError` if the engine refuses the request. The stream yields the
         `RequestOutput`s that `sampling_params.output_kind` asks for (cumulative, deltas, or only
@@ -189,7 +191,8 @@ class AsyncLLMEngine:
             raise EngineShutdownError("the engine is shutting down")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        await self.check_constraints(sampling_params)
+        if isinstance(sampling_params, SamplingParams):
+            await self.check_constraints(sampling_params)
         assert self._loop is not None
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
@@ -224,6 +227,18 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """vLLM-style one-call form of `add_request` + iterating its stream."""
         stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        async for output in stream:
+            yield output
+
+    async def encode(
+        self,
+        prompt: str | list[int],
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """vLLM's name for an embedding request: yields its one, finished, output."""
+        stream = await self.add_request(request_id, prompt, pooling_params, priority)
         async for output in stream:
             yield output
 

@@ -25,9 +25,10 @@ from tessera.engine.step_log import StepLog
 from tessera.engine.step_recovery import find_culprits
 from tessera.executor.abstract import Executor, ExecutorDeadError
 from tessera.inputs import check_token_ids
-from tessera.outputs import RequestMetrics, RequestOutput
+from tessera.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
+from tessera.pooling_params import PoolingParams
 from tessera.sampling.grammar import GrammarBackend
-from tessera.sampling.params import SamplingParams
+from tessera.sampling.params import RequestOutputKind, SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 from tessera.utils import cdiv
 
@@ -102,12 +103,17 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int] | dict,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError; a prompt that can never fit is not an
-        error here: it comes back from `step()` finished, with `error` set."""
+        error here: it comes back from `step()` finished, with `error` set. With `PoolingParams`
+        (vLLM's params for an embedding) the request is prefill-only and finishes with an
+        `EmbeddingRequestOutput`."""
+        if isinstance(sampling_params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, sampling_params, priority, arrival_time)
+            return
         params = self._check_params(sampling_params or SamplingParams())
         if self.tokenizer is None and params.stop:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
@@ -134,6 +140,27 @@ class LLMEngine:
         self.output_processor.add_request(
             RequestState(request_id, text, token_ids, params, arrival_time=arrival)
         )
+
+    def _add_pooling_request(self, request_id: str, prompt: str | list[int] | dict,
+                             pooling_params: PoolingParams, priority: int,
+                             arrival_time: float | None) -> None:
+        """An embedding request: its prompt alone is computed (it may fill max_model_len, having
+        no output), pooled as `--pooler-config` says unless the request overrides `normalize`."""
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        # one token's worth of SamplingParams keeps the scheduler's arithmetic whole; nothing is
+        # sampled (the update finishes the request when its prompt is done)
+        params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        group = SequenceGroup(
+            request_id=request_id, seqs=[Sequence(new_seq_id(), token_ids)],
+            sampling_params=params, arrival_time=arrival, priority=priority, prompt=text,
+            pooling_params=pooling_params.resolve(self.config.pooler),
+        )
+        self.scheduler.add_seq_group(group)
+        self.output_processor.add_request(
+            RequestState(request_id, text, token_ids, params, arrival_time=arrival, pooling=True))
 
     def check_constraints(self, params: SamplingParams) -> None:
         """Token ids in the vocabulary, and a structured-output constraint that compiles (the
@@ -208,11 +235,11 @@ class LLMEngine:
         return self.scheduler.get_num_unfinished_seq_groups()
 
     # ---- the loop ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         t1 = time.perf_counter()
-        failed: list[RequestOutput] = []
+        failed: list[RequestOutput | EmbeddingRequestOutput] = []
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except ExecutorDeadError:

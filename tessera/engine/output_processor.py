@@ -23,7 +23,13 @@ from dataclasses import dataclass, field, replace
 
 from tessera.core.core_output import EngineCoreOutput, SeqDelta
 from tessera.engine.detokenizer import DetokState, IncrementalDetokenizer
-from tessera.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tessera.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from tessera.sampling.params import RequestOutputKind, SamplingParams
 
 _DELTA = RequestOutputKind.DELTA
@@ -57,6 +63,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    pooling: bool = False  # an embedding request: one output, its vector, when it finishes
 
     @property
     def holdback(self) -> int:
@@ -80,10 +87,10 @@ class OutputProcessor:
 
     def process(
         self, core_outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[tuple[str, int, str]]]:
+    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[tuple[str, int, str]]]:
         """Detokenize, check stop strings and build outputs. Returns the outputs and the stop
         string matches (request id, sequence index, string) the scheduler must finish."""
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         stops: list[tuple[str, int, str]] = []
         for core in core_outputs:
             req = self.requests.get(core.request_id)
@@ -91,6 +98,11 @@ class OutputProcessor:
                 continue  # aborted meanwhile
             req.metrics = core.metrics or req.metrics
             req.num_cached_tokens = core.num_cached_tokens
+            if req.pooling:
+                if core.finished:
+                    del self.requests[req.request_id]
+                    outputs.append(_embedding_output(req, core))
+                continue
             if core.prompt_logprobs is not None:
                 _extend_prompt_logprobs(req, *core.prompt_logprobs)
             for delta in core.seqs:
@@ -207,6 +219,15 @@ class OutputProcessor:
             num_cached_tokens=req.num_cached_tokens,
             kv_transfer_params=core.kv_transfer_params if finished else None,
         )
+
+
+def _embedding_output(req: RequestState, core: EngineCoreOutput) -> EmbeddingRequestOutput:
+    vector = core.pooler_output
+    return EmbeddingRequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        outputs=None if vector is None else EmbeddingOutput(vector), finished=True,
+        metrics=req.metrics or RequestMetrics(arrival_time=req.arrival_time),
+        error=core.error, num_cached_tokens=req.num_cached_tokens)
 
 
 def _extend_prompt_logprobs(req: RequestState, first_pos: int, chunk: list[dict[int, float]]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tessera.outputs import RequestOutput
+from tessera.outputs import EmbeddingRequestOutput, RequestOutput
 
 # vLLM's buckets for these series
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -69,7 +69,8 @@ class EngineStats:
         self._last_token_time: dict[str, float] = {}
 
     def observe_step(self, now: float, num_scheduled_tokens: int,
-                     outputs: list[RequestOutput], token_request_ids: list[str]) -> None:
+                     outputs: list[RequestOutput | EmbeddingRequestOutput],
+                     token_request_ids: list[str]) -> None:
         """`token_request_ids`: the requests that gained tokens this step."""
         if num_scheduled_tokens:
             self.iteration_tokens.observe(num_scheduled_tokens)
@@ -105,9 +106,12 @@ class EngineStats:
         return StatsSnapshot(histograms=histograms, finished_reasons=dict(self.finished_reasons))
 
 
-def _finish_reason(out: RequestOutput) -> str:
+def _finish_reason(out: RequestOutput | EmbeddingRequestOutput) -> str:
     """One reason per request (vLLM counts requests, not sequences): the first sequence's; a
-    request rejected at admission counts as `length` (what its outputs would say)."""
+    request rejected at admission counts as `length` (what its outputs would say); an embedding
+    stops when its prompt is done."""
+    if isinstance(out, EmbeddingRequestOutput):
+        return "length" if out.error is not None else "stop"
     for o in out.outputs:
         if o.finish_reason is not None:
             return o.finish_reason

@@ -79,6 +79,7 @@ def merge_outputs(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         if with_drafts:  # speculative decoding: a half without proposals proposes nothing
             merged.spec_token_ids += o.spec_token_ids or [[] for _ in o.req_ids]
         merged.prompt_logprobs.update(o.prompt_logprobs)
+        merged.pooler_output.update(o.pooler_output)
         # the KV connector's reports ride on whichever re-run collected them
         merged.finished_sending += o.finished_sending
         merged.finished_recving += o.finished_recving

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=None, **engine_args).generate(prompts, sampling_params)`."""
+"""The offline API: `LLM(model=None, **engine_args).generate(prompts, sampling_params)`, and
+`LLM.embed(prompts)` for embeddings."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tqdm import tqdm
 
 from tessera.config import EngineArgs
 from tessera.engine.llm_engine import LLMEngine
-from tessera.outputs import RequestOutput
+from tessera.outputs import EmbeddingRequestOutput, RequestOutput
+from tessera.pooling_params import PoolingParams
 from tessera.sampling.params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
@@ -63,6 +65,30 @@ class LLM:
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (vLLM's `LLM.embed`): `out.outputs.embedding`
+        is the prompt's final hidden states pooled as `pooler_config` says (default: the last
+        token's, normalized). Prompts take the forms `generate` takes; each is prefill-only and
+        scheduled like any other request. A prompt the engine rejects raises ValueError."""
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._broadcast(pooling_params or PoolingParams(), len(prompt_list),
+                                      "pooling_params")
+        request_ids = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = str(next(self._request_ids))
+            self.llm_engine.add_request(request_id, prompt, params)
+            request_ids.append(request_id)
+        outputs = self._run(request_ids, use_tqdm)
+        for out in outputs:
+            if out.error is not None:
+                raise ValueError(f"prompt {request_ids.index(out.request_id)}: {out.error}")
+        return outputs  # type: ignore[return-value]
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -112,7 +138,8 @@ class LLM:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         finished[out.request_id] = out
-                        num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         elapsed = max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")

@@ -6,7 +6,8 @@ and seeded generators from here and never from a scheduler object, so it could l
 process. A request resent whole (resumed after preemption) keeps its generator: a seeded request
 draws the same numbers however often it was preempted. A request with structured outputs has a
 grammar matcher here, advanced by the tokens the scheduler accepted (the diffs), and rebuilt by
-replaying its output when the request is resent whole.
+replaying its output when the request is resent whole. An embedding request has its pooling
+state here (tessera/worker/pooler.py), which survives a swap but not a recompute.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.core.scheduler_output import SchedulerOutput
+from tessera.core.scheduler_output import NewRequestData, SchedulerOutput
 from tessera.sampling.grammar import GrammarBackend, GrammarState
 from tessera.sampling.params import SamplingParams
 from tessera.utils import token_range
+from tessera.worker.pooler import PoolingState
 
 
 @dataclass
@@ -31,6 +33,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None
+    pooling: PoolingState | None = None  # an embedding request: what its chunks pooled so far
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,7 @@ class InputBatch:
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
                 grammar=self._grammar(new.sampling_params, new.output_token_ids),
+                pooling=self._pooling(new, old),
             )
         for diff in out.scheduled_cached_reqs:
             state = self.requests[diff.req_id]
@@ -82,6 +86,16 @@ class InputBatch:
             else:
                 state.block_ids.extend(diff.new_block_ids)
             state.num_computed_tokens = diff.num_computed_tokens
+
+    @staticmethod
+    def _pooling(new: NewRequestData, old: CachedRequestState | None) -> PoolingState | None:
+        """An embedding request's pooling state: kept when it comes back from a swap (its KV and
+        progress survive), fresh when it starts (or restarts, after a recompute) at 0."""
+        if new.pooling_params is None:
+            return None
+        if old is not None and old.pooling is not None and new.num_computed_tokens > 0:
+            return old.pooling
+        return PoolingState(new.pooling_params)
 
     def _grammar(self, params: SamplingParams, output_token_ids: list[int]
                  ) -> GrammarState | None:

@@ -4,8 +4,11 @@ longest prompt), samples, and answers with a torch-free `ModelRunnerOutput`.
 
 Order inside the flat batch: decodes first, then prompt chunks (the attention backend's contract,
 tessera/attention/backend.py). Logits are computed only at sampled positions: the
-last token of a request whose KV reaches its full length this step. All request state the runner
-reads (tokens, block tables, seeded generators) is its own copy, in `self.requests`.
+last token of a request whose KV reaches its full length this step. An embedding request
+(`pooling_params`) samples nothing: its chunks' final hidden states are pooled
+(tessera/worker/pooler.py) and the step that completes its prompt returns the vector. All
+request state the runner reads (tokens, block tables, seeded generators, pooling states) is its
+own copy, in `self.requests`.
 
 Speculative decoding: a request verifying k draft tokens (`scheduled_spec_decode_tokens`) runs its
 last token and the k drafts as k + 1 new tokens of the same flat batch (to attention, a chunk that
@@ -54,6 +57,8 @@ class ModelInput:
     # req_id -> (flat index of the first row, target token ids): rows whose logits score the
     # next prompt token, for requests that asked for prompt logprobs
     prompt_rows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # embedding requests: (req_id, flat index of the chunk's first row, its first position)
+    pool_rows: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def _slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
@@ -130,6 +135,7 @@ class ModelRunner:
         prompt_rows: dict[str, tuple[int, list[int]]] = {}
         spec = out.scheduled_spec_decode_tokens
         spec_drafts: dict[str, list[int]] = {}
+        pool_rows: list[tuple[str, int, int]] = []
         for state, n in decodes + prefills:
             start = state.num_computed_tokens
             end = start + n
@@ -149,6 +155,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             slot_mapping.extend(_slots(state.block_ids, bs, start, end))
             spans.append(SeqSpan(offset, n, start, state.block_ids))
+            if state.pooling is not None:  # an embedding request: pooled, never sampled
+                pool_rows.append((state.req_id, offset, start))
+                continue
             if state.sampling_params.prompt_logprobs is not None:
                 targets = state.prompt_token_ids[start + 1 : end + 1]
                 if targets:
@@ -167,6 +176,7 @@ class ModelRunner:
             sampled_req_ids=sampled,
             prompt_rows=prompt_rows,
             spec_drafts=spec_drafts,
+            pool_rows=pool_rows,
         )
 
     # ---- execution ---------------------------------------------------------------------------
@@ -193,6 +203,8 @@ class ModelRunner:
             self._follow_logits(inp, hidden)
             return ModelRunnerOutput()
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(inp, hidden))
+        if inp.pool_rows:
+            self._pool(inp, hidden, out.num_scheduled_tokens, result)
         if inp.sampled_req_ids:
             self._sample(inp, hidden, out.num_samples, result)
             if self.speculative_config is not None:
@@ -214,6 +226,18 @@ class ModelRunner:
             self.model.compute_logits(hidden[first : first + len(targets)])
         if inp.sampled_req_ids:
             self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+
+    def _pool(self, inp: ModelInput, hidden: torch.Tensor, num_scheduled: dict[str, int],
+              result: ModelRunnerOutput) -> None:
+        """Fold each embedding request's chunk into its pooling state; a request whose prompt
+        this step completes gets its vector in `pooler_output`."""
+        for req_id, first, start in inp.pool_rows:
+            state = self.requests[req_id]
+            assert state.pooling is not None
+            rows = hidden[first : first + num_scheduled[req_id]]  # [n, hidden_size]
+            vector = state.pooling.add(rows, start, len(state.prompt_token_ids))
+            if vector is not None:
+                result.pooler_output[req_id] = vector
 
     def _prompt_logprobs(self, inp: ModelInput, hidden: torch.Tensor) -> dict:
         result = {}

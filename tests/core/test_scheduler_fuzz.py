@@ -9,7 +9,11 @@ check below reads every context position), and max_tokens must hold.
 
 Disaggregation runs in every example (a kv_both connector): some requests pull their prompt's KV
 from a "peer" (the runner lands the pull into their blocks, or fails it, when the machine says),
-some keep their blocks for a peer after they finish, until "sent" or timed out."""
+some keep their blocks for a peer after they finish, until "sent" or timed out.
+
+Embedding requests (prefill-only, pooled) arrive too: the runner pools instead of sampling, and
+checks that a MEAN or CLS request's chunks cover its prompt from position 0 without a gap
+(never from a prefix-cache hit), through preemption of either kind."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from tessera.config import KVTransferConfig, PreemptionMode
 from tessera.core.kv_connector import PullConnectorScheduler
+from tessera.pooling_params import PoolingParams
 from tessera.sequence import SequenceStatus
 from tessera.utils import cdiv
 
@@ -43,6 +48,37 @@ class CheckingRunner(FakeRunner):
         self.landed: list[tuple[str, list[int], bool]] = []
         self.serving: set[str] = set()
         self.reports: dict[str, list[str]] = {"sent": [], "recv": [], "failed": []}
+        self.pooling: dict[str, str] = {}  # embedding requests: req_id -> pooling type
+        self.covered: dict[str, int] = {}  # ... and the prompt positions their chunks covered
+        self.pooled: set[str] = set()  # those that got their vector
+
+    def apply(self, out):
+        super().apply(out)
+        for new in out.scheduled_new_reqs:
+            if new.pooling_params is not None:
+                self.pooling[new.req_id] = new.pooling_params.pooling_type
+
+    def pool(self, out, result):
+        """Embedding requests pool instead of sampling: the vector comes with the prompt's last
+        chunk, and positions must be seen in order from 0 unless the type is LAST."""
+        for req_id, n in out.num_scheduled_tokens.items():
+            if req_id not in self.pooling:
+                continue
+            start = self.requests[req_id].num_computed_tokens
+            if start == 0:
+                self.covered[req_id] = 0
+            if self.pooling[req_id] != "LAST":
+                assert start <= self.covered.get(req_id, 0), f"{req_id}: pooled with a gap"
+            self.covered[req_id] = max(self.covered.get(req_id, 0), start + n)
+        rows = [i for i, r in enumerate(result.req_ids) if r in self.pooling]
+        for i in reversed(rows):
+            req_id = result.req_ids.pop(i)
+            result.sampled_token_ids.pop(i)
+            if result.spec_token_ids:
+                result.spec_token_ids.pop(i)
+            result.pooler_output[req_id] = [1.0]
+            self.pooled.add(req_id)
+        return result
 
     def land(self, req_id: str, ok: bool) -> None:
         """The pull of `req_id` ends; its data is written (as the real worker does) in the next
@@ -119,7 +155,7 @@ class CheckingRunner(FakeRunner):
                 block = table[p // bs]
                 assert bm.gpu.ref_counts[block] == 1, f"writing shared block {block}"
                 self.gpu.setdefault(block, [None] * bs)[p % bs] = tokens[p]
-        result = super().execute_sampling(out)
+        result = self.pool(out, super().execute_sampling(out))
         result.finished_sending, result.finished_recving, result.failed_recving = (
             self.reports["sent"], self.reports["recv"], self.reports["failed"])
         self.reports = {"sent": [], "recv": [], "failed": []}
@@ -197,6 +233,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.groups.append(group)
         self.by_id[req_id] = group
         self.feasible[req_id] = self._is_feasible(prompt_len, max_tokens, n)
+        self.sched.add_seq_group(group)
+
+    @rule(prompt_len=st.integers(1, MAX_MODEL_LEN + 4), shared=st.integers(0, MAX_MODEL_LEN),
+          pooling_type=st.sampled_from(["LAST", "MEAN", "CLS"]))
+    def add_embedding(self, prompt_len, shared, pooling_type):
+        req_id = f"r{len(self.groups)}"
+        shared = min(shared, prompt_len)
+        prompt = COMMON_PREFIX[:shared] + [len(self.groups) * 64 + i
+                                           for i in range(prompt_len - shared)]
+        group = make_group(req_id, 0, prompt=prompt, max_tokens=1,
+                           arrival=float(len(self.groups)))
+        group.pooling_params = PoolingParams(normalize=True, pooling_type=pooling_type)
+        self.groups.append(group)
+        self.by_id[req_id] = group
+        self.feasible[req_id] = self._is_feasible(prompt_len, 0, 1)
         self.sched.add_seq_group(group)
 
     @precondition(lambda self: any(not g.is_finished() for g in self.groups))
@@ -285,7 +336,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             if g.request_id in self.aborted:
                 continue
             assert all(s.get_output_len() <= g.sampling_params.max_tokens for s in g.seqs)
-            if self.feasible[g.request_id]:
+            if g.pooling_params is not None and self.feasible[g.request_id]:
+                assert g.seqs[0].status is SequenceStatus.FINISHED_STOPPED
+                assert g.seqs[0].output_token_ids == [] and g.request_id in self.runner.pooled
+            elif self.feasible[g.request_id]:
                 assert all(s.status is SequenceStatus.FINISHED_LENGTH_CAPPED for s in g.seqs)
                 assert len(g.seqs) == g.sampling_params.n
             else:

@@ -6,6 +6,8 @@ letter (prompt length % 26); a seeded sampled sequence k starts at (seed + k) % 
 step advances every running request by one token and sleeps `step_delay` (as a model would, with the
 GIL released). A prompt containing "__boom__" makes the next step raise. `tokenizer=False` is a bare
 checkpoint: token ids in, token ids out, no text (as `LLMEngine` with `tokenizer is None`).
+An embedding request (`PoolingParams`) finishes in one step with the vector
+[prompt length, sum of its ids % 97, 1.0].
 
 Tests wait on `wait_until(predicate)`: every change of the fake's requests notifies a condition, so a
 waiter wakes when the engine thread has added, stepped or aborted, instead of polling.
@@ -20,7 +22,14 @@ from types import SimpleNamespace
 
 from tessera.config import SchedulingPolicy
 from tessera.engine.stats import EngineStats, StatsSnapshot
-from tessera.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tessera.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from tessera.pooling_params import PoolingParams
 from tessera.sampling.params import RequestOutputKind, SamplingParams
 
 
@@ -60,6 +69,7 @@ class _Req:
     outputs: list[CompletionOutput] = field(default_factory=list)
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # DELTA: (chars, tokens) out
     first_token_time: float | None = None
+    pooling: bool = False  # an embedding request
 
 
 class FakeEngine:
@@ -103,9 +113,13 @@ class FakeEngine:
             self._boom = True
         req = _Req(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                    sampling_params, arrival_time or time.monotonic())
-        req.outputs = [CompletionOutput(index=i, text="", token_ids=[],
-                                        logprobs=[] if sampling_params.logprobs is not None else None)
-                       for i in range(sampling_params.n)]
+        if isinstance(sampling_params, PoolingParams):
+            req.pooling = True
+        else:
+            req.outputs = [CompletionOutput(
+                index=i, text="", token_ids=[],
+                logprobs=[] if sampling_params.logprobs is not None else None)
+                for i in range(sampling_params.n)]
         with self._changed:
             self.requests[request_id] = req
             self.priorities.append(priority)
@@ -144,6 +158,14 @@ class FakeEngine:
         now = time.monotonic()
         results = []
         for req in self._running():
+            if req.pooling:
+                del self.requests[req.request_id]
+                ids = req.prompt_token_ids
+                results.append(EmbeddingRequestOutput(
+                    request_id=req.request_id, prompt=req.prompt, prompt_token_ids=ids,
+                    outputs=EmbeddingOutput([float(len(ids)), float(sum(ids) % 97), 1.0]),
+                    finished=True, metrics=RequestMetrics(arrival_time=req.arrival_time)))
+                continue
             too_long = len(req.prompt_token_ids) > self.config.model.max_model_len
             for seq in req.outputs:
                 if too_long:

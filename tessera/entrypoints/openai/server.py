@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: `build_app()` wires routes to an `AsyncLLMEngine`, and
 `run_server()` serves it with uvicorn until SIGINT/SIGTERM.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true), /tokenize,
-/detokenize, /health, /version, /metrics, the OpenAPI docs (/docs, /redoc, /openapi.json), and
-the live view /dashboard with its event stream /dashboard/events (openai/dashboard.py).
+Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true),
+/v1/embeddings, /v1/responses (and GET/DELETE /v1/responses/{id}), /tokenize, /detokenize,
+/health, /version, /metrics, the OpenAPI docs (/docs, /redoc, /openapi.json), and the live view
+/dashboard with its event stream /dashboard/events (openai/dashboard.py).
 
 With an API key, every route wants `Authorization: Bearer KEY` (the docs too: the schema maps
 the whole API, so it is no more public than the API), except `OPEN_ROUTES`:
@@ -62,8 +63,12 @@ from tessera.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from tessera.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
+from tessera.entrypoints.openai.protocol_responses import ResponsesRequest
 from tessera.entrypoints.openai.serving_chat import OpenAIServingChat
 from tessera.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tessera.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from tessera.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tessera.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -199,6 +204,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     completions = OpenAIServingCompletion(engine, model_name, preprocessor, **common)
     chat = OpenAIServingChat(engine, model_name, preprocessor, **common)
     tokens = OpenAIServingTokenization(engine, model_name, preprocessor, **common)
+    embeddings = OpenAIServingEmbedding(engine, model_name, preprocessor, **common)
+    responses = OpenAIServingResponses(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -210,7 +217,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
 
     app = FastAPI(title="Tessera", version=_version(), lifespan=lifespan)
     install_error_handlers(app, {"/v1/completions": CompletionRequest,
-                                 "/v1/chat/completions": ChatCompletionRequest})
+                                 "/v1/chat/completions": ChatCompletionRequest,
+                                 "/v1/embeddings": EmbeddingRequest,
+                                 "/v1/responses": ResponsesRequest})
     # added last runs first: the key is checked before a body is read
     app.add_middleware(_BodyLimitMiddleware, limit=max_request_body_bytes)
     if api_key:
@@ -249,6 +258,22 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               responses={200: _SSE_OR_JSON, **_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings.create(body, request)
+
+    @app.post("/v1/responses", responses={200: _SSE_OR_JSON, **_ERRORS})
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def retrieve_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
