@@ -2,7 +2,8 @@
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "LoRARequest"]
 __version__ = "0.1.0"
 
 
@@ -20,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from tessera import outputs
 
         return getattr(outputs, name)
+    if name == "LoRARequest":
+        from tessera.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'tessera' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -91,6 +91,9 @@ class AttentionMetadata(ABC):
     """One step's attention inputs, built by a backend and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    # the step's LoRA adapters by row (tessera/lora/mapping.py), set by the runner after the
+    # backend built the rest; None: every row runs the base model
+    lora_mapping: object | None = field(default=None, init=False)
 
     def forward(
         self,

@@ -57,6 +57,7 @@ class RunnerView:
                 block_ids=list(table),
                 num_computed_tokens=seq.num_computed_tokens,
                 seed=None if seed is None else stream_seed(seed, seq.index),
+                lora_request=group.lora_request,
             ))
             self._sent[req_id] = _Sent(num_tokens, len(table), last)
             return

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera.core.kv_connector import KVConnectorMetadata
+from tessera.lora.request import LoRARequest
 from tessera.sampling.params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class NewRequestData:
     block_ids: list[int]  # the whole device block table
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits, swap-in)
     seed: int | None = None  # of this stream's generator (child k of a seeded request: seed + k)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass(slots=True)

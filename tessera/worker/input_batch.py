@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.core.scheduler_output import SchedulerOutput
+from tessera.lora.request import LoRARequest
 from tessera.sampling.grammar import GrammarBackend, GrammarState
 from tessera.sampling.params import SamplingParams
 from tessera.utils import token_range
@@ -31,6 +32,11 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +77,7 @@ class InputBatch:
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
                 grammar=self._grammar(new.sampling_params, new.output_token_ids),
+                lora_request=new.lora_request,
             )
         for diff in out.scheduled_cached_reqs:
             state = self.requests[diff.req_id]
