@@ -343,5 +343,6 @@ class LLMEngine:
 def _adapter_names(groups: Iterable[SequenceGroup]) -> str:
     """The distinct adapters of `groups`, comma-separated in name order (vLLM's label format).
     Walks the groups: only with --enable-lora, once per step."""
-    return ",".join(sorted({g.lora_request.lora_name for g in groups
-                            if g.lora_request is not None}))
+    names = ",".join(sorted({g.lora_request.lora_name for g in groups
+                             if g.lora_request is not None}))
+    return names.replace("\\", "\\\\").replace('"', '\\"')  # as a label value

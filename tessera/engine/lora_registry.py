@@ -21,6 +21,14 @@ class LoRARegistry:
         self._by_id: dict[int, LoRARequest] = {}
         self._lock = threading.Lock()  # the server checks off the engine thread too
 
+    def check_path(self, path: str) -> PeftLoRAConfig:
+        """Whether the adapter at `path` can be served (ValueError naming the field), without
+        registering an id for it."""
+        if self.config is None:
+            raise ValueError("LoRA adapters need --enable-lora (LLM(enable_lora=True))")
+        assert self.arch is not None, "the engine was built without the model's shapes"
+        return check_adapter(path, self.arch, self.config.max_lora_rank)
+
     def check(self, request: LoRARequest) -> PeftLoRAConfig:
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
@@ -36,8 +44,7 @@ class LoRARegistry:
             raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter "
                              f"{other.lora_name!r} at {other.lora_path}; give each adapter its "
                              "own id")
-        assert self.arch is not None, "the engine was built without the model's shapes"
-        peft = check_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
+        peft = self.check_path(request.lora_path)
         with self._lock:
             self._checked[request] = peft
             self._by_id.setdefault(request.lora_int_id, request)

@@ -120,7 +120,7 @@ def check_adapter(path: str, arch, max_lora_rank: int) -> PeftLoRAConfig:
     found: set[tuple[int, str, str]] = set()
     try:
         with safe_open(file, framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                 m = _KEY.search(key)
                 if m is None:
                     raise _fail(path, f"target_modules: weight {key!r} is not a LoRA A/B of one of "
