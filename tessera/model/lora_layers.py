@@ -5,6 +5,11 @@ output over that adapter's rows only, shrink then expand, as in Punica and S-LoR
     for (start, end, adapter) in the step's segments:
         y[start:end] += (x[start:end] @ A^T) @ (B^T * scaling)      shrink [m, R], expand [m, out]
 
+Shrink and expand are `Linear`s (tessera/model/layers.py): on CPU the same packed C++ kernel as the
+base projections, which is batch-invariant (a row's result does not depend on the other rows of
+its segment, so mixing adapters in a batch changes no bit) and faster than a plain matmul at these
+sizes.
+
 A projection the model fuses (q|k|v, gate|up) gets one shrink over its targets' stacked A rows and
 one expand through a block-diagonal B, so a fused call costs two matmuls per adapter segment
 whatever its number of targets. The segments come from the step's `AttentionMetadata`
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.lora.peft import LoRAAdapter, target_shapes
+from tessera.model.layers import Linear
 
 # a layer's fused projection -> the HF targets stacked along its output features, in order
 FUSED_TARGETS: dict[str, tuple[str, ...]] = {
@@ -41,15 +47,16 @@ FUSED_TARGETS: dict[str, tuple[str, ...]] = {
 @dataclass
 class LoRAWeights:
     """One adapter ready for one model (its dtype, device and TP shard): per layer, per fused
-    projection, (A^T [in, R], B^T * scaling [R, out]) or absent when the adapter skips it."""
+    projection, (shrink: Linear over A [R, in], expand: Linear over B * scaling [out, R]), absent
+    where the adapter skips the projection."""
 
     lora_int_id: int
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    layers: list[dict[str, tuple[Linear, Linear]]]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers
-                   for pair in layer.values() for t in pair)
+        return sum(lin.weight_bytes for layer in self.layers for pair in layer.values()
+                   for lin in pair)
 
 
 class _StepState:
@@ -79,9 +86,9 @@ class LoRALinear:
             pair = weights.layers[self.layer].get(self.name)
             if pair is None:
                 continue
-            a_t, b_t = pair
-            shrunk = torch.mm(x[start:end], a_t)  # [m, R]
-            y[start:end].addmm_(shrunk, b_t)  # += [m, out]
+            shrink, expand = pair
+            rows = x if end - start == x.shape[0] else x[start:end]
+            y[start:end].add_(expand(shrink(rows)))  # [m, R] -> [m, out]
         return y
 
 
@@ -113,9 +120,9 @@ def prepare_weights(adapter: LoRAAdapter, lora_int_id: int, arch, dtype: torch.d
     into the layout of the model's fused projections."""
     shapes = target_shapes(arch)
     scaling = adapter.config.scaling
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    layers: list[dict[str, tuple[Linear, Linear]]] = []
     for i in range(arch.num_hidden_layers):
-        fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        fused: dict[str, tuple[Linear, Linear]] = {}
         for name, targets in FUSED_TARGETS.items():
             a_parts, b_parts, out_sizes = [], [], []
             for target in targets:
@@ -147,7 +154,7 @@ def prepare_weights(adapter: LoRAAdapter, lora_int_id: int, arch, dtype: torch.d
                 col = sum(out_sizes[:k])
                 b_blk[row : row + r, col : col + out_sizes[k]] = b_parts[k].t()
                 row += r
-            fused[name] = (a_cat.t().contiguous().to(device=device, dtype=dtype),
-                           b_blk.to(device=device, dtype=dtype))
+            fused[name] = (Linear(a_cat.to(device=device, dtype=dtype)),
+                           Linear(b_blk.t().contiguous().to(device=device, dtype=dtype)))
         layers.append(fused)
     return LoRAWeights(lora_int_id, layers)
