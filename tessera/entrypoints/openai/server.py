@@ -192,14 +192,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         flag = "--lora-modules" if lora_modules else "--allow-runtime-lora-updating"
         raise ValueError(f"{flag} needs --enable-lora")
     model_name = served_model_name or engine.model_name
-    models = ServingModels(engine, model_name, engine.max_model_len)
-    models.add_static(lora_modules or [])
+    serving_models = ServingModels(engine, model_name, engine.max_model_len)
+    serving_models.add_static(lora_modules or [])
     metrics = ServerMetrics(engine.get_metrics, model_name, engine.get_stats)
     engine.on_finished.append(metrics.observe_finished)
     preprocessor = Preprocessor(engine.tokenizer, engine.max_model_len, engine.vocab_size)
     common = {"chat_template": chat_template, "sampling_defaults": sampling_defaults,
               "log_requests": log_requests, "tool_call_parser": tool_call_parser,
-              "models": models}
+              "models": serving_models}
     completions = OpenAIServingCompletion(engine, model_name, preprocessor, **common)
     chat = OpenAIServingChat(engine, model_name, preprocessor, **common)
     tokens = OpenAIServingTokenization(engine, model_name, preprocessor, **common)
@@ -242,17 +242,17 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=models.cards())
+        return ModelList(data=serving_models.cards())
 
     if allow_runtime_lora_updating:
         @app.post("/v1/load_lora_adapter", responses=_ERRORS)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-            return Response(await models.load(body.lora_name, body.lora_path),
+            return Response(await serving_models.load(body.lora_name, body.lora_path),
                             media_type="text/plain")
 
         @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-            return Response(models.unload(body.lora_name), media_type="text/plain")
+            return Response(serving_models.unload(body.lora_name), media_type="text/plain")
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={200: _SSE_OR_JSON, **_ERRORS})
