@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("peft", reason="the LoRA tests build their adapters with peft (dev extra)")
 
@@ -68,12 +69,11 @@ def test_each_adapter_alone_matches_hf_peft(setup):
 
 
 @pytest.mark.parametrize("engine_args", [
-    {"max_loras": 1},  # one adapter per step: the others wait their turn
     # preemption (20 blocks of 4 tokens), chunked prefill (16-token budget), prefix caching
     {"max_loras": 2, "num_gpu_blocks_override": 20, "block_size": 4, "max_model_len": 80,
      "enable_chunked_prefill": True, "max_num_batched_tokens": 16,
      "enable_prefix_caching": True},
-], ids=["max_loras_1", "preempt_chunked_prefix"])
+], ids=["preempt_chunked_prefix"])
 def test_mixed_batch_invariance(setup, engine_args):
     base, requests, expected = setup
     llm = LLM(model=base, enable_lora=True, **engine_args)
@@ -129,7 +129,7 @@ def test_bad_adapters_are_refused_naming_the_field(setup, tmp_path):
         assert json.load(f)["r"] == 4  # the fixture's adapters are untouched
 
 
-def test_cpu_cache_is_lru_up_to_max_cpu_loras(setup):
+def test_cpu_cache_is_lru_up_to_max_cpu_loras_and_max_loras_1(setup):
     base, requests, expected = setup
     llm = LLM(model=base, enable_lora=True, max_loras=1, max_cpu_loras=2)
     manager = llm.llm_engine.executor.runner.lora_manager
@@ -141,3 +141,65 @@ def test_cpu_cache_is_lru_up_to_max_cpu_loras(setup):
     assert manager.num_loads == 4
     assert list(manager._cpu) == [requests["all7"].lora_int_id, requests["qv"].lora_int_id]
     assert len(manager._active) == 1 and next(iter(manager._active.values())).nbytes > 0
+    # one adapter per step: the mixed batch's other adapters wait their turn, same tokens
+    _check_mixed(llm, requests, expected)
+
+
+@pytest.mark.heavy
+def test_tensor_parallel_2_mixed_batch(setup):
+    """Each rank holds A sharded like its layer's input and B like its output: TP=2 gives the
+    HF + PEFT tokens, adapters and base mixed in one batch."""
+    base, requests, expected = setup
+    llm = LLM(model=base, enable_lora=True, max_loras=3, tensor_parallel_size=2)
+    try:
+        _check_mixed(llm, requests, expected)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _write_adapter(path, arch, layers, r, scale, seed=0):
+    """A PEFT-format adapter written directly (A and B random, B times `scale`)."""
+    from safetensors.torch import save_file
+
+    from tessera.lora.peft import target_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in layers:
+        for target, (out_f, in_f) in target_shapes(arch).items():
+            kind = "self_attn" if target[0] in "qkvo" else "mlp"
+            key = f"base_model.model.model.layers.{i}.{kind}.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, in_f, generator=gen) * 0.05
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, r, generator=gen) * 0.05 * scale
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
+                   "target_modules": sorted(target_shapes(arch))}, f)
+
+
+@pytest.mark.heavy
+def test_gguf_base_stays_quantized(default_model_path, tmp_path):
+    """The default model (GGUF Q4_1) with adapters: its projections stay QuantLinears under the
+    LoRA wrappers; an adapter with B = 0 gives the base tokens exactly; a real one changes them,
+    and mixing it with the base in one batch equals each alone."""
+    from tessera.kernels.quant_linear import QuantLinear
+
+    llm = LLM(model=default_model_path, enable_lora=True, max_loras=2, max_model_len=256)
+    model = llm.llm_engine.executor.runner.model
+    arch = model.cfg
+    assert all(isinstance(layer.wqkv.base, QuantLinear) for layer in model.layers)
+    _write_adapter(str(tmp_path / "zero"), arch, range(arch.num_hidden_layers), 8, 0.0)
+    _write_adapter(str(tmp_path / "real"), arch, range(0, arch.num_hidden_layers, 3), 8, 1.0)
+    zero = LoRARequest("zero", 1, str(tmp_path / "zero"))
+    real = LoRARequest("real", 2, str(tmp_path / "real"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    alone = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False,
+                                                                  lora_request=req)]
+             for name, req in (("base", None), ("zero", zero), ("real", real))}
+    assert alone["zero"] == alone["base"]
+    assert alone["real"] != alone["base"]
+    mixed = llm.generate(prompts * 2, params, use_tqdm=False, lora_request=[None, real, real, None])
+    assert [o.outputs[0].token_ids for o in mixed] == [
+        alone["base"][0], alone["real"][1], alone["real"][0], alone["base"][1]]
