@@ -212,6 +212,9 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:  # the adapters are checked before serving: a bad one stops the start
+        names = [m.name for m in lora_modules]
+        if len(set(names)) < len(names):
+            raise ValueError(f"--lora-modules: a name is given twice ({', '.join(names)})")
         for module in lora_modules:
             engine.engine.loras.check_path(module.path)
     except ValueError as e:

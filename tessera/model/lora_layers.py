@@ -75,6 +75,8 @@ class LoRALinear:
         self.name = name
 
     def __getattr__(self, attr: str):  # weight_bytes and the like: the base's
+        if attr == "base":  # not set yet (copying): no recursion
+            raise AttributeError(attr)
         return getattr(self.base, attr)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
