@@ -99,6 +99,8 @@ class PrefixCache:
         hashes = self._seq_hashes(seq, full)
         root = lora_root_hash(seq.lora_int_id)
         for i in range(start, full):
+            if table[i] < 0:  # released by the sliding window (block_manager.NULL_BLOCK)
+                continue
             parent = hashes[i - 1] if i else root
             self.pool.register(table[i], hashes[i], parent, self._block_tokens(seq, i))
         self._num_cached[seq.seq_id] = full

@@ -137,6 +137,11 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                              "(with --enable-lora)")
+    server.add_argument("--disable-dashboard", action="store_true",
+                        help="do not serve the live view /dashboard (and /dashboard/events)")
+    server.add_argument("--dashboard-interval", type=int, default=250, metavar="MS",
+                        help="the fastest the dashboard samples the engine, in ms (at least "
+                             "10) (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
 
@@ -168,6 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
         args.parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.enable_log_requests and args.disable_log_requests:
         args.parser.error("--enable-log-requests and --disable-log-requests contradict")
+    if args.dashboard_interval < 10:
+        args.parser.error(f"--dashboard-interval must be >= 10 (ms), got {args.dashboard_interval}")
     origins = args.allowed_origins
     if origins is not None and not (isinstance(origins, list)
                                     and all(isinstance(o, str) for o in origins)):
@@ -226,7 +233,9 @@ def _serve(args: argparse.Namespace) -> int:
                uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
                log_requests=args.enable_log_requests, allowed_origins=origins,
                root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
-               max_request_body_bytes=args.max_request_body_bytes, lora_modules=lora_modules,
+               max_request_body_bytes=args.max_request_body_bytes,
+               enable_dashboard=not args.disable_dashboard,
+               dashboard_interval_ms=args.dashboard_interval, lora_modules=lora_modules,
                allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 

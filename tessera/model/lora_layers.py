@@ -99,6 +99,11 @@ def attach_lora(model) -> None:
     by the first; the wrappers hold no adapter, only the step's mapping while a forward runs)."""
     if getattr(model, "lora_attached", False):
         return
+    for layer in model.layers:
+        missing = [name for name in FUSED_TARGETS if not hasattr(layer, name)]
+        if missing:
+            raise ValueError(f"--enable-lora: this model's layers have no {', '.join(missing)} "
+                             "projection(s); LoRA serves Llama-family dense layers only")
     state = _StepState()
     for i, layer in enumerate(model.layers):
         for name in FUSED_TARGETS:
