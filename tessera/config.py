@@ -427,6 +427,10 @@ class EngineConfig:
             raise ValueError("speculative_config: method draft_model does not run with "
                              f"--tensor-parallel-size {self.parallel.tensor_parallel_size} "
                              "(ngram does)")
+        if self.lora is not None and self.kv_transfer is not None:
+            # a request whose KV a peer computed joins the running batch outside admission,
+            # where the --max-loras limit is kept
+            raise ValueError("--enable-lora does not run with --kv-transfer-config yet")
         if self.parallel.tensor_parallel_size > 1 and self.kv_transfer is not None:
             # the connector's worker half lives beside one runner; ranks would each hold a shard
             raise ValueError("kv_transfer_config does not run with --tensor-parallel-size "
