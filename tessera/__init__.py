@@ -3,7 +3,8 @@
 from typing import Any
 
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput",
+           "LoRARequest"]
 __version__ = "0.1.0"
 
 
@@ -25,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from tessera import outputs
 
         return getattr(outputs, name)
+    if name == "LoRARequest":
+        from tessera.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'tessera' has no attribute {name!r}")

@@ -419,6 +419,31 @@ class PoolerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names; on with --enable-lora): at most `max_loras` distinct
+    adapters in one step (the scheduler's limit), ranks up to `max_lora_rank`, and up to
+    `max_cpu_loras` adapters kept loaded in the CPU cache (LRU; default: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{flag_name(name)} must be an integer >= 1, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"--max-cpu-loras ({cpu}) must be an integer >= --max-loras "
+                             f"({self.max_loras}): every adapter of a step is loaded")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -428,6 +453,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
+    lora: LoRAConfig | None = None  # None: --enable-lora is off
 
     def __post_init__(self) -> None:
         # tensor-parallel ranks build their runners without a draft model: refuse rather than
@@ -437,6 +463,10 @@ class EngineConfig:
             raise ValueError("speculative_config: method draft_model does not run with "
                              f"--tensor-parallel-size {self.parallel.tensor_parallel_size} "
                              "(ngram does)")
+        if self.lora is not None and self.kv_transfer is not None:
+            # a request whose KV a peer computed joins the running batch outside admission,
+            # where the --max-loras limit is kept
+            raise ValueError("--enable-lora does not run with --kv-transfer-config yet")
         if self.parallel.tensor_parallel_size > 1 and self.kv_transfer is not None:
             # the connector's worker half lives beside one runner; ranks would each hold a shard
             raise ValueError("kv_transfer_config does not run with --tensor-parallel-size "
@@ -534,6 +564,12 @@ class EngineArgs:
         0, "this machine's index among --nnodes; 0 runs the engine and server, the others run "
            "only worker ranks"
     )
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT format) over the base model")
+    max_loras: int = _arg(1, "most distinct LoRA adapters in one step (with --enable-lora)")
+    max_lora_rank: int = _arg(16, "largest LoRA rank r served (with --enable-lora)")
+    max_cpu_loras: int | None = _arg(
+        None, "LoRA adapters kept loaded in the CPU cache, LRU (default: --max-loras)"
+    )
 
     def create_engine_config(
         self, model_max_len: int | None = None, checkpoint_dtype: str | None = None,
@@ -597,7 +633,14 @@ class EngineArgs:
             parallel=self.parallel_config(),
             kv_transfer=kv_transfer,
             pooler=pooler,
+            lora=self.lora_config(),
         )
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from tessera.utils import token_range
 
 if TYPE_CHECKING:
+    from tessera.lora.request import LoRARequest
     from tessera.pooling_params import PoolingParams
     from tessera.sampling.params import SamplingParams
 
@@ -80,6 +81,9 @@ class Sequence:
     # set by `update_from_output`, trimmed by `schedule()` to what the step verifies (the block
     # manager reserves lookahead slots for exactly these), dropped on preemption
     spec_token_ids: list[int] = field(default_factory=list)
+    # the LoRA adapter it runs under (0: the base model), set by its SequenceGroup: its KV, and
+    # so its prefix-cache keys, are the adapter's own
+    lora_int_id: int = 0
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -124,6 +128,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             req_id=req_id,
             index=index,
+            lora_int_id=self.lora_int_id,
         )
 
 
@@ -151,8 +156,11 @@ class SequenceGroup:
     remote_kv_tried: bool = False
     # an embedding request (prefill-only): pooled instead of sampled, finished with its prompt
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
 
     def __post_init__(self) -> None:
+        for seq in self.seqs:
+            seq.lora_int_id = self.lora_int_id
         for i, seq in enumerate(self.seqs):
             if not seq.req_id:
                 seq.req_id = child_req_id(self.request_id, i)
@@ -161,6 +169,10 @@ class SequenceGroup:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.seqs[0].prompt_token_ids
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

@@ -66,6 +66,9 @@ class AttentionMetadata(ABC):
     _windowed: dict[int | None, WindowedAttention] = field(
         default_factory=dict, kw_only=True, repr=False
     )
+    # the step's LoRA adapters by row (tessera/lora/mapping.py), set by the runner after the
+    # backend built the rest; None: every row runs the base model
+    lora_mapping: object | None = field(default=None, init=False)
 
     def forward(
         self,

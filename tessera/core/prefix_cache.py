@@ -27,6 +27,16 @@ from tessera.sequence import Sequence
 ROOT_HASH = hashlib.sha256(b"tessera prefix cache v1").digest()
 
 
+def lora_root_hash(lora_int_id: int) -> bytes | None:
+    """The parent of the first block of a sequence under LoRA adapter `lora_int_id` (None for the
+    base model, whose first block hashes from ROOT_HASH): the same tokens under two adapters have
+    different KV, so every key of their chains differs, and so does the stored parent a hit is
+    checked against."""
+    if lora_int_id == 0:
+        return None
+    return hashlib.sha256(b"tessera prefix cache v1 lora" + struct.pack("<q", lora_int_id)).digest()
+
+
 def hash_block_tokens(parent: bytes | None, token_ids: SequenceABC[int]) -> bytes:
     """The prefix-cache key of a block: the 32-byte SHA-256 digest of `parent` (the previous
     block's key, or ROOT_HASH for the first block when None) followed by the token ids as
@@ -50,7 +60,7 @@ class PrefixCache:
         ever appended, so the chain only grows)."""
         hashes = self._hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_full_blocks:
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else lora_root_hash(seq.lora_int_id)
             for i in range(len(hashes), num_full_blocks):
                 parent = hash_block_tokens(parent, self._block_tokens(seq, i))
                 hashes.append(parent)
@@ -65,7 +75,7 @@ class PrefixCache:
         if full == 0:
             return []
         hits = []
-        parent = None
+        parent = lora_root_hash(seq.lora_int_id)
         for i, h in enumerate(self._seq_hashes(seq, full)[:full]):
             block = self.pool.lookup(h, parent, self._block_tokens(seq, i))
             if block is None:
@@ -87,10 +97,11 @@ class PrefixCache:
         if full <= start:
             return
         hashes = self._seq_hashes(seq, full)
+        root = lora_root_hash(seq.lora_int_id)
         for i in range(start, full):
             if table[i] < 0:  # released by the sliding window (block_manager.NULL_BLOCK)
                 continue
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else root
             self.pool.register(table[i], hashes[i], parent, self._block_tokens(seq, i))
         self._num_cached[seq.seq_id] = full
 

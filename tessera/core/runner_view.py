@@ -58,6 +58,7 @@ class RunnerView:
                 num_computed_tokens=seq.num_computed_tokens,
                 seed=None if seed is None else stream_seed(seed, seq.index),
                 pooling_params=group.pooling_params,
+                lora_request=group.lora_request,
             ))
             self._sent[req_id] = _Sent(num_tokens, len(table), last)
             return

@@ -12,7 +12,10 @@ A step, in order:
   3. waiting: admit in policy order while budget, max_num_seqs and free blocks minus watermark
      allow; new admissions wait while anything is swapped (under priority: anything not worse).
 Steps 2 and 3 are skipped after a preemption in step 1: memory is tight, and swapping a group back
-in the step it left would only churn.
+in the step it left would only churn. With LoRA (--max-loras), steps 2 and 3 admit only what keeps
+the running adapters within the limit (core/lora_admission.py); a waiting request held back for
+an adapter slot keeps its place, and younger ones of running adapters may pass it (up to
+`LORA_LOOKAHEAD` held back per step, so a step's cost stays bounded).
 
 An embedding request (`group.pooling_params`, /v1/embeddings) is the same rule without a decode:
 it is scheduled like any prompt (budget, chunks, prefix hits, preemption), and the update of the
@@ -48,6 +51,7 @@ from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, Schedul
 from tessera.core.admission import never_fits_reason, reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
 from tessera.core.kv_connector import PullConnectorScheduler
+from tessera.core.lora_admission import LoRAAdmission
 from tessera.core.request_queue import create_request_queue
 from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_kv import RemoteKVStates
@@ -61,6 +65,7 @@ logger = logging.getLogger(__name__)
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
 _SWAPPED = SequenceStatus.SWAPPED
+LORA_LOOKAHEAD = 64  # most waiting requests held back for an adapter slot that one step passes
 
 # (sequence, tokens to compute this step) for each scheduled sequence of a group
 _Plan = list[tuple[Sequence, int]]
@@ -84,8 +89,11 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         clock: Callable[[], float] = time.monotonic,
         eos_token_ids: tuple[int, ...] = (),
         kv_connector: PullConnectorScheduler | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = scheduler_config
+        # --max-loras with --enable-lora; None: no adapter limit (LoRA off)
+        self.lora = None if max_loras is None else LoRAAdmission(max_loras)
         self.cache_config = cache_config
         self.clock = clock
         self.eos_token_ids = tuple(eos_token_ids)
@@ -188,10 +196,14 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         if self._priority and self.waiting and self.running:
             self._preempt_for_priority(out)
         preempted = self._schedule_running(out, budget, scheduled)
+        if self.lora is not None:
+            self.lora.begin(self.running)
         if self.swapped and not preempted and out.num_preemptions == 0:
             self._schedule_swapped(out, budget, scheduled)
         if self.waiting and not preempted:
             self._schedule_waiting(out, budget, scheduled)
+        if self.lora is not None:
+            self.lora.end()
         if scheduled:
             self._describe(out, scheduled)
         out.num_running_reqs = len(self.running)
@@ -348,6 +360,9 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             n = group.max_num_running_seqs()
             if budget.num_seqs + n > self.config.max_num_seqs:
                 break
+            if self.lora is not None and not self.lora.may_run(group):
+                self.lora.held(group)
+                break  # swapped groups resume in order
             alone = not self.running
             if not bm.can_swap_in(group, use_watermark=not alone):
                 if alone:  # cannot come back even to an empty device: start it over instead
@@ -362,6 +377,8 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             self.swapped.popleft()
             bm.swap_in(group, out.blocks_to_swap_in)
             out.num_swapped_in += 1
+            if self.lora is not None:
+                self.lora.admitted(group)
             for seq in seqs:
                 seq.status = _RUNNING
             copies = bm.try_append_slots(group)
@@ -382,7 +399,22 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
     ) -> None:
+        if self.lora is None:
+            self._admit_waiting(out, budget, scheduled, [])
+            return
+        held: list[SequenceGroup] = []  # waiting for an adapter slot: they keep their place
+        try:
+            self._admit_waiting(out, budget, scheduled, held)
+        finally:
+            for group in reversed(held):
+                self.waiting.prepend(group)
+
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]],
+        held: list[SequenceGroup],
+    ) -> None:
         bm = self.block_manager
+        lora = self.lora
         while self.waiting and budget.tokens > 0:
             group = self.waiting.peek()
             if self._admission_blocked(group):
@@ -397,6 +429,12 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
                 self.waiting.pop()
                 self._ignore(group, reason, out)
                 continue
+            if lora is not None and not lora.may_run(group):
+                if len(held) >= LORA_LOOKAHEAD:
+                    break
+                lora.held(group)
+                held.append(self.waiting.pop())
+                continue
             n = group.max_num_running_seqs()
             if budget.num_seqs + n > self.config.max_num_seqs or status is AllocStatus.LATER:
                 break
@@ -407,6 +445,8 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
                 if first.get_len() - bm.get_num_cached_tokens(group, first) > budget.tokens:
                     break  # scheduled whole or not at all
             self.waiting.pop()
+            if lora is not None:
+                lora.admitted(group)
             hits = bm.allocate(group)
             out.num_prefix_cache_hit_tokens += hits
             if group.first_scheduled_time is None:

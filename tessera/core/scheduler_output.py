@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera.core.kv_connector import KVConnectorMetadata
+from tessera.lora.request import LoRARequest
 from tessera.pooling_params import PoolingParams
 from tessera.sampling.params import SamplingParams
 
@@ -37,6 +38,7 @@ class NewRequestData:
     seed: int | None = None  # of this stream's generator (child k of a seeded request: seed + k)
     # set for an embedding request: the runner pools its prompt's hidden states, samples nothing
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass(slots=True)

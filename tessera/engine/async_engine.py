@@ -40,6 +40,7 @@ from tessera.engine.malloc_tuning import release_free_memory
 from tessera.engine.stat_logger import StatLogger
 from tessera.engine.stats import StatsSnapshot
 from tessera.executor.abstract import ExecutorDeadError
+from tessera.lora.request import LoRARequest
 from tessera.outputs import EmbeddingRequestOutput, RequestOutput
 from tessera.pooling_params import PoolingParams
 from tessera.sampling.params import SamplingParams
@@ -67,6 +68,7 @@ class _Add:
     priority: int
     arrival_time: float
     accepted: asyncio.Future  # set once the engine has taken (or refused) the request
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -179,9 +181,11 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[Any]:
         """Hand a request to the engine; return its output stream once the engine has accepted it.
         (With `PoolingParams` the stream yields one `EmbeddingRequestOutput`.)
+        `lora_request`: the LoRA adapter it runs under (None: the base model).
 
         Raises `ValueError` if the engine refuses the request. The stream yields the
         `RequestOutput`s that `sampling_params.output_kind` asks for (cumulative, deltas, or only
@@ -197,7 +201,8 @@ class AsyncLLMEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
-        self._send(_Add(request_id, prompt, sampling_params, priority, time.monotonic(), accepted))
+        self._send(_Add(request_id, prompt, sampling_params, priority, time.monotonic(), accepted,
+                        lora_request))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -217,6 +222,19 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self.engine.check_constraints, sampling_params)
         else:
             sampling_params.check_vocab(self.vocab_size)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return getattr(self.engine.config, "lora", None) is not None
+
+    def check_lora_sync(self, lora_request: LoRARequest) -> None:
+        """The engine's check of an adapter (ValueError naming the field): reads its config and
+        its weights' header. Thread-safe; cached per adapter."""
+        self.engine.loras.check(lora_request)
+
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """`check_lora_sync` off the event loop (it reads files)."""
+        await asyncio.to_thread(self.check_lora_sync, lora_request)
 
     async def generate(
         self,
@@ -419,8 +437,9 @@ class AsyncLLMEngine:
             self._resolve(cmd.accepted, EngineShutdownError("the engine is shutting down"))
             return
         try:
+            lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.sampling_params,
-                                    priority=cmd.priority, arrival_time=cmd.arrival_time)
+                                    priority=cmd.priority, arrival_time=cmd.arrival_time, **lora)
         except Exception as e:
             # ValueError is the client's fault; anything else is ours but must not kill the loop
             if not isinstance(e, ValueError):

@@ -19,12 +19,14 @@ from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.dashboard.snapshot import DashboardRecorder
+from tessera.engine.lora_registry import LoRARegistry
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.engine.stats import EngineStats, StatsSnapshot
 from tessera.engine.step_log import StepLog
 from tessera.engine.step_recovery import find_culprits
 from tessera.executor.abstract import Executor, ExecutorDeadError
 from tessera.inputs import check_token_ids
+from tessera.lora.request import LoRARequest
 from tessera.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
 from tessera.pooling_params import PoolingParams
 from tessera.sampling.grammar import GrammarBackend
@@ -67,8 +69,11 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
         grammar_backend: GrammarBackend | None = None,
         kv_connector: PullConnectorScheduler | None = None,
+        model_arch=None,
     ):
         self.config = config
+        # the base model's shapes: adapters are checked against them (--enable-lora)
+        self.model_arch = model_arch
         self.executor = executor
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -83,7 +88,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, executor.num_gpu_blocks, executor.num_cpu_blocks,
             clock=clock, eos_token_ids=eos_token_ids, kv_connector=kv_connector,
+            max_loras=None if config.lora is None else config.lora.max_loras,
         )
+        self.loras = LoRARegistry(config.lora, model_arch)
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.step_times = StepTimes()
         self.step_log = StepLog.from_env()  # TESSERA_STEP_LOG: for the simulator's calibration
@@ -106,11 +113,15 @@ class LLMEngine:
         sampling_params: SamplingParams | PoolingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError; a prompt that can never fit is not an
         error here: it comes back from `step()` finished, with `error` set. With `PoolingParams`
         (vLLM's params for an embedding) the request is prefill-only and finishes with an
-        `EmbeddingRequestOutput`."""
+        `EmbeddingRequestOutput`. `lora_request`: the adapter it runs under (--enable-lora),
+        checked here (ValueError naming the field)."""
+        if lora_request is not None:
+            self.loras.check(lora_request)
         if isinstance(sampling_params, PoolingParams):
             self._add_pooling_request(request_id, prompt, sampling_params, priority, arrival_time)
             return
@@ -135,6 +146,7 @@ class LLMEngine:
             arrival_time=arrival,
             priority=priority,
             prompt=text,
+            lora_request=lora_request,
         )
         self.scheduler.add_seq_group(group)
         self.output_processor.add_request(
@@ -333,6 +345,11 @@ class LLMEngine:
             metrics["tessera:kv_transfer_failures_total"] = float(s.num_kv_transfer_failures_total)
             metrics["tessera:num_requests_waiting_for_remote_kvs"] = float(
                 len(s.waiting_for_remote_kvs))
+        if self.config.lora is not None:  # vLLM's info gauge: labels say, the value is the time
+            running, waiting = _adapter_names(s.running), _adapter_names(s.waiting)
+            metrics[f'tessera:lora_requests_info{{max_lora="{self.config.lora.max_loras}",'
+                    f'running_lora_adapters="{running}",waiting_lora_adapters="{waiting}"}}'] = (
+                time.time())
         spec = self.config.speculative
         if spec is not None:  # vLLM's names; accepted per draft position as a labelled counter
             metrics["tessera:spec_decode_num_drafts_total"] = float(s.num_spec_drafts_total)
@@ -361,3 +378,11 @@ class LLMEngine:
         if self.step_log is not None:
             self.step_log.close()
         self.executor.shutdown()
+
+
+def _adapter_names(groups: Iterable[SequenceGroup]) -> str:
+    """The distinct adapters of `groups`, comma-separated in name order (vLLM's label format).
+    Walks the groups: only with --enable-lora, once per step."""
+    names = ",".join(sorted({g.lora_request.lora_name for g in groups
+                             if g.lora_request is not None}))
+    return names.replace("\\", "\\\\").replace('"', '\\"')  # as a label value

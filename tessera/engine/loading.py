@@ -135,7 +135,7 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     kv_worker, kv_scheduler = _kv_connector(config, cache_engine)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos,
                          speculative_config=config.speculative, grammar_backend=grammar_backend,
-                         draft_proposer=draft, kv_connector=kv_worker)
+                         draft_proposer=draft, kv_connector=kv_worker, lora_config=config.lora)
     logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
@@ -155,6 +155,7 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         model_name=os.path.basename(path.rstrip("/")),
         grammar_backend=grammar_backend,
         kv_connector=kv_scheduler,
+        model_arch=arch,
     )
 
 

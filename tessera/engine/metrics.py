@@ -13,6 +13,7 @@ prometheus_client's own collectors. Why `tessera:` and not `vllm:`: docs/metrics
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
@@ -67,6 +68,9 @@ _HELP = {
     "tessera:kv_transfer_failures_total":
         "KV transfers that failed: pulls that failed or timed out (the request then prefills "
         "locally), and held blocks no peer pulled in time.",
+    "tessera:lora_requests_info":
+        "LoRA adapters of the running and the waiting requests (labels; the value is the time "
+        "of the last update), and --max-loras.",
     "tessera:num_requests_waiting_for_remote_kvs":
         "Requests holding blocks while their KV arrives from a prefill engine.",
 }
@@ -132,15 +136,16 @@ class _EngineCollector(Collector):
                 yield _histogram_family(name, doc, data, label)
 
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
 def _parse_key(key: str) -> tuple[str, dict[str, str]]:
-    """'a_total{position="0"}' -> ('a_total', {'position': '0'}); 'b' -> ('b', {})."""
+    """'a_total{position="0"}' -> ('a_total', {'position': '0'}); 'b' -> ('b', {}). Values may
+    hold commas (lora_requests_info's adapter lists) and backslash-escaped quotes."""
     if not key.endswith("}") or "{" not in key:
         return key, {}
     name, _, rest = key.partition("{")
-    labels = {}
-    for part in rest[:-1].split(","):
-        k, _, v = part.partition("=")
-        labels[k.strip()] = v.strip().strip('"')
+    labels = {k: re.sub(r"\\(.)", r"\1", v) for k, v in _LABEL.findall(rest[:-1])}
     return name, labels
 
 

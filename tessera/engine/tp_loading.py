@@ -60,4 +60,5 @@ def build_tp_engine(engine_cls, args: EngineArgs):
         config, executor, tokenizer, eos_token_ids=eos, vocab_size=arch.vocab_size,
         model_name=os.path.basename(path.rstrip("/")),
         grammar_backend=GrammarBackend(tokenizer, arch.vocab_size, eos),
+        model_arch=arch,
     )

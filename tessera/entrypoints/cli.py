@@ -130,6 +130,13 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                         help="the model's tool-call format: hermes = <tool_call>{json}"
                              "</tool_call> (Hermes 2 Pro/3, Qwen2.5, Qwen3)")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters to serve (with --enable-lora), each name=path or JSON "
+                             '{"name": ..., "path": ..., "base_model_name": ...}; a request '
+                             "picks one by its model field")
+    server.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                             "(with --enable-lora)")
     server.add_argument("--disable-dashboard", action="store_true",
                         help="do not serve the live view /dashboard (and /dashboard/events)")
     server.add_argument("--dashboard-interval", type=int, default=250, metavar="MS",
@@ -156,6 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tessera.engine.malloc_tuning import limit_malloc_retention
     from tessera.entrypoints.openai.generation_config import load_sampling_defaults
     from tessera.entrypoints.openai.server import bind_socket, run_server
+    from tessera.entrypoints.openai.serving_models import parse_lora_module
     from tessera.model.default_model import resolve_model_path
 
     if args.model_tag is not None and args.model not in (None, args.model_tag):
@@ -171,7 +179,11 @@ def _serve(args: argparse.Namespace) -> int:
     if origins is not None and not (isinstance(origins, list)
                                     and all(isinstance(o, str) for o in origins)):
         args.parser.error("--allowed-origins must be a JSON list of strings")
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        flag = "--lora-modules" if args.lora_modules else "--allow-runtime-lora-updating"
+        args.parser.error(f"{flag} needs --enable-lora")
     try:
+        lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
         chat_template = read_chat_template(args.chat_template)
         sampling_defaults = load_sampling_defaults(
             args.generation_config, resolve_model_path(args.model_tag or args.model))
@@ -206,6 +218,16 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+    try:  # the adapters are checked before serving: a bad one stops the start
+        names = [m.name for m in lora_modules]
+        if len(set(names)) < len(names):
+            raise ValueError(f"--lora-modules: a name is given twice ({', '.join(names)})")
+        for module in lora_modules:
+            engine.engine.loras.check_path(module.path)
+    except ValueError as e:
+        sock.close()
+        engine.engine.shutdown()
+        args.parser.error(str(e))
     return run_server(engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
                api_key=args.api_key, log_level=args.log_level, chat_template=chat_template,
                uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
@@ -213,7 +235,8 @@ def _serve(args: argparse.Namespace) -> int:
                root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
                max_request_body_bytes=args.max_request_body_bytes,
                enable_dashboard=not args.disable_dashboard,
-               dashboard_interval_ms=args.dashboard_interval)
+               dashboard_interval_ms=args.dashboard_interval, lora_modules=lora_modules,
+               allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def _serve_worker_node(args: argparse.Namespace) -> int:

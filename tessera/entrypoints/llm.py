@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from tessera.config import EngineArgs
 from tessera.engine.llm_engine import LLMEngine
+from tessera.lora.request import LoRARequest
 from tessera.outputs import EmbeddingRequestOutput, RequestOutput
 from tessera.pooling_params import PoolingParams
 from tessera.sampling.params import RequestOutputKind, SamplingParams
@@ -50,18 +51,26 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. A prompt is a string,
-        `{"prompt_token_ids": [...]}` or `{"prompt": "..."}`."""
+        `{"prompt_token_ids": [...]}` or `{"prompt": "..."}`. `lora_request`: the LoRA adapter
+        of every prompt, or one per prompt (None: the base model); needs `enable_lora=True`."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._broadcast(sampling_params, len(prompt_list), "sampling_params")
         priorities = self._broadcast(priority, len(prompt_list), "priority", default=0)
+        loras = self._broadcast(lora_request, len(prompt_list), "lora_request")
+        for lora in loras:  # every adapter checked before any request is queued
+            if lora is not None:
+                self.llm_engine.loras.check(lora)
         request_ids = []
-        for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
+        for prompt, params, prio, lora in zip(prompt_list, params_list, priorities, loras,
+                                              strict=True):
             # only the final output is read: no per-step copies of the text so far
             params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             request_id = str(next(self._request_ids))
-            self.llm_engine.add_request(request_id, prompt, params, priority=prio)
+            self.llm_engine.add_request(request_id, prompt, params, priority=prio,
+                                        lora_request=lora)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.core.scheduler_output import NewRequestData, SchedulerOutput
+from tessera.lora.request import LoRARequest
 from tessera.sampling.grammar import GrammarBackend, GrammarState
 from tessera.sampling.params import SamplingParams
 from tessera.utils import token_range
@@ -34,6 +35,11 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None
     pooling: PoolingState | None = None  # an embedding request: what its chunks pooled so far
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +81,7 @@ class InputBatch:
                 generator=generator,
                 grammar=self._grammar(new.sampling_params, new.output_token_ids),
                 pooling=self._pooling(new, old),
+                lora_request=new.lora_request,
             )
         for diff in out.scheduled_cached_reqs:
             state = self.requests[diff.req_id]

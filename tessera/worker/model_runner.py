@@ -17,6 +17,9 @@ the request keeps the drafts the draws confirm plus one (tessera/sampling/reject
 Draft-model drafts of requests that sample are verified instead by the general rejection rule
 against the draft's own distribution (tessera/worker/spec_decode/verify.py). A constrained request's rows are masked
 by its grammar walked through the drafts (`DraftWalk`, rolled back after sampling).
+LoRA (--enable-lora): the decodes, and the prompt chunks, are ordered by adapter, so each
+adapter's rows are contiguous; the `LoRAManager` turns the rows' adapters into the step's
+`LoRAMapping`, which travels to the model in the attention metadata.
 After sampling, the proposer (tessera/worker/spec_decode/) drafts the next step's tokens of every
 request that sampled one token, unless the running batch holds `disable_by_batch_size` requests
 or more.
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.attention import SeqSpan, is_decode, select_attention_backend
-from tessera.config import SpeculativeConfig
+from tessera.config import LoRAConfig, SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.grammar import DraftWalk, GrammarBackend
@@ -38,6 +41,7 @@ from tessera.sampling.rejection_sampler import num_accepted, rewind_generator
 from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
 from tessera.worker.cache_engine import CacheEngine
 from tessera.worker.input_batch import CachedRequestState, InputBatch
+from tessera.worker.lora_manager import LoRAManager
 from tessera.worker.spec_decode import DraftModelProposer, DraftRequest, NgramProposer
 from tessera.worker.spec_decode.draft_length import DraftLength
 from tessera.worker.spec_decode.verify import verify_general
@@ -79,8 +83,11 @@ class ModelRunner:
         draft_proposer: DraftModelProposer | None = None,
         is_driver: bool = True,
         kv_connector=None,
+        lora_config: LoRAConfig | None = None,
     ):
         self.model = model
+        # --enable-lora: the adapters' caches; wraps the model's projections once
+        self.lora_manager = None if lora_config is None else LoRAManager(model, lora_config)
         # False on tensor-parallel ranks > 0: they run the forward pass and the logits
         # collectives, and leave sampling (and structured outputs) to rank 0
         self.is_driver = is_driver
@@ -125,6 +132,9 @@ class ModelRunner:
         for req_id, n in out.num_scheduled_tokens.items():
             state = requests[req_id]
             (decodes if is_decode(n, state.num_computed_tokens) else prefills).append((state, n))
+        if self.lora_manager is not None:  # each adapter's rows contiguous (stable: FCFS kept)
+            decodes.sort(key=lambda item: item[0].lora_int_id)
+            prefills.sort(key=lambda item: item[0].lora_int_id)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -168,16 +178,31 @@ class ModelRunner:
 
         dev = self.device
         slots = torch.tensor(slot_mapping, dtype=torch.long, device=dev)
+        meta = self.attn_backend.build_metadata(spans, slots, positions)
+        if self.lora_manager is not None:
+            meta.lora_mapping = self._lora_mapping(decodes + prefills)
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            attn_metadata=self.attn_backend.build_metadata(spans, slots, positions),
+            attn_metadata=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sampled_req_ids=sampled,
             prompt_rows=prompt_rows,
             spec_drafts=spec_drafts,
             pool_rows=pool_rows,
         )
+
+    def _lora_mapping(self, scheduled: list[tuple[CachedRequestState, int]]):
+        """Each row's adapter, in flat-batch order, as the model's segments."""
+        assert self.lora_manager is not None
+        row_ids: list[int] = []
+        requests = {}
+        for state, n in scheduled:
+            lid = state.lora_int_id
+            row_ids.extend([lid] * n)
+            if lid:
+                requests[lid] = state.lora_request
+        return self.lora_manager.mapping(row_ids, requests)
 
     # ---- execution ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -215,5 +215,6 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
         grammar_backend = GrammarBackend(tokenizer, arch.vocab_size, init.eos_token_ids)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device,
                          eos_token_ids=init.eos_token_ids, speculative_config=config.speculative,
-                         grammar_backend=grammar_backend, is_driver=rank == 0)
+                         grammar_backend=grammar_backend, is_driver=rank == 0,
+                         lora_config=config.lora)
     return runner, tp

@@ -57,6 +57,7 @@ def make_scheduler(
     watermark: float = 0.0,
     eos_token_ids: tuple[int, ...] = (),
     kv_connector=None,
+    max_loras: int | None = None,
     sliding_window: int | None = None,
 ) -> Scheduler:
     sched_cfg = SchedulerConfig(
@@ -74,7 +75,7 @@ def make_scheduler(
     clock = itertools.count()
     return Scheduler(sched_cfg, cache_cfg, num_gpu_blocks, num_cpu_blocks,
                      clock=lambda: float(next(clock)), eos_token_ids=eos_token_ids,
-                     kv_connector=kv_connector)
+                     kv_connector=kv_connector, max_loras=max_loras)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from tessera.config import KVTransferConfig, PreemptionMode
 from tessera.core.kv_connector import PullConnectorScheduler
+from tessera.lora.request import LoRARequest
 from tessera.pooling_params import PoolingParams
 from tessera.sequence import SequenceStatus
 from tessera.utils import cdiv
@@ -176,9 +177,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         watermark=st.sampled_from([0.0, 0.1]),
         num_spec=st.sampled_from([0, 0, 1, 3, 6]),
         seed=st.integers(0, 2**16),
+        max_loras=st.sampled_from([None, None, 1, 2]),
     )
     def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, chunked, budget, max_num_seqs,
-              mode, priority, prefix, watermark, num_spec, seed):
+              mode, priority, prefix, watermark, num_spec, seed, max_loras):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
         self.budget, self.max_num_seqs = budget, max_num_seqs
@@ -190,8 +192,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
             chunked=chunked, mode=mode, priority=priority, prefix=prefix, watermark=watermark,
-            kv_connector=kv,
+            kv_connector=kv, max_loras=max_loras,
         )
+        self.max_loras = max_loras
         self.runner = CheckingRunner(self.sched, num_spec, seed)
         self.groups = []
         self.by_id = {}
@@ -216,13 +219,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         n=st.sampled_from([1, 1, 1, 2, 3]),
         prio=st.integers(0, 3),
         kv=st.sampled_from([None, None, "pull", "serve"]),
+        lora=st.sampled_from([0, 0, 1, 2, 3]),
     )
-    def add_request(self, prompt_len, shared, max_tokens, n, prio, kv):
+    def add_request(self, prompt_len, shared, max_tokens, n, prio, kv, lora):
         req_id = f"r{len(self.groups)}"
         shared = min(shared, prompt_len)
         prompt = COMMON_PREFIX[:shared] + [len(self.groups) * 64 + i for i in range(prompt_len - shared)]
         group = make_group(req_id, 0, prompt=prompt, n=n, max_tokens=max_tokens,
                            arrival=float(len(self.groups)), priority=prio)
+        if self.max_loras is not None and lora:  # a LoRA adapter (--max-loras): no remote KV
+            group.lora_request = LoRARequest(f"a{lora}", lora, "/unused")
+            for seq in group.seqs:
+                seq.lora_int_id = lora
+            kv = None
         if kv == "pull" and n == 1:  # its prompt's KV comes from a peer
             group.sampling_params.kv_transfer_params = {
                 "do_remote_prefill": True, "remote_host": "peer", "remote_port": 1,
@@ -316,6 +325,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert sched.block_manager.has_blocks(s) == (name != "waiting")
         for g in self.groups:
             assert g.is_finished() or id(g) in where, f"{g.request_id} lost"
+        if self.max_loras is not None:  # --max-loras distinct adapters at most run at once
+            assert len({g.lora_int_id for g in sched.running if g.lora_int_id}) <= self.max_loras
         assert sum(g.max_num_running_seqs() for g in sched.running) + len(
             sched.waiting_for_remote_kvs) <= self.max_num_seqs
 

@@ -315,6 +315,8 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tessera"
+    root: str | None = None  # the model's path; a LoRA adapter's directory
+    parent: str | None = None  # a LoRA adapter's base model (None for the base itself)
     max_model_len: int | None = None
 
 
@@ -379,3 +381,16 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1, max_length=256,
+                           description="the name clients then send as `model`")
+    lora_path: str = Field(min_length=1, max_length=4096,
+                           description="a directory in PEFT's format (adapter_config.json + "
+                                       "adapter_model.safetensors)")
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = Field(None, description="accepted, as vLLM does; the name decides")

@@ -4,7 +4,9 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true),
 /v1/embeddings, /v1/responses (and GET/DELETE /v1/responses/{id}), /tokenize, /detokenize,
 /health, /version, /metrics, the OpenAPI docs (/docs, /redoc, /openapi.json), and the live view
-/dashboard with its event stream /dashboard/events (openai/dashboard.py).
+/dashboard with its event stream /dashboard/events (openai/dashboard.py); with
+--allow-runtime-lora-updating also /v1/load_lora_adapter and /v1/unload_lora_adapter
+(serving_models.py).
 
 With an API key, every route wants `Authorization: Bearer KEY` (the docs too: the schema maps
 the whole API, so it is no more public than the API), except `OPEN_ROUTES`:
@@ -57,17 +59,19 @@ from tessera.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from tessera.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
 from tessera.entrypoints.openai.protocol_responses import ResponsesRequest
 from tessera.entrypoints.openai.serving_chat import OpenAIServingChat
 from tessera.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tessera.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from tessera.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from tessera.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tessera.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -185,22 +189,32 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               sampling_defaults: dict | None = None, log_requests: bool = False,
               allowed_origins: list[str] | None = None, root_path: str = "",
               tool_call_parser: str | None = None, enable_dashboard: bool = True,
-              dashboard_interval_ms: int = DEFAULT_INTERVAL_MS) -> FastAPI:
+              dashboard_interval_ms: int = DEFAULT_INTERVAL_MS,
+              lora_modules: list[LoRAModulePath] | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The FastAPI app over `engine`. The app's lifespan starts and stops the engine thread.
 
     `chat_template` (a Jinja template's text) replaces the model's own; `sampling_defaults` (the
     model's generation config) fill what requests leave unset; `allowed_origins` turns on CORS
     for those origins ("*": any); `root_path` is the prefix a reverse proxy serves us under;
     `tool_call_parser` (tessera/entrypoints/openai/tool_parsers.py) enables tool_choice "auto";
-    `enable_dashboard` serves /dashboard, sampled every `dashboard_interval_ms` at most."""
+    `enable_dashboard` serves /dashboard, sampled every `dashboard_interval_ms` at most;
+    `lora_modules` (--lora-modules) are served by name, and `allow_runtime_lora_updating` adds the
+    routes that load and unload adapters (both need an engine with --enable-lora)."""
     if max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_request_body_bytes}")
+    if (lora_modules or allow_runtime_lora_updating) and not engine.lora_enabled:
+        flag = "--lora-modules" if lora_modules else "--allow-runtime-lora-updating"
+        raise ValueError(f"{flag} needs --enable-lora")
     model_name = served_model_name or engine.model_name
+    serving_models = ServingModels(engine, model_name, engine.max_model_len)
+    serving_models.add_static(lora_modules or [])
     metrics = ServerMetrics(engine.get_metrics, model_name, engine.get_stats)
     engine.on_finished.append(metrics.observe_finished)
     preprocessor = Preprocessor(engine.tokenizer, engine.max_model_len, engine.vocab_size)
     common = {"chat_template": chat_template, "sampling_defaults": sampling_defaults,
-              "log_requests": log_requests, "tool_call_parser": tool_call_parser}
+              "log_requests": log_requests, "tool_call_parser": tool_call_parser,
+              "models": serving_models}
     completions = OpenAIServingCompletion(engine, model_name, preprocessor, **common)
     chat = OpenAIServingChat(engine, model_name, preprocessor, **common)
     tokens = OpenAIServingTokenization(engine, model_name, preprocessor, **common)
@@ -247,7 +261,17 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=serving_models.cards())
+
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter", responses=_ERRORS)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            return Response(await serving_models.load(body.lora_name, body.lora_path),
+                            media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            return Response(serving_models.unload(body.lora_name), media_type="text/plain")
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={200: _SSE_OR_JSON, **_ERRORS})

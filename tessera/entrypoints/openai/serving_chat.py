@@ -51,7 +51,7 @@ from tessera.outputs import CompletionOutput
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_priority(req.priority)
         if self.tokenizer is None:
             raise bad_request("messages need the model's chat template, but this model has no "
@@ -69,12 +69,12 @@ class OpenAIServingChat(OpenAIServing):
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             # started before the response: a refusal is still an HTTP error, not a 200 + event
-            streams = await self.start(base_id, [token_ids], params, req.priority or 0)
+            streams = await self.start(base_id, [token_ids], params, req.priority or 0, lora)
             return EngineStreamingResponse(
                 self._stream(req, raw_request, base_id, token_ids, streams), self.engine,
                 [f"{base_id}-0"])
         finals = await self.run_to_completion(raw_request, base_id, [token_ids], params,
-                                              req.priority or 0)
+                                              req.priority or 0, lora)
         if finals is None:
             return self.aborted_response()
         final = finals[0]
@@ -82,7 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = sum(len(o.token_ids) for o in final.outputs)
         usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=num_generated,
                           total_tokens=len(token_ids) + num_generated)
-        body = ChatCompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
+        body = ChatCompletionResponse(id=base_id, model=self.model_name_of(req), choices=choices,
                                       usage=usage, **kv_transfer_field(final))
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -148,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return dump_chunk(ChatCompletionChunk(id=base_id, created=created,
-                                                  model=self.served_model_name, choices=choices,
+                                                  model=self.model_name_of(req), choices=choices,
                                                   usage=usage))
 
         done = [False] * req.n

@@ -42,7 +42,7 @@ class _Prompt:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_priority(req.priority)
         if req.suffix is not None:
             raise bad_request("suffix needs a model with an infill (fill-in-the-middle) mode, and "
@@ -70,13 +70,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             # started before the response: a refusal is still an HTTP error, not a 200 + event
             streams = await self.start(base_id, [p.token_ids for p in prompts], params,
-                                       req.priority or 0)
+                                       req.priority or 0, lora)
             request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
             return EngineStreamingResponse(
                 self._stream(req, raw_request, base_id, prompts, streams), self.engine,
                 request_ids)
         finals = await self.run_to_completion(raw_request, base_id, [p.token_ids for p in prompts],
-                                              params, req.priority or 0)
+                                              params, req.priority or 0, lora)
         if finals is None:
             return self.aborted_response()
         choices: list[CompletionChoice] = []
@@ -87,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage.completion_tokens += len(o.token_ids)
                 choices.append(self._choice(req, i * req.n + o.index, prompt, out, o, True))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        body = CompletionResponse(id=base_id, model=self.served_model_name, choices=choices,
+        body = CompletionResponse(id=base_id, model=self.model_name_of(req), choices=choices,
                                   usage=usage, **kv_transfer_field(finals[0]))
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -199,12 +199,12 @@ class OpenAIServingCompletion(OpenAIServing):
                             finished.add(index)
                     if choices:
                         yield dump_chunk(CompletionResponse(
-                            id=base_id, created=created, model=self.served_model_name,
+                            id=base_id, created=created, model=self.model_name_of(req),
                             choices=choices))
             if req.stream_options and req.stream_options.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 yield dump_chunk(CompletionResponse(id=base_id, created=created,
-                                                    model=self.served_model_name, choices=[],
+                                                    model=self.model_name_of(req), choices=[],
                                                     usage=usage))
         except (OpenAIError, EngineError, RequestAbortedError) as e:
             yield stream_error_event(e)

@@ -23,8 +23,10 @@ from tessera.engine.async_engine import (
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from tessera.entrypoints.openai.preprocess import Preprocessor
 from tessera.entrypoints.openai.protocol import TopLogprob, _SamplingRequest
+from tessera.entrypoints.openai.serving_models import ServingModels
 from tessera.entrypoints.openai.structured import structured_outputs_of
 from tessera.inputs import InvalidTokenIdError, check_token_ids
+from tessera.lora.request import LoRARequest
 from tessera.outputs import RequestOutput
 from tessera.sampling.params import RequestOutputKind, SamplingParams
 
@@ -37,9 +39,11 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
                  preprocessor: Preprocessor, chat_template: str | None = None,
                  sampling_defaults: dict | None = None, log_requests: bool = False,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, models: ServingModels | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        # the names requests may give as `model`: the base and any LoRA adapters
+        self.models = models or ServingModels(engine, served_model_name)
         self.chat_template = chat_template  # --chat-template: replaces the model's
         # --generation-config: the model's defaults for fields a request leaves unset
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -56,11 +60,13 @@ class OpenAIServing:
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                                   f"{self.served_model_name!r}", param="model",
-                              code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); a 404 for an unknown name."""
+        return self.models.resolve(model)
+
+    def model_name_of(self, req) -> str:
+        """The `model` a response reports: the adapter's name, or the served model name."""
+        return req.model if req.model in self.models.adapters else self.served_model_name
 
     def check_priority(self, priority: int | None) -> None:
         """As vLLM: a priority other than 0 means something only under --scheduling-policy
@@ -143,7 +149,8 @@ class OpenAIServing:
     # -- running ------------------------------------------------------------------------------
 
     async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                    priority: int) -> list[AsyncIterator[RequestOutput]]:
+                    priority: int, lora_request: LoRARequest | None = None,
+                    ) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt; if any is refused, abort the others."""
         streams: list[AsyncIterator[RequestOutput]] = []
         if self.log_requests:
@@ -152,8 +159,9 @@ class OpenAIServing:
         try:
             for i, token_ids in enumerate(prompts):
                 sp = params if len(prompts) == 1 else params.clone()
+                lora = {} if lora_request is None else {"lora_request": lora_request}
                 streams.append(await self.engine.add_request(f"{base_id}-{i}", token_ids, sp,
-                                                             priority))
+                                                             priority, **lora))
         except BaseException as e:
             # a stream not yet iterated has no running `finally`: abort by id
             self.engine.abort([f"{base_id}-{i}" for i in range(len(streams))])
@@ -168,7 +176,7 @@ class OpenAIServing:
 
     async def run_to_completion(
         self, raw_request: Request, base_id: str, prompts: list[list[int]], params: SamplingParams,
-        priority: int,
+        priority: int, lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput] | None:
         """The non-streaming path: run one engine request per prompt to its final output (in prompt
         order). None if they were aborted (client disconnect or shutdown: answer with
@@ -177,7 +185,7 @@ class OpenAIServing:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
             async with self.abort_on_disconnect(raw_request, request_ids):
-                streams = await self.start(base_id, prompts, params, priority)
+                streams = await self.start(base_id, prompts, params, priority, lora_request)
                 async for i, out in merge_streams(streams):
                     check_output(out)
                     finals[i] = out
