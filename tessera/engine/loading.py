@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import EngineArgs, default_num_threads
-from tessera.core.admission import check_cache_holds_max_model_len
 from tessera.engine.malloc_tuning import release_free_memory
+from tessera.engine.sizing import describe_config, size_kv_pools
 from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.model.checkpoint_dtype import checkpoint_dtype
 from tessera.model.config import ModelArchConfig
@@ -24,7 +24,7 @@ from tessera.model.loader import load_model, weight_quantization
 from tessera.model.registry import get_model_class
 from tessera.sampling.grammar import GrammarBackend
 from tessera.tokenizer import load_tokenizer
-from tessera.worker.cache_engine import CacheEngine, KVCacheSpec, kv_cache_torch_dtype
+from tessera.worker.cache_engine import CacheEngine, kv_cache_spec
 from tessera.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -66,31 +66,6 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
         path, arch, model, load_tokenizer(path), config.model.dtype, config.device.device,
         config.model.max_model_len, config.model.quantization, stored_dtype,
     )
-
-
-def kv_cache_spec(arch: ModelArchConfig, config, num_kv_heads: int) -> KVCacheSpec:
-    """The KV cache of one worker: `num_kv_heads` are its own (a tensor-parallel rank's)."""
-    return KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=num_kv_heads,
-                       head_dim=arch.head_dim, block_size=config.cache.block_size,
-                       dtype=kv_cache_torch_dtype(config))
-
-
-def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
-    """(device blocks, swap blocks) of one worker from --kv-cache-space/--swap-space (GiB per
-    worker) or --num-gpu-blocks-override; refuses a pool that cannot hold one max_model_len
-    request."""
-    num_gpu_blocks = config.cache.num_gpu_blocks_override or spec.num_blocks_for(config.cache.kv_cache_space)
-    if num_gpu_blocks < 1:
-        raise ValueError(
-            f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
-            f"{spec.block_bytes} bytes: raise it"
-        )
-    check_cache_holds_max_model_len(
-        num_gpu_blocks, config.cache.block_size, config.cache.watermark,
-        config.model.max_model_len, spec.block_bytes,
-        overridden=config.cache.num_gpu_blocks_override is not None,
-    )
-    return num_gpu_blocks, spec.num_blocks_for(config.cache.swap_space)
 
 
 def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None):
@@ -171,17 +146,3 @@ def _kv_connector(config, cache_engine: CacheEngine):
     if kv.is_producer:
         kv = dataclasses.replace(kv, kv_port=worker.port)
     return worker, PullConnectorScheduler(kv, config.cache.block_size, engine_id=engine_id)
-
-
-def describe_config(config) -> str:
-    """Every field of the resolved `EngineConfig` (defaults filled in, limits derived from the
-    model) as `section.field=value`, one line: what the engine really runs with."""
-    parts = []
-    for section in dataclasses.fields(config):
-        value = getattr(config, section.name)
-        if not dataclasses.is_dataclass(value):  # an optional part that is off (speculative)
-            parts.append(f"{section.name}={value!r}")
-            continue
-        for f in dataclasses.fields(value):
-            parts.append(f"{section.name}.{f.name}={getattr(value, f.name)!r}")
-    return ", ".join(parts)

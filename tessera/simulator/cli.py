@@ -40,7 +40,7 @@ _NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", *_PLACEMENT
 
 def add_simulate_parser(subparsers) -> None:
     from tessera.bench.config import add_arrival_args, add_dataset_args
-    from tessera.entrypoints.cli import add_engine_args
+    from tessera.engine.arg_utils import add_engine_args
     from tessera.simulator.specs import hardware_names, model_config_names
 
     p = subparsers.add_parser(
@@ -150,7 +150,7 @@ def make_cost_model(args: argparse.Namespace):
 
 def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, int, int]:
     """The engine config and KV pool sizes the server would have with these flags."""
-    from tessera.entrypoints.cli import engine_args_from
+    from tessera.engine.arg_utils import engine_args_from
 
     engine_args = dataclasses.replace(engine_args_from(args), dtype=cost_model.dtype, device="meta")
     config = engine_args.create_engine_config(cost_model.max_model_len)
@@ -166,38 +166,13 @@ def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, in
     return config, num_gpu, num_cpu
 
 
-def sim_requests(samples, request_rate: float, burstiness: float, seed: int):
-    """Samples at bench serve's arrival times; synthetic distinct prompt ids when a sample has
-    none (then no two prompts share a prefix)."""
-    from tessera.bench.client import arrival_times
-    from tessera.simulator.simulator import SimRequest
-
-    offsets = arrival_times(len(samples), request_rate, burstiness, seed)
-    requests = []
-    for k, (sample, offset) in enumerate(zip(samples, offsets, strict=True)):
-        ids = sample.prompt_token_ids
-        prompt = list(ids) if ids is not None else [k + 1] * sample.prompt_len
-        requests.append(SimRequest(prompt, sample.max_tokens, float(offset)))
-    return requests
-
-
-def probe_request(requests):
-    """bench serve's test request before the trace: the first sample, at most 4 tokens
-    (tessera/bench/serve.py)."""
-    from tessera.simulator.simulator import SimRequest
-
-    if not requests:
-        return None
-    first = requests[0]
-    return SimRequest(first.prompt_token_ids, min(first.max_tokens, 4), 0.0)
-
-
 def run_point(args: argparse.Namespace, samples, request_rate: float,
               include_requests: bool = True) -> dict:
     """One simulation with the flags in `args`: the result JSON (bench serve's, plus timeline)."""
     from tessera.bench.report import json_rate, parse_goodput
     from tessera.simulator.report import simulation_json
     from tessera.simulator.simulator import Simulator
+    from tessera.simulator.workload import probe_request, sim_requests
 
     cost_model = make_cost_model(args)
     config, num_gpu, num_cpu = engine_setup(args, cost_model)
@@ -265,7 +240,7 @@ def _engine_json(config: EngineConfig) -> dict:
 
 def setting_args(args: argparse.Namespace, setting: str) -> argparse.Namespace:
     """`args` with the engine flags of one sweep setting laid over them."""
-    from tessera.entrypoints.cli import add_engine_args
+    from tessera.engine.arg_utils import add_engine_args
 
     parser = argparse.ArgumentParser(prog="--settings", add_help=False, exit_on_error=False)
     add_engine_args(parser, exclude=_NOT_SIMULATED)
@@ -349,7 +324,7 @@ def simulate_main(args: argparse.Namespace) -> int:
 
 
 def calibrate_main(args: argparse.Namespace) -> int:
-    from tessera.entrypoints.cli import engine_args_from
+    from tessera.engine.arg_utils import engine_args_from
     from tessera.simulator.calibrate import calibrate
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -210,10 +210,10 @@ def fit_serving(args: EngineArgs, profile: dict, samples, rate: float, real_runs
     trace `samples` sent at `rate`) and the serving rates (from their step logs), with the check
     that the simulation of the trace gives back its measured means."""
     from tessera.config import GiB
-    from tessera.simulator.cli import probe_request, sim_requests
     from tessera.simulator.cost_model import ProfiledCostModel
     from tessera.simulator.report import request_results
     from tessera.simulator.simulator import Simulator
+    from tessera.simulator.workload import probe_request, sim_requests
 
     real = median_run(real_runs)
     latency = statistics.median(request_latency(r) for r in real_runs)

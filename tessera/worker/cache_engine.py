@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import GiB, resolve_kv_cache_dtype
+from tessera.model.config import ModelArchConfig
 from tessera.utils import kv_bytes_per_token
 
 
@@ -40,6 +41,13 @@ class KVCacheSpec:
 
     def num_blocks_for(self, gib: float) -> int:
         return int(gib * GiB) // self.block_bytes
+
+
+def kv_cache_spec(arch: ModelArchConfig, config, num_kv_heads: int) -> KVCacheSpec:
+    """The KV cache of one worker: `num_kv_heads` are its own (a tensor-parallel rank's)."""
+    return KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=num_kv_heads,
+                       head_dim=arch.head_dim, block_size=config.cache.block_size,
+                       dtype=kv_cache_torch_dtype(config))
 
 
 class CacheEngine:

@@ -10,7 +10,7 @@ import torch
 from quant_weights import random_weight
 
 from tessera.config import EngineArgs, ParallelConfig
-from tessera.distributed.sharding import ShardPlan, check_shardable, shard_quantized
+from tessera.distributed.sharding import ShardPlan, check_shardable
 from tessera.entrypoints.cli import build_parser, engine_args_from
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import QuantizedTensor
@@ -73,13 +73,13 @@ def test_quantized_shards_are_whole_blocks_bit_for_bit(qtype):
     w = random_weight(qtype, 96, 4 * 256)
     dense = w.dequantize()
     for dim, start, stop in [(0, 48, 96), (1, 256, 512), (1, 0, 512)]:
-        part = shard_quantized(w, dim, start, stop)
+        part = w.shard(dim, start, stop)
         assert isinstance(part, QuantizedTensor)  # whole blocks: still quantized
         ref = dense[start:stop] if dim == 0 else dense[:, start:stop]
         assert torch.equal(part.dequantize(), ref)
     if block == 32:  # off the 256-value grid but on the 32 one: still blocks
-        assert isinstance(shard_quantized(w, 1, 32, 96), QuantizedTensor)
-    off = shard_quantized(w, 1, 16, 80)  # off the grid: dequantized, same values
+        assert isinstance(w.shard(1, 32, 96), QuantizedTensor)
+    off = w.shard(1, 16, 80)  # off the grid: dequantized, same values
     assert isinstance(off, torch.Tensor) and torch.equal(off, dense[:, 16:80])
 
 

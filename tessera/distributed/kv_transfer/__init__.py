@@ -7,6 +7,7 @@ engines as the scheduler half (tessera/core/kv_connector.py) instructs.
 
 from __future__ import annotations
 
-from tessera.distributed.kv_transfer.base import KVConnectorWorker, create_kv_connector_worker
+from tessera.distributed.kv_transfer.base import KVConnectorWorker
+from tessera.distributed.kv_transfer.factory import create_kv_connector_worker
 
 __all__ = ["KVConnectorWorker", "create_kv_connector_worker"]
