@@ -39,6 +39,12 @@ class AllocStatus(enum.Enum):
     NEVER = "never"  # does not fit even in an empty cache
 
 
+def num_watermark_blocks(num_gpu_blocks: int, watermark: float) -> int:
+    """Device blocks admissions leave free, so running sequences can keep decoding a while
+    (`CacheConfig.watermark`, a fraction of the pool). The one home of this rule."""
+    return int(watermark * num_gpu_blocks)
+
+
 class BlockManager:
     def __init__(
         self,
@@ -56,8 +62,8 @@ class BlockManager:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        # admissions leave this many blocks free, so running sequences can keep decoding a while
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.watermark = watermark
+        self.watermark_blocks = num_watermark_blocks(num_gpu_blocks, watermark)
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu = BlockPool(num_cpu_blocks)
         self._tables: dict[int, list[int]] = {}  # seq_id -> device block table
@@ -106,10 +112,11 @@ class BlockManager:
         """Leading tokens of `seq` whose KV a prefix-cache hit would supply (no side effects)."""
         return len(self._prefix_hits(group, seq)) * self.block_size
 
-    def allocate(self, group: SequenceGroup) -> int:
+    def allocate(self, group: SequenceGroup) -> list[int]:
         """Give every waiting sequence of the group blocks for its whole length. With prefix
-        caching, leading cached blocks are shared and the sequence's `num_computed_tokens` starts
-        after them. Returns the number of prompt tokens served from the cache."""
+        caching, leading cached blocks are shared. Returns, per waiting sequence in group order,
+        the tokens the cache already holds: where the scheduler starts its `num_computed_tokens`
+        (core/progress.py)."""
         seqs = [s for s in group.seqs if s.status is _WAITING]
         tables = []
         for seq in seqs:  # take every hit first, so fresh allocations cannot evict them
@@ -118,18 +125,17 @@ class BlockManager:
             for block in hits:
                 self.gpu.incref(block)
             tables.append(hits)
-        num_hit_tokens = 0
+        num_hit_tokens = []
         for seq, table in zip(seqs, tables, strict=True):
             hit_tokens = len(table) * self.block_size
             for _ in range(self._num_blocks(seq.get_len()) - len(table)):
                 table.append(self.gpu.allocate())
             self._tables[seq.seq_id] = table
-            seq.num_computed_tokens = hit_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.admitted(seq, hit_tokens // self.block_size)
                 self.num_prefix_cache_queries += seq.get_len()
                 self.num_prefix_cache_hits += hit_tokens
-            num_hit_tokens += hit_tokens
+            num_hit_tokens.append(hit_tokens)
         return num_hit_tokens
 
     # decode

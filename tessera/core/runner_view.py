@@ -51,10 +51,10 @@ class RunnerView:
             seed = group.sampling_params.seed
             out.scheduled_new_reqs.append(NewRequestData(
                 req_id=req_id,
-                prompt_token_ids=seq.prompt_token_ids,  # never mutated: shared, not copied
-                output_token_ids=list(seq.output_token_ids),
-                sampling_params=group.sampling_params,
-                block_ids=list(table),
+                prompt_token_ids=tuple(seq.prompt_token_ids),
+                output_token_ids=tuple(seq.output_token_ids),
+                sampling_params=group.sampling_params.clone(),
+                block_ids=tuple(table),
                 num_computed_tokens=seq.num_computed_tokens,
                 seed=None if seed is None else stream_seed(seed, seq.index),
             ))

@@ -9,8 +9,8 @@ SWAPPED = SequenceStatus.SWAPPED
 
 
 def admit(bm, group):
-    bm.allocate(group)
-    for s in group.seqs:
+    for s, hit_tokens in zip(group.seqs, bm.allocate(group), strict=True):
+        s.num_computed_tokens = hit_tokens  # as the scheduler's set_progress does
         s.status = RUNNING
     return group.seqs[0]
 

@@ -1,4 +1,4 @@
-"""Hand-written traces, one per scheduling rule of issue 3."""
+"""Hand-written traces, one per scheduling rule."""
 
 from core_fakes import FakeRunner, make_group, make_scheduler, samples_this_step, scheduled_tokens
 
@@ -22,9 +22,29 @@ def test_fcfs_admits_in_arrival_order_whole_prompts():
     assert scheduled_tokens(out) == {"r0": 30, "r1": 30}  # r2 does not fit the 4 tokens left
     assert ids(sched.running) == ["r0", "r1"] and ids(sched.waiting) == ["r2"]
     assert [r.req_id for r in out.scheduled_new_reqs] == ["r0", "r1"]
-    assert out.scheduled_new_reqs[0].prompt_token_ids == sched.running[0].prompt_token_ids
+    assert list(out.scheduled_new_reqs[0].prompt_token_ids) == sched.running[0].prompt_token_ids
     assert out.total_num_scheduled_tokens == 60
     assert sched.running[0].first_scheduled_time is not None
+
+
+def test_new_request_messages_carry_data_not_the_schedulers_objects():
+    """What the runner is sent cannot change the scheduler's request, nor the reverse."""
+    import dataclasses
+
+    import pytest
+
+    sched = make_scheduler()
+    sched.add_seq_group(make_group("a", 5, max_tokens=3))
+    new = sched.schedule().scheduled_new_reqs[0]
+    group = sched.running[0]
+    assert isinstance(new.prompt_token_ids, tuple) and isinstance(new.block_ids, tuple)
+    assert isinstance(new.output_token_ids, tuple)
+    assert new.sampling_params == group.sampling_params
+    assert new.sampling_params is not group.sampling_params
+    new.sampling_params.stop_token_ids.append(7)
+    assert 7 not in group.sampling_params.stop_token_ids
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.block_ids = ()  # type: ignore[misc]
 
 
 def test_decode_after_prefill_and_finish_frees_blocks():
