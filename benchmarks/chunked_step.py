@@ -1,4 +1,4 @@
-"""Issue 18 item 2: does a prefill chunk beside decodes cost more than the same tokens apart?
+"""Does a prefill chunk beside decodes cost more than the same tokens apart?
 
 One model-runner step (the default model, the runner's forward + logits, no scheduler) of
   mixed:   N decodes (context --ctx) + one prompt chunk of --chunk tokens after --cached tokens

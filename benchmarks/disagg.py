@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode on this machine (issue 12): the transport, then serving.
+"""Disaggregated prefill/decode on this machine: the transport, then serving.
 
     .venv/bin/python benchmarks/disagg.py transfer   # TcpConnector GB/s on loopback vs memcpy
     .venv/bin/python benchmarks/disagg.py serve      # P/D behind the proxy vs colocated, Poisson

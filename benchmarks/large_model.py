@@ -1,4 +1,4 @@
-"""A ~1B-parameter Llama made here (issue 15 item 5): random weights from transformers, written as
+"""A ~1B-parameter Llama made here: random weights from transformers, written as
 GGUF Q8_0 and Q4_0 with the `gguf` package's writer, then loaded and served by the engine.
 
 The model: hidden 2048, 16 layers, MLP 5632, 32 heads (8 KV heads, head_dim 64), untied

@@ -10,7 +10,7 @@ Two measurements, each in a fresh process:
    16-256 output tokens each, ignore_eos, all at once), then the server's idle RSS and peak RSS
    (VmHWM, the kernel's own high-water mark, so no sampling gap).
 
-The peer: llama-server F16 with `-c 12288` held 0.6 GB peak on this machine (issue 15's
+The peer: llama-server F16 with `-c 12288` held 0.6 GB peak on this machine (an earlier
 measurement; llama.cpp is not installed here, so it is quoted, not re-measured).
 
     python benchmarks/memory.py [--dtype float32|bfloat16] [--kv-cache-dtype auto|bfloat16|float32]
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-LLAMA_SERVER_PEAK_GB = 0.6  # issue 15: llama-server F16, -c 12288, W1, measured here
+LLAMA_SERVER_PEAK_GB = 0.6  # llama-server F16, -c 12288, W1, measured here
 KV_TOKENS = 12_288
 BLOCK_SIZE = 16
 
@@ -182,7 +182,7 @@ def serve(dtype: str, kv_cache_dtype: str, num_requests: int, extra: list[str]) 
           f"{elapsed:.1f}s ({tokens / elapsed:.1f} tok/s)")
     print(f"RSS idle {idle:.0f} MiB, after W1 {after:.0f} MiB, peak {peak:.0f} MiB "
           f"({peak * 2**20 / 1e9:.2f} GB)")
-    print(f"llama-server F16 -c {KV_TOKENS} peak {LLAMA_SERVER_PEAK_GB} GB (quoted, issue 15): "
+    print(f"llama-server F16 -c {KV_TOKENS} peak {LLAMA_SERVER_PEAK_GB} GB (quoted): "
           f"ratio {peak * 2**20 / 1e9 / LLAMA_SERVER_PEAK_GB:.2f}x (target <= 2x)")
 
 

@@ -13,7 +13,7 @@ tessera/kernels/quant_linear.py is chosen from.
 `--baseline REF` builds the quantized kernel of REF's sources (a temporary `git worktree`) beside
 this tree's and alternates the two in one process on the same packed weights, round by round,
 printing each one's min and median ms and the ratio. On a noisy machine this is the A/B to
-trust: whole-script runs one after the other drifted by more than a 5% change (session 17). The
+trust: whole-script runs one after the other drifted by more than a 5% change. The
 two builds must agree on the packed layout; the script says so when their outputs differ.
 """
 

@@ -3,7 +3,7 @@
 finished), and for the whole fake step (also the fake runner turning the message into its output);
 and the cost of aborting every request of a long waiting queue.
 
-Targets (issue 3): <= 500 µs per step at 256 running and 2,000 waiting; flat in the waiting queue
+Targets: <= 500 µs per step at 256 running and 2,000 waiting; flat in the waiting queue
 (1,000 vs 10,000 waiting within 20%).
 
     .venv/bin/python benchmarks/scheduler.py [--steps 200] [--repeats 5]

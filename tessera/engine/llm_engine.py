@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
+from tessera.core.admission import cache_fit
 from tessera.core.kv_connector import PullConnectorScheduler, check_kv_transfer_params
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
@@ -28,7 +29,6 @@ from tessera.outputs import RequestMetrics, RequestOutput
 from tessera.sampling.grammar import GrammarBackend
 from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
-from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +162,10 @@ class LLMEngine:
         max_len = self.config.model.max_model_len
         longest = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
         bm = self.scheduler.block_manager
-        usable = bm.num_gpu_blocks - bm.watermark_blocks
-        need = params.n * cdiv(longest, bm.block_size)
+        need, usable, _ = cache_fit(params.n, longest, bm.block_size, bm.num_gpu_blocks,
+                                    bm.watermark)
         if need > usable:
-            most = max(usable // cdiv(longest, bm.block_size), 1)
+            most = max(usable // (need // params.n), 1)
             raise ValueError(
                 f"n must be at most {most} for this prompt and max_tokens: {params.n} sequences "
                 f"of up to {longest} tokens need up to {need} KV blocks, more than the "
@@ -200,9 +200,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Also True while KV transfers are in flight: the loop must step to hear them end."""
         return self.scheduler.has_unfinished_seqs() or self.scheduler.has_pending_kv_transfers()
-
-    def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_seq_groups()
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

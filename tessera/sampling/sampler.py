@@ -22,7 +22,8 @@ filters work on the top 64 candidates and widen only for rows whose kept set may
 Seeds: a seeded row draws its uniforms from its own `torch.Generator` (one per sample), so its
 tokens depend only on its own logits and generator state, never on the batch. Unseeded rows share
 one draw from torch's default RNG for the device. Generators are never shared: each sequence of a
-seeded request has its own (the engine creates them, `LLMEngine._generator`). For `n > 1` the
+seeded request has its own (the runner's persistent batch creates them from the seed the
+scheduler sends, `InputBatch._generator`, tessera/worker/input_batch.py). For `n > 1` the
 first sequence's generator, seeded `seed`, draws all n first tokens at the fork (its row has
 `num_samples = n`); child k (1 <= k < n) then continues with its own generator seeded `seed + k`.
 """

@@ -23,6 +23,7 @@ from typing import Protocol
 from tessera.config import SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
+from tessera.sequence import is_decode
 
 SYNTHETIC_TOKEN_ID = 1  # appended for every sampled token; requests run with ignore_eos
 
@@ -57,7 +58,7 @@ def batch_shape(reqs: Iterable[tuple[int, int]], swap_bytes: int = 0) -> BatchSh
         seqs += 1
         context += c + n
         pairs += n * c + n * (n + 1) // 2
-        if n == 1 and c > 0:  # the runner's is_decode
+        if is_decode(n, c):
             decode += 1
         else:
             prefill += n

@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 # error on 2048-token prefill steps and came out 2-3x too high for a loaded-but-stable server)
 TRACE = {"dataset": "random", "random_input_len": 192, "random_output_len": 48,
          "random_range_ratio": 0.5, "num_prompts": 48}
-TRACE_RATE = 3.2  # 0.8 before session 13's fix: the server ran 2.3x slower per step
+TRACE_RATE = 3.2  # 0.8 while the server ran its steps off the loading thread, 2.3x slower
 
 
 def engine_flags(args: EngineArgs, skip: tuple[str, ...] = ()) -> list[str]:

@@ -193,7 +193,7 @@ def test_bad_input_barrage_beside_victims_long(server, expected, case):
                          "temperature": 0.8, "n": 2, "stream": True}),
 ])
 def test_the_issues_requests_beside_victims(server, expected, case):
-    """The inputs that once failed every request in flight (issue 16)."""
+    """The inputs that once failed every request in flight."""
     _barrage(server, expected, case)
 
 
