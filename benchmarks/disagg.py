@@ -103,7 +103,9 @@ def _transfer(connector: str, repeats: int) -> list[dict]:
                 t0 = time.perf_counter()
                 ids_src = torch.tensor(src)
                 ids_dst = torch.tensor(dst)
-                d_cache.gpu_cache.index_copy_(2, ids_dst, p_cache.gpu_cache.index_select(2, ids_src))
+                d_cache.gpu_cache.index_copy_(
+                    2, ids_dst, p_cache.gpu_cache.index_select(2, ids_src)
+                )
                 copies.append(time.perf_counter() - t0)
             assert torch.equal(d_cache.gpu_cache[:, :, dst], p_cache.gpu_cache[:, :, src])
             nbytes = n * spec.block_bytes

@@ -93,7 +93,10 @@ def main() -> None:
     print(f"engine: {'core boundary' if NEW else 'before the core boundary'}")
     for waiting in (1_000, 10_000):
         best = min(run(256, waiting, args.steps) for _ in range(args.repeats))
-        print(f"256 running, {waiting:>6} waiting: {best:7.0f} µs per engine step (best of {args.repeats})")
+        print(
+            f"256 running, {waiting:>6} waiting: {best:7.0f} µs per engine step (best of "
+            f"{args.repeats})"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Resident memory of `tessera serve` on workload W1 with a 12,288-token KV cache, and where it goes.
+"""Resident memory of `tessera serve` on workload W1 with a 12,288-token KV cache, and where it
+goes.
 
 Two measurements, each in a fresh process:
 1. **Where it goes** (`--breakdown`, in-process): RSS after each stage of start-up, in order: the
@@ -110,8 +111,11 @@ def breakdown(dtype: str, kv_cache_dtype: str, num_requests: int) -> None:
     stages.append(("peak during W1 (VmHWM)", peak_mb()))
 
     weights_mb = sum(model.weight_bytes().values()) / 2**20
-    print(f"dtype {config.model.dtype}, KV {kv.dtype} {KV_TOKENS} tokens: weights {weights_mb:.0f} MiB, "
-          f"KV pool {kv_mb:.0f} MiB (tensor sizes)")
+    print(
+        f"dtype {config.model.dtype}, KV {kv.dtype} {KV_TOKENS} tokens: weights {weights_mb:.0f} "
+        f"MiB, "
+        f"KV pool {kv_mb:.0f} MiB (tensor sizes)"
+    )
     print(f"{'stage':<34}{'RSS MiB':>9}{'delta':>8}")
     prev = 0.0
     for name, mb in stages:

@@ -70,7 +70,8 @@ RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
 # at rate inf; 358 output tok/s measured at rate inf): near the knee a few percent of step-time
 # error becomes a doubling of TTFT, which measures the knee's position, not the model. While the
 # server's steps ran on a thread other than the one that loaded the model it was 2.3x slower per
-# step (tessera/engine/engine_thread.py) and the rates were a quarter of these. They put the 64-block settings at 80-90% of theirs,
+# step (tessera/engine/engine_thread.py) and the rates were a quarter of these. They put the
+# 64-block settings at 80-90% of theirs,
 # hence --load.
 SETTINGS = {
     "default": (RANDOM, "", 2.4),

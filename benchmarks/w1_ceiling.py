@@ -164,8 +164,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32,bfloat16", help="float32, bfloat16 or both")
     ap.add_argument("--workload", default="w1", choices=WORKLOADS)
-    ap.add_argument("--peers-result", default=None,
-                    help="benchmarks/peers.py --result-file JSON: engines of that run vs the ceiling")
+    ap.add_argument(
+        "--peers-result",
+        default=None,
+        help="benchmarks/peers.py --result-file JSON: engines of that run vs the ceiling",
+    )
     ap.add_argument("--result-file", default=None, help="JSON with every figure")
     args = ap.parse_args()
     dtypes = args.dtype.split(",")
@@ -189,19 +192,33 @@ def main() -> None:
         dec = {b: decode_ceiling(b, 256, 16, work, peaks) for b in (16, 64)}
         results[name] = {"peaks": vars(peaks), "work": vars(work), "ceiling": c,
                          "decode_max_fraction_of_mm_peak": dec}
-        print(f"\n{name}: peak {peaks.flops / 1e9:.0f} GFLOP/s (torch.mm {peaks.torch_mm / 1e9:.0f}), "
-              f"DRAM read {peaks.bandwidth / 1e9:.1f} GB/s; weights {work.weight_bytes / 2**20:.1f} MiB "
-              f"a decode step, KV {work.kv_bytes_per_token / 1024:.1f} KiB a token")
-        print(f"  ceiling {c['tok_per_s']:.1f} out tok/s = {c['total_s']:.2f} s: prefill {c['prefill_s']:.2f} s, "
-              f"decode {c['decode_compute_bound_s']:.2f} s in {c['decode_compute_bound_steps']} compute-bound "
-              f"steps + {c['decode_memory_bound_s']:.2f} s in {c['decode_memory_bound_steps']} memory-bound")
-        print("  decode at the ceiling, fraction of torch.mm's rate (runner.py's measure, ctx 256): "
-              + ", ".join(f"batch {b} {100 * f:.0f}%" for b, f in dec.items())
-              + f"; target {100 * DECODE_TARGET:.0f}%")
+        print(
+            f"\n{name}: peak {peaks.flops / 1e9:.0f} GFLOP/s (torch.mm "
+            f"{peaks.torch_mm / 1e9:.0f}), "
+            f"DRAM read {peaks.bandwidth / 1e9:.1f} GB/s; weights {work.weight_bytes / 2**20:.1f} "
+            f"MiB "
+            f"a decode step, KV {work.kv_bytes_per_token / 1024:.1f} KiB a token"
+        )
+        print(
+            f"  ceiling {c['tok_per_s']:.1f} out tok/s = {c['total_s']:.2f} s: prefill "
+            f"{c['prefill_s']:.2f} s, "
+            f"decode {c['decode_compute_bound_s']:.2f} s in {c['decode_compute_bound_steps']} "
+            f"compute-bound "
+            f"steps + {c['decode_memory_bound_s']:.2f} s in {c['decode_memory_bound_steps']} "
+            f"memory-bound"
+        )
+        print(
+            "  decode at the ceiling, fraction of torch.mm's rate (runner.py's measure, ctx 256): "
+            + ", ".join(f"batch {b} {100 * f:.0f}%" for b, f in dec.items())
+            + f"; target {100 * DECODE_TARGET:.0f}%"
+        )
         if peers is not None and name in peers:
             by_name = {p["name"]: p["tok_per_s"] for p in peers[name]}
             for peer, tps in by_name.items():
-                print(f"  {peer:<10} {tps:7.1f} tok/s = {100 * tps / c['tok_per_s']:.0f}% of the ceiling")
+                print(
+                    f"  {peer:<10} {tps:7.1f} tok/s = {100 * tps / c['tok_per_s']:.0f}% of the "
+                    f"ceiling"
+                )
             if "vllm-cpu" in by_name:
                 target = TARGETS[name] * by_name["vllm-cpu"]
                 results[name]["target_tok_per_s"] = target

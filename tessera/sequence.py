@@ -71,7 +71,8 @@ def new_seq_id() -> int:
 class Sequence:
     """One stream of tokens. Its progress (`num_computed_tokens`, appended tokens, `status`) is
     written only by the scheduler: `status` and `num_computed_tokens` through `set_progress`
-    (core/progress.py: admission, remote KV, a step's update, preemption, finish). Text, logprobs and stop strings are the engine's
+    (core/progress.py: admission, remote KV, a step's update, preemption, finish). Text, logprobs
+    and stop strings are the engine's
     `OutputProcessor`'s."""
 
     seq_id: int

@@ -5,7 +5,8 @@ attention layer calls.
     spans, slot_mapping, positions                  q, k, v, this layer's k_cache / v_cache
           │                                                    │
           ▼                                                    ▼
-    backend.build_metadata(...) ──▶ AttentionMetadata ──▶ meta.forward(q, k, v, k_cache, v_cache, scale)
+    backend.build_metadata(...) ──▶ AttentionMetadata ──▶ meta.forward(q, k, v, k_cache, v_cache,
+    scale)
                                     (an argument of             writes the new K/V at slot_mapping,
                                      model.forward, never       then attends
                                      a global)

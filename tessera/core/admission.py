@@ -47,7 +47,11 @@ def cache_fit(num_seqs: int, num_tokens: int, block_size: int, num_gpu_blocks: i
     gives admissions, less the watermark; the watermark). The one home of "does it fit in an
     empty cache": the engine's start-up check and its n > 1 check at add_request both ask it."""
     watermark_blocks = num_watermark_blocks(num_gpu_blocks, watermark)
-    return num_seqs * cdiv(num_tokens, block_size), num_gpu_blocks - watermark_blocks, watermark_blocks
+    return (
+        num_seqs * cdiv(num_tokens, block_size),
+        num_gpu_blocks - watermark_blocks,
+        watermark_blocks,
+    )
 
 
 def check_cache_holds_max_model_len(

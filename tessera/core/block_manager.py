@@ -104,7 +104,10 @@ class BlockManager:
     def _prefix_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
         """Cached leading blocks of `seq`; none for a request that wants prompt logprobs, since
         those need the logits of every prompt position."""
-        if self.prefix_cache is None or getattr(group.sampling_params, "prompt_logprobs", None) is not None:
+        if (
+            self.prefix_cache is None
+            or getattr(group.sampling_params, "prompt_logprobs", None) is not None
+        ):
             return []
         return self.prefix_cache.hit_blocks(seq)
 
@@ -156,7 +159,9 @@ class BlockManager:
             grow = cdiv(num_tokens, bs) - len(table)
             if grow > 0:
                 need += grow
-            for i in range(seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)):
+            for i in range(
+                seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)
+            ):
                 block = table[i]
                 if ref_counts[block] > 1:
                     writers[block] = writers.get(block, 0) + 1
@@ -253,12 +258,16 @@ class BlockManager:
         tables = [self._tables[s.seq_id] for s in group.seqs if s.status is _RUNNING]
         return self._distinct(tables) <= self.cpu.num_free
 
-    def swap_out(self, group: SequenceGroup, mapping: dict[int, int] | None = None) -> dict[int, int]:
+    def swap_out(
+        self, group: SequenceGroup, mapping: dict[int, int] | None = None
+    ) -> dict[int, int]:
         """Move the running sequences' blocks to the CPU pool. Returns {device_block: cpu_block},
         each shared block once. Pass the step's mapping so far as `mapping` (it is extended in
         place): a block that another group already swapped out this step (a shared prefix-cache
         block) then reuses that CPU copy instead of needing a second entry for the same key."""
-        return self._move(group, _RUNNING, self._tables, self._cpu_tables, self.gpu, self.cpu, mapping)
+        return self._move(
+            group, _RUNNING, self._tables, self._cpu_tables, self.gpu, self.cpu, mapping
+        )
 
     def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
         """Room for the swapped blocks plus one block per sequence for its next token."""
@@ -267,10 +276,14 @@ class BlockManager:
         reserve = self.watermark_blocks if use_watermark else 0
         return self.gpu.num_free - need >= reserve
 
-    def swap_in(self, group: SequenceGroup, mapping: dict[int, int] | None = None) -> dict[int, int]:
+    def swap_in(
+        self, group: SequenceGroup, mapping: dict[int, int] | None = None
+    ) -> dict[int, int]:
         """Move the swapped sequences' blocks back to the device. Returns {cpu_block: device_block};
         `mapping` as for `swap_out`."""
-        mapping = self._move(group, _SWAPPED, self._cpu_tables, self._tables, self.cpu, self.gpu, mapping)
+        mapping = self._move(
+            group, _SWAPPED, self._cpu_tables, self._tables, self.cpu, self.gpu, mapping
+        )
         if self.prefix_cache is not None:  # fresh device blocks: offer their computed KV again
             for seq in group.seqs:
                 if seq.status is _SWAPPED:

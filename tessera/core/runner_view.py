@@ -40,7 +40,9 @@ class RunnerView:
         self._sent: dict[str, _Sent | None] = {}
         self._finished: list[str] = []
 
-    def describe(self, group: SequenceGroup, seq: Sequence, table: list[int], out: SchedulerOutput) -> None:
+    def describe(
+        self, group: SequenceGroup, seq: Sequence, table: list[int], out: SchedulerOutput
+    ) -> None:
         """Add `seq`'s entry for this step to `out`: whole if the runner lacks it, else a diff."""
         req_id = seq.req_id
         sent = self._sent.get(req_id)

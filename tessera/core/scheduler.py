@@ -300,7 +300,9 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         self.running = kept
         return preempted
 
-    def _take_drafts(self, seqs: list[Sequence], plan: _Plan, room: int, spare_blocks: int) -> _Plan:
+    def _take_drafts(
+        self, seqs: list[Sequence], plan: _Plan, room: int, spare_blocks: int
+    ) -> _Plan:
         """Schedule the draft tokens of the plan's decodes as extra new tokens, within `room`
         tokens of budget and `spare_blocks` new blocks, and so that verification can neither pass
         `max_tokens` nor `max_model_len`. Trims each running sequence's `spec_token_ids` to what

@@ -82,7 +82,8 @@ class UpdateFromOutput:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Apply one step's results (see the module docstring). Returns, per request that changed, what its sequences gained."""
+        """Apply one step's results (see the module docstring). Returns, per request that changed,
+        what its sequences gained."""
         now = self.clock()
         caching = self.block_manager.enable_prefix_caching
         index = runner_output.req_id_to_index
@@ -133,7 +134,10 @@ class UpdateFromOutput:
             any_finished |= self._append(group, seq, tokens, logprobs, out)
         self._update_remote_kv(runner_output)
         for group in self._ignored:
-            touched[group.request_id] = (group, EngineCoreOutput(group.request_id, error=group.error))
+            touched[group.request_id] = (
+                group,
+                EngineCoreOutput(group.request_id, error=group.error),
+            )
         self._ignored = []
         if any_finished:
             self._sweep_finished()
@@ -160,7 +164,9 @@ class UpdateFromOutput:
             per_pos[j] += 1
     # a step that raised (engine/step_recovery.py)
 
-    def resend_whole(self, scheduler_output: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:
+    def resend_whole(
+        self, scheduler_output: SchedulerOutput, req_ids: list[str]
+    ) -> SchedulerOutput:
         """The part of a failed step's `scheduler_output` that concerns `req_ids`, each request
         sent whole (the runner's copy may hold half-applied diffs; a whole one replaces it). No
         cache operations and no finished ids: the runner applied those before the forward pass

@@ -76,7 +76,9 @@ class TensorParallelGroup:
         if local.shape[-1] < width:
             local = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+        parts = (
+            [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+        )
         dist.gather(local, parts, dst=0)
         self.stats.gather_seconds += time.perf_counter() - t0
         self.stats.num_gather += 1

@@ -1,4 +1,5 @@
-"""`AsyncLLMEngine`: the synchronous `LLMEngine` driven from a background thread for asyncio callers.
+"""`AsyncLLMEngine`: the synchronous `LLMEngine` driven from a background thread for asyncio
+callers.
 
 Why a thread and not a process: the model's work happens inside torch ops, which release the GIL,
 so the HTTP event loop keeps answering (`/health` stays fast under a full batch) while outputs
@@ -91,7 +92,8 @@ class AsyncLLMEngine:
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
         self.max_logprobs: int = getattr(engine.config.model, "max_logprobs", 20)
         self.scheduling_policy = engine.config.scheduler.scheduling_policy
-        # the server tokenizes on the event loop with this copy; the engine thread keeps the original
+        # the server tokenizes on the event loop with this copy; the engine thread keeps the
+        # original
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.vocab_size: int = getattr(engine, "vocab_size", None) or len(self.tokenizer)
         self.on_finished: list[Any] = []  # callbacks(RequestOutput) run on the event loop
@@ -205,7 +207,9 @@ class AsyncLLMEngine:
         async for output in stream:
             yield output
 
-    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _iterate(
+        self, request_id: str, stream: asyncio.Queue
+    ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:

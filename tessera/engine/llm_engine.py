@@ -225,10 +225,15 @@ class LLMEngine:
         )
         outputs += failed  # the culprits of a step that raised (engine/step_recovery.py)
         t3 = time.perf_counter()
-        self.step_times.record(t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens)
+        self.step_times.record(
+            t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens
+        )
         if self.step_log is not None and scheduler_output.total_num_scheduled_tokens:
             self.step_log.record(scheduler_output, t0, t3, self.has_unfinished_requests())
-        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_pending_kv_transfers():
+        if (
+            not scheduler_output.total_num_scheduled_tokens
+            and self.scheduler.has_pending_kv_transfers()
+        ):
             time.sleep(_KV_POLL_SECONDS)  # only transfers in flight: poll, do not spin
         return outputs
 
@@ -297,13 +302,16 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is not None:  # vLLM's names; accepted per draft position as a labelled counter
             metrics["tessera:spec_decode_num_drafts_total"] = float(s.num_spec_drafts_total)
-            metrics["tessera:spec_decode_num_draft_tokens_total"] = float(s.num_spec_draft_tokens_total)
+            metrics["tessera:spec_decode_num_draft_tokens_total"] = float(
+                s.num_spec_draft_tokens_total
+            )
             metrics["tessera:spec_decode_num_accepted_tokens_total"] = float(
                 s.num_spec_accepted_tokens_total)
             per_pos = s.num_spec_accepted_tokens_per_pos
             for pos in range(spec.num_speculative_tokens):
-                metrics[f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'] = (
-                    float(per_pos[pos]) if pos < len(per_pos) else 0.0)
+                metrics[
+                    f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'
+                ] = float(per_pos[pos]) if pos < len(per_pos) else 0.0
         return metrics
 
     def get_stats(self) -> StatsSnapshot:

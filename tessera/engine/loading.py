@@ -59,7 +59,9 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     torch.set_num_threads(default_num_threads())
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
-    model = model_cls(arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len)
+    model = model_cls(
+        arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len
+    )
     del weights  # the model holds its own (packed) copies; the file's blocks go now
     release_free_memory()  # and their pages, which the heap would otherwise keep resident
     return ModelBundle(
@@ -69,7 +71,8 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
 
 
 def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None):
-    """Load the model (unless a compatible `bundle` is given), size the KV pools, build the engine."""
+    """Load the model (unless a compatible `bundle` is given), size the KV pools, build the
+    engine."""
     if args.tensor_parallel_size > 1 or args.nnodes > 1:
         if bundle is not None:
             raise ValueError("a loaded model bundle cannot be shared with --tensor-parallel-size "

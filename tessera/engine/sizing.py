@@ -15,7 +15,9 @@ def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
     """(device blocks, swap blocks) of one worker from --kv-cache-space/--swap-space (GiB per
     worker) or --num-gpu-blocks-override; refuses a pool that cannot hold one max_model_len
     request."""
-    num_gpu_blocks = config.cache.num_gpu_blocks_override or spec.num_blocks_for(config.cache.kv_cache_space)
+    num_gpu_blocks = config.cache.num_gpu_blocks_override or spec.num_blocks_for(
+        config.cache.kv_cache_space
+    )
     if num_gpu_blocks < 1:
         raise ValueError(
             f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "

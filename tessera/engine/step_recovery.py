@@ -11,7 +11,8 @@ the culprit. Greedy tokens do not change: a request's results do not depend on i
 
 Why re-running is safe although the failed step may have half-updated the runner:
 - the scheduler wrote nothing yet (`update_from_output`, which advances progress after a step,
-  did not run), so its state still describes the step: the same tokens to compute, the same block tables;
+  did not run), so its state still describes the step: the same tokens to compute, the same block
+  tables;
 - the runner's persistent batch may hold half-applied diffs, so each re-run sends its requests
   whole (`Scheduler.resend_whole`), which replaces the runner's copy (its seeded generators are
   kept; the sampler restores their state when it raises, so a seeded request draws the same

@@ -150,12 +150,23 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return run_server(engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
-               api_key=args.api_key, log_level=args.log_level, chat_template=chat_template,
-               uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
-               log_requests=args.enable_log_requests, allowed_origins=origins,
-               root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
-               max_request_body_bytes=args.max_request_body_bytes)
+    return run_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        log_level=args.log_level,
+        chat_template=chat_template,
+        uvicorn_log_level=args.uvicorn_log_level,
+        sampling_defaults=sampling_defaults,
+        log_requests=args.enable_log_requests,
+        allowed_origins=origins,
+        root_path=args.root_path,
+        tool_call_parser=args.tool_call_parser,
+        sock=sock,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
 
 
 def _serve_worker_node(args: argparse.Namespace) -> int:

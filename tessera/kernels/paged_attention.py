@@ -61,7 +61,8 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] flat slot = block * block_size + offset
 ) -> None:
-    """Store the new K/V at their flat cache slots, in the cache's dtype (--kv-cache-dtype may differ
+    """Store the new K/V at their flat cache slots, in the cache's dtype (--kv-cache-dtype may
+    differ
     from the compute dtype: rounded here, once)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))

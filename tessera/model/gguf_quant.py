@@ -70,7 +70,9 @@ class QuantizedTensor:
         n, k = self.shape
         return _DECODERS[self.qtype](np.ascontiguousarray(self.data).reshape(n, -1), n, k)
 
-    def shard(self, dim: int, start: int, stop: int, name: str = "") -> QuantizedTensor | torch.Tensor:
+    def shard(
+        self, dim: int, start: int, stop: int, name: str = ""
+    ) -> QuantizedTensor | torch.Tensor:
         """A tensor-parallel rank's slice (tessera/distributed/sharding.py): rows of blocks
         (dim 0: whole rows), or whole blocks of every row (dim 1). A column slice off the block
         grid is dequantized (float32 tensor)."""
@@ -85,7 +87,9 @@ class QuantizedTensor:
             return self.dequantize()[:, start:stop].contiguous().clone()
         blocks = np.ascontiguousarray(self.data).reshape(n, k // block, type_size)
         data = np.ascontiguousarray(blocks[:, start // block : stop // block])
-        return QuantizedTensor(self.qtype, data.reshape(n, -1).copy(), torch.Size([n, stop - start]))
+        return QuantizedTensor(
+            self.qtype, data.reshape(n, -1).copy(), torch.Size([n, stop - start])
+        )
 
     def pack(self, bias: torch.Tensor | None = None, pairs: bool = False) -> QuantPart:
         """The kernel's packed copy of this weight (built here; `data` may be dropped after), its

@@ -43,7 +43,8 @@ def supported_architectures() -> list[str]:
 
 
 def has_qkv_bias(architecture: str) -> bool:
-    """Whether the architecture's q/k/v projections carry a bias (ModelArchConfig.attention_bias)."""
+    """Whether the architecture's q/k/v projections carry a bias
+    (ModelArchConfig.attention_bias)."""
     return architecture in _QKV_BIAS
 
 

@@ -358,7 +358,8 @@ def _apply_filters(cand: torch.Tensor, params: list[SamplingParams], vocab: int,
     # the mass above a tail token can round up to the total and would drop it.
     use_k = top_k <= k  # the top-k mass is the kept candidates' sum
     p_off = top_p >= 1
-    # with top-k off the total is the whole distribution's (row_mass); with K < top_k < vocab it is not
+    # with top-k off the total is the whole distribution's (row_mass); with K < top_k < vocab it is
+    # not
     # known from the candidates, so such a row resolves only once top-p is off or K reaches top_k
     whole = row_mass.to(top_p.dtype) if row_mass is not None else torch.ones_like(top_p)
     total = torch.where(use_k, kept.sum(dim=-1), whole)  # [T]

@@ -9,7 +9,8 @@ token. So a request ends exactly where the dataset says (or at `max_model_len`, 
 
 Speculative decoding plugs in here (tessera/simulator/spec_decode.py): with a
 `SpeculativeConfig`, the runner drafts k synthetic tokens for every request that sampled one
-(unless the running batch holds `disable_by_batch_size` requests or more), and when the scheduler schedules
+(unless the running batch holds `disable_by_batch_size` requests or more), and when the scheduler
+schedules
 them (`scheduled_spec_decode_tokens`) an `AcceptanceModel` says how many a verification step
 returns. A step with drafts and no acceptance model is an error rather than a silent guess.
 """

@@ -155,7 +155,10 @@ def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, in
     engine_args = dataclasses.replace(engine_args_from(args), dtype=cost_model.dtype, device="meta")
     config = engine_args.create_engine_config(cost_model.max_model_len)
     block_bytes = cost_model.geometry.block_bytes(config.cache.block_size)
-    num_gpu = config.cache.num_gpu_blocks_override or int(config.cache.kv_cache_space * GiB) // block_bytes
+    num_gpu = (
+        config.cache.num_gpu_blocks_override
+        or int(config.cache.kv_cache_space * GiB) // block_bytes
+    )
     num_cpu = int(config.cache.swap_space * GiB) // block_bytes
     if num_gpu < 1:
         raise ValueError(f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "

@@ -159,7 +159,9 @@ class Simulator:
     def _run_probe(self, probe: SimRequest) -> float:
         """Run `probe` alone from time 0; the time it finished."""
         sched, clock = self.scheduler, self.clock
-        sched.add_seq_group(sim_group("probe", probe, clock.now + self.cost_model.request_latency_s))
+        sched.add_seq_group(
+            sim_group("probe", probe, clock.now + self.cost_model.request_latency_s)
+        )
         clock.now += self.cost_model.request_latency_s
         while sched.has_unfinished_seqs():
             out = sched.schedule()

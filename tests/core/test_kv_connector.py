@@ -231,8 +231,9 @@ def test_bad_kv_transfer_params_name_the_key(params, key):
 
 def test_params_need_the_right_role():
     with pytest.raises(ValueError, match="do_remote_decode"):
-        check_kv_transfer_params({"do_remote_decode": True}, KVTransferConfig(kv_role="kv_consumer"),
-                                 8, BS)
+        check_kv_transfer_params(
+            {"do_remote_decode": True}, KVTransferConfig(kv_role="kv_consumer"), 8, BS
+        )
     with pytest.raises(ValueError, match="kv-transfer-config"):
         check_kv_transfer_params({"do_remote_decode": True}, None, 8, BS)
 

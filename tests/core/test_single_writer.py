@@ -13,7 +13,8 @@ WRITER = ("core/progress.py", "set_progress")
 CALLERS = {"core/scheduler.py", "core/scheduler_update.py", "core/scheduler_kv.py"}
 # Modules whose objects merely share a field name with Sequence; each owns a different object.
 OTHER_OBJECTS = {
-    "worker/input_batch.py": "the runner's own copy of a request, set from the scheduler's messages",
+    "worker/input_batch.py": "the runner's own copy of a request, set from the scheduler's "
+    "messages",
     "worker/static_batch.py": "the static-batching baseline's StaticSeq",
     "entrypoints/openai/errors.py": "an HTTP error's status code",
 }

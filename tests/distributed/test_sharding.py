@@ -66,8 +66,15 @@ def test_vocab_shards_of_an_uneven_vocabulary():
     assert plans[1].vocab_shard_size == 161  # the short last shard is padded for the gather
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q8_0,
-                                   gguf.GGMLQuantizationType.Q6_K])
+@pytest.mark.parametrize(
+    "qtype",
+    [
+        gguf.GGMLQuantizationType.Q4_1,
+        gguf.GGMLQuantizationType.Q4_K,
+        gguf.GGMLQuantizationType.Q8_0,
+        gguf.GGMLQuantizationType.Q6_K,
+    ],
+)
 def test_quantized_shards_are_whole_blocks_bit_for_bit(qtype):
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     w = random_weight(qtype, 96, 4 * 256)
@@ -89,7 +96,10 @@ def test_quantized_shards_are_whole_blocks_bit_for_bit(qtype):
     (8, 8, 1537, 2, "intermediate_size (1537)"),
 ])
 def test_unshardable_sizes_are_refused_naming_the_numbers(heads, kv, inter, n, fragment):
-    with pytest.raises(ValueError, match=rf"--tensor-parallel-size {n}.*{fragment.replace('(', '[(]').replace(')', '[)]')}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"--tensor-parallel-size {n}.*{fragment.replace('(', '[(]').replace(')', '[)]')}",
+    ):
         check_shardable(heads, kv, inter, n)
 
 

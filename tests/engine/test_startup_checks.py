@@ -14,7 +14,9 @@ def test_rule_counts_blocks_and_the_watermark():
         check_cache_holds_max_model_len(64, 16, 0.0, 1025)
     # 100 blocks, 1 kept free as the watermark: 99 usable
     check_cache_holds_max_model_len(100, 16, 0.01, 99 * 16)
-    with pytest.raises(ValueError, match=r"99 are usable .* lower --max-model-len \(to at most 1584\)"):
+    with pytest.raises(
+        ValueError, match=r"99 are usable .* lower --max-model-len \(to at most 1584\)"
+    ):
         check_cache_holds_max_model_len(100, 16, 0.01, 100 * 16)
 
 

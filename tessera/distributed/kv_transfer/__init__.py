@@ -2,7 +2,8 @@
 engines as the scheduler half (tessera/core/kv_connector.py) instructs.
 
     TcpConnector   built in: pyzmq over TCP, one message per request (tcp_connector.py)
-    NixlConnector  NIXL, the library vLLM uses, when the `nixl` extra is installed (nixl_connector.py)
+    NixlConnector  NIXL, the library vLLM uses, when the `nixl` extra is installed
+    (nixl_connector.py)
 """
 
 from __future__ import annotations

@@ -144,7 +144,9 @@ class TcpConnectorWorker(KVConnectorWorker):
             # straight into the staging tensor: no intermediate copy of the payload
             size = sock.recv_into(data.view(-1).view(torch.uint8).numpy()) if data.numel() else 0
             if size != data.numel() * data.element_size():
-                raise TransferError(f"the payload has {size} bytes, not {data.numel() * data.element_size()}")
+                raise TransferError(
+                    f"the payload has {size} bytes, not {data.numel() * data.element_size()}"
+                )
             return data
         finally:
             sock.close(linger=0)
