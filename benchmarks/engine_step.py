@@ -33,15 +33,16 @@ except ImportError:  # the engine before it
 
 
 def _new_executor(num_blocks: int):
-    from scheduler import _FakeRunner  # benchmarks/scheduler.py: lengths from the messages alone
+    # the simulator's runner: token lengths from the messages alone, one token a request
+    from tessera.simulator.batch import SyntheticRunner
 
     class FakeExecutor(Executor):
         def __init__(self) -> None:
             self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, 0
-            self.runner = _FakeRunner()
+            self.runner = SyntheticRunner(block_bytes=0)
 
         def execute_model(self, out) -> ModelRunnerOutput:
-            return self.runner(out)
+            return self.runner.execute(out)[1]
 
     return FakeExecutor()
 
