@@ -29,7 +29,7 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
 5. with `--sensitivity`, each setting simulated again with every step 6% and 3% cheaper and
    dearer (the profile's runner and serving terms scaled): how much a setting's medians move
    for an error of the step prices, which the real runs' own drift between rounds exceeds.
-   Run 16 here: recompute's median TPOT moved 8.79 / 9.36 / 10.30 / 11.03 / 11.67 ms at x0.94
+   In one run here: recompute's median TPOT moved 8.79 / 9.36 / 10.30 / 11.03 / 11.67 ms at x0.94
    .. x1.06 (preemptions 9 .. 14), swap's 8.40 .. 10.20 (9 .. 12).
 
     python benchmarks/simulator_fidelity.py --real-results run.json --profile profile.json \

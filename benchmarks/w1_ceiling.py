@@ -23,7 +23,7 @@ The peaks are measured here, on torch's threads: fp32 FMAs and bf16 dot products
 every operand in registers, and a streaming read (benchmarks/machine_peak.cpp); also torch.mm's
 rate, the "matmul peak" of benchmarks/runner.py. With `--peers-result` (benchmarks/peers.py's
 JSON) it also prints where each engine of that run stands against the ceiling, and the fraction
-of the ceiling each issue-18 target needs.
+of the ceiling each W1 target needs.
 """
 
 from __future__ import annotations

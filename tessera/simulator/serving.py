@@ -30,7 +30,7 @@ Why steps and not the end metrics: an earlier version bisected two rates until t
 mean TPOT and TTFT of the calibration trace equalled the measured ones. Any error of the trace's
 means landed in the rates, and the per-prefill-token rate came out 0.2-0.27 ms in two of three
 calibrations, where the logged prefill steps showed none: every simulated TTFT was 11-30% high
-(docs/simulator.md, runs 8 and 9). Fitted to steps, TTFT and TPOT are predictions; the
+(docs/simulator.md). Fitted to steps, TTFT and TPOT are predictions; the
 calibration trace's means are reported beside the simulated ones as a check.
 """
 

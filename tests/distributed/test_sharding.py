@@ -1,6 +1,6 @@
 """The shard plan, without processes: every rank's slices put back together are the whole tensor
-(dense, and GGUF blocks bit for bit), KV heads split or replicated as the issue says, and an
-unshardable size is refused before any weight is read, naming the numbers."""
+(dense, and GGUF blocks bit for bit), KV heads split or replicated as docs/tensor_parallel.md says,
+and an unshardable size is refused before any weight is read, naming the numbers."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ def test_rule_counts_blocks_and_the_watermark():
 
 
 def test_engine_refuses_to_start(make_llm):
-    # as in the issue (64 blocks of 16 under max_model_len 2048): 32 blocks of 16 under 1024
+    # a cache too small for one request (64 blocks of 16 under max_model_len 2048): 32 blocks of 16
+    # under 1024
     with pytest.raises(ValueError) as e:
         make_llm(num_gpu_blocks_override=32, max_model_len=1024)
     message = str(e.value)

@@ -131,7 +131,7 @@ def test_stop(client, model):
 
 @pytest.mark.parametrize("stop", [["6, 7"], [" 7"], ["5, 6, 7, 8"], [",", " 9"], ["zzz"]])
 def test_streamed_text_equals_whole_text_with_stop_strings(client, model, stop):
-    """The issue's trace: a stream used to leak the start of a multi-token stop string."""
+    """A stream used to leak the start of a multi-token stop string."""
     args = dict(model=model, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=stop)
     whole = client.completions.create(**args).choices[0]
     pieces = [c.choices[0].text for c in client.completions.create(**args, stream=True)
