@@ -20,7 +20,7 @@ OTHER_OBJECTS = {
 }
 
 
-def writes(source: str) -> list[tuple[int, str, str]]:
+def writes(source: str, fields: set[str] = FIELDS) -> list[tuple[int, str, str]]:
     """(line, enclosing function, field) of each assignment to `<x>.status` or
     `<x>.num_computed_tokens`, and of each `setattr(<x>, "status" | "num_computed_tokens", ...)`."""
     found = []
@@ -35,11 +35,11 @@ def writes(source: str) -> list[tuple[int, str, str]]:
                 targets = [child.target]
             for target in targets:
                 for t in ast.walk(target):
-                    if isinstance(t, ast.Attribute) and t.attr in FIELDS:
+                    if isinstance(t, ast.Attribute) and t.attr in fields:
                         found.append((child.lineno, func, t.attr))
             if (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
                     and child.func.id == "setattr" and len(child.args) >= 2
-                    and isinstance(child.args[1], ast.Constant) and child.args[1].value in FIELDS):
+                    and isinstance(child.args[1], ast.Constant) and child.args[1].value in fields):
                 found.append((child.lineno, func, child.args[1].value))
             visit(child, name)
 
@@ -75,6 +75,21 @@ def test_only_set_progress_writes_status_and_num_computed_tokens():
 def test_only_the_scheduler_calls_set_progress():
     callers = {rel for rel, source in _sources() if calls_of(source, "set_progress")}
     assert callers and callers <= CALLERS, f"set_progress called outside the scheduler: {callers}"
+
+
+# A sequence's drafts: set by update_from_output, trimmed by schedule(), cleared on preemption; only
+# the scheduler's files write them. ModelRunnerOutput has a field of the same name (the runner's
+# proposals), written where that message is built.
+DRAFT_WRITERS = CALLERS | {"worker/model_runner.py", "simulator/batch.py", "engine/step_recovery.py"}
+
+
+def test_only_the_scheduler_writes_a_sequences_drafts():
+    bad = []
+    for rel, source in _sources():
+        tree_writes = writes(source, fields={"spec_token_ids"})
+        if tree_writes and rel not in DRAFT_WRITERS:
+            bad += [f"tessera/{rel}:{line} ({func})" for line, func, _ in tree_writes]
+    assert not bad, "spec_token_ids written outside the scheduler:\n" + "\n".join(bad)
 
 
 def test_the_scan_sees_every_form_of_write():
