@@ -80,7 +80,9 @@ def test_only_the_scheduler_calls_set_progress():
 # A sequence's drafts: set by update_from_output, trimmed by schedule(), cleared on preemption; only
 # the scheduler's files write them. ModelRunnerOutput has a field of the same name (the runner's
 # proposals), written where that message is built.
-DRAFT_WRITERS = CALLERS | {"worker/model_runner.py", "simulator/batch.py", "engine/step_recovery.py"}
+DRAFT_WRITERS = CALLERS | {
+    "worker/model_runner.py", "simulator/batch.py", "engine/step_recovery.py",
+}
 
 
 def test_only_the_scheduler_writes_a_sequences_drafts():
