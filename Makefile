@@ -36,7 +36,7 @@ FAST_TESTS := tests/core tests/test_layers.py tests/test_utils.py tests/test_inp
 	tests/sampling/test_sampling_params.py tests/entrypoints/test_protocol.py \
 	tests/entrypoints/test_tool_parsers.py tests/engine/test_stop_rules.py \
 	tests/engine/test_output_processor.py tests/bench/test_bench_metrics.py \
-	tests/simulator/test_simulator.py tests/test_speculative_config.py
+	tests/simulator/test_simulator.py
 test-fast: install
 	$(PY) -m pytest -q --durations=5 -m "not heavy" $(FAST_TESTS) $(ARGS)
 
