@@ -108,7 +108,10 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     def is_decoding(self) -> bool:
-        return is_decode(self.get_num_uncomputed_tokens(), self.num_computed_tokens)
+        """`is_decode` of this sequence's next step (before speculative tokens)."""
+        computed = self.num_computed_tokens
+        num_new = len(self.prompt_token_ids) + len(self.output_token_ids) - computed
+        return is_decode(num_new, computed)
 
     def is_finished(self) -> bool:
         return self.status.is_finished
