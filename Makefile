@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install install-gemma serve test test-all test-browser lint bench
+.PHONY: install install-gemma serve test test-fast test-all test-browser lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,16 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q --durations=15 -m "not heavy" $(ARGS)
+
+# the edit-test loop: the torch-free core, the import layers, SamplingParams, the HTTP request
+# models and other pure-Python tests, in well under a minute (no model, no server, no kernel build)
+FAST_TESTS := tests/core tests/test_layers.py tests/test_utils.py tests/test_inputs.py \
+	tests/sampling/test_sampling_params.py tests/entrypoints/test_protocol.py \
+	tests/entrypoints/test_tool_parsers.py tests/engine/test_stop_rules.py \
+	tests/engine/test_output_processor.py tests/bench/test_bench_metrics.py \
+	tests/simulator/test_simulator.py
+test-fast: install
+	$(PY) -m pytest -q --durations=5 -m "not heavy" $(FAST_TESTS) $(ARGS)
 
 # everything, including the multi-process and long scenarios marked `heavy`
 test-all: install

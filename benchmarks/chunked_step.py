@@ -1,4 +1,4 @@
-"""Issue 18 item 2: does a prefill chunk beside decodes cost more than the same tokens apart?
+"""Does a prefill chunk beside decodes cost more than the same tokens apart?
 
 One model-runner step (the default model, the runner's forward + logits, no scheduler) of
   mixed:   N decodes (context --ctx) + one prompt chunk of --chunk tokens after --cached tokens
@@ -86,7 +86,9 @@ def main() -> None:
     ap.add_argument("--decodes", default="8,32")
     ap.add_argument("--ctx", type=int, default=256, help="context of each decode")
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--cached", default="0,512", help="tokens of the chunk's sequence already cached")
+    ap.add_argument(
+        "--cached", default="0,512", help="tokens of the chunk's sequence already cached"
+    )
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)

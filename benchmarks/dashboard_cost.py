@@ -82,12 +82,18 @@ def direct() -> None:
             best = timed
     assert best is not None
     rec, snap = best.record_us, best.snapshot_us
-    print(f"W1 on the real scheduler: {len(rec)} steps, batch mean {statistics.mean(best.batch):.1f}"
-          f" (max {max(best.batch)}) sequences, {NUM_BLOCKS} + {NUM_BLOCKS} blocks")
-    print(f"record_step per step: mean {statistics.mean(rec):.1f} us, median "
-          f"{statistics.median(rec):.1f}, max {max(rec):.1f}")
-    print(f"snapshot per sample:  mean {statistics.mean(snap):.0f} us, median "
-          f"{statistics.median(snap):.0f}, max {max(snap):.0f}")
+    print(
+        f"W1 on the real scheduler: {len(rec)} steps, batch mean {statistics.mean(best.batch):.1f}"
+        f" (max {max(best.batch)}) sequences, {NUM_BLOCKS} + {NUM_BLOCKS} blocks"
+    )
+    print(
+        f"record_step per step: mean {statistics.mean(rec):.1f} us, median "
+        f"{statistics.median(rec):.1f}, max {max(rec):.1f}"
+    )
+    print(
+        f"snapshot per sample:  mean {statistics.mean(snap):.0f} us, median "
+        f"{statistics.median(snap):.0f}, max {max(snap):.0f}"
+    )
     print("cost of an open page = record_step x steps/s + snapshot x samples/s (<= 4/s at 250 ms)")
 
 
@@ -98,15 +104,24 @@ def _send(url: str, prompts, out_lens) -> tuple[int, float]:
 
     async def go() -> tuple[int, float]:
         async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
+
             async def one(prompt, n):
-                r = await client.post("/v1/completions", json={
-                    "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True})
+                r = await client.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": prompt,
+                        "max_tokens": n,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    },
+                )
                 r.raise_for_status()
                 return r.json()["usage"]["completion_tokens"]
 
             start = time.perf_counter()
-            counts = await asyncio.gather(*(one(p, n) for p, n in
-                                            zip(prompts, out_lens, strict=True)))
+            counts = await asyncio.gather(
+                *(one(p, n) for p, n in zip(prompts, out_lens, strict=True))
+            )
             return sum(counts), time.perf_counter() - start
 
     return asyncio.run(go())
@@ -153,9 +168,20 @@ def server(num_requests: int, rounds: int) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.entrypoints.cli", "serve", "--port",
-                             str(port), "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tessera.entrypoints.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         while True:
             if proc.poll() is not None:
@@ -178,13 +204,17 @@ def server(num_requests: int, rounds: int) -> None:
                 if viewer is not None:
                     viewer.stop.set()
                 results[mode].append(tokens / elapsed)
-                print(f"round {r} page {mode:>6}: {tokens} tokens in {elapsed:.1f} s = "
-                      f"{tokens / elapsed:.1f} tok/s, {steps:.0f} steps "
-                      f"({1e3 * elapsed / max(steps, 1):.0f} ms/step), {events} events",
-                      flush=True)
+                print(
+                    f"round {r} page {mode:>6}: {tokens} tokens in {elapsed:.1f} s = "
+                    f"{tokens / elapsed:.1f} tok/s, {steps:.0f} steps "
+                    f"({1e3 * elapsed / max(steps, 1):.0f} ms/step), {events} events",
+                    flush=True,
+                )
         closed, opened = (statistics.mean(results[m]) for m in ("closed", "open"))
-        print(f"mean: closed {closed:.1f} tok/s, open {opened:.1f} tok/s: "
-              f"{100 * (closed - opened) / closed:+.2f}% with the page open")
+        print(
+            f"mean: closed {closed:.1f} tok/s, open {opened:.1f} tok/s: "
+            f"{100 * (closed - opened) / closed:+.2f}% with the page open"
+        )
     finally:
         proc.terminate()
         try:

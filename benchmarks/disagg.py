@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode on this machine (issue 12): the transport, then serving.
+"""Disaggregated prefill/decode on this machine: the transport, then serving.
 
     .venv/bin/python benchmarks/disagg.py transfer   # TcpConnector GB/s on loopback vs memcpy
     .venv/bin/python benchmarks/disagg.py serve      # P/D behind the proxy vs colocated, Poisson
@@ -103,7 +103,9 @@ def _transfer(connector: str, repeats: int) -> list[dict]:
                 t0 = time.perf_counter()
                 ids_src = torch.tensor(src)
                 ids_dst = torch.tensor(dst)
-                d_cache.gpu_cache.index_copy_(2, ids_dst, p_cache.gpu_cache.index_select(2, ids_src))
+                d_cache.gpu_cache.index_copy_(
+                    2, ids_dst, p_cache.gpu_cache.index_select(2, ids_src)
+                )
                 copies.append(time.perf_counter() - t0)
             assert torch.equal(d_cache.gpu_cache[:, :, dst], p_cache.gpu_cache[:, :, src])
             nbytes = n * spec.block_bytes

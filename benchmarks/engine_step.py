@@ -33,15 +33,16 @@ except ImportError:  # the engine before it
 
 
 def _new_executor(num_blocks: int):
-    from scheduler import _FakeRunner  # benchmarks/scheduler.py: lengths from the messages alone
+    # the simulator's runner: token lengths from the messages alone, one token a request
+    from tessera.simulator.batch import SyntheticRunner
 
     class FakeExecutor(Executor):
         def __init__(self) -> None:
             self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, 0
-            self.runner = _FakeRunner()
+            self.runner = SyntheticRunner(block_bytes=0)
 
         def execute_model(self, out) -> ModelRunnerOutput:
-            return self.runner(out)
+            return self.runner.execute(out)[1]
 
     return FakeExecutor()
 
@@ -93,7 +94,10 @@ def main() -> None:
     print(f"engine: {'core boundary' if NEW else 'before the core boundary'}")
     for waiting in (1_000, 10_000):
         best = min(run(256, waiting, args.steps) for _ in range(args.repeats))
-        print(f"256 running, {waiting:>6} waiting: {best:7.0f} µs per engine step (best of {args.repeats})")
+        print(
+            f"256 running, {waiting:>6} waiting: {best:7.0f} µs per engine step (best of "
+            f"{args.repeats})"
+        )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def rates_at_load(profile: str, workloads: dict[str, tuple[str, str]], load: flo
     (None: calibrate already ran it, without --calibrate-between-rounds, at `trace_rate`).
 
     Why per setting: one rate for all put the default at half its capacity and a 64-block
-    cache at 80-90% of its own (run 18: 2.89 against 1.63-1.83 req/s simulated at rate inf),
+    cache at 80-90% of its own (in one run: 2.89 against 1.63-1.83 req/s simulated at rate inf),
     at the knee, where the three real runs' median TTFTs spread by 237% and a few percent of
     step price becomes a doubling of TTFT. Why the runner-only prices: they exist before any
     real run (the serving overhead is fitted to runs made in the rounds), and they make every

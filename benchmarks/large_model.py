@@ -1,4 +1,4 @@
-"""A ~1B-parameter Llama made here (issue 15 item 5): random weights from transformers, written as
+"""A ~1B-parameter Llama made here: random weights from transformers, written as
 GGUF Q8_0 and Q4_0 with the `gguf` package's writer, then loaded and served by the engine.
 
 The model: hidden 2048, 16 layers, MLP 5632, 32 heads (8 KV heads, head_dim 64), untied
@@ -75,10 +75,17 @@ def build(workdir: str, types: list[str], arch: dict | None = None) -> dict[str,
           f"{time.perf_counter() - start:.1f}s", flush=True)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}
-    layer_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                   "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-                   "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    layer_names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for t in missing:
         start = time.perf_counter()
         qtype = getattr(gguf.GGMLQuantizationType, t.upper())
@@ -190,8 +197,11 @@ def main() -> None:
         rows[v] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{v}: {rows[v]}", flush=True)
     base = rows.get("bf16")
-    print(f"\n{'variant':<16}{'load s':>8}{'RSS MiB':>9}{'weights MiB':>12}"
-          f"{'b1 tok/s':>10}{'b16 tok/s':>11}" + (f"{'b1 vs bf16':>12}{'b16 vs bf16':>13}" if base else ""))
+    print(
+        f"\n{'variant':<16}{'load s':>8}{'RSS MiB':>9}{'weights MiB':>12}"
+        f"{'b1 tok/s':>10}{'b16 tok/s':>11}"
+        + (f"{'b1 vs bf16':>12}{'b16 vs bf16':>13}" if base else "")
+    )
     for v, r in rows.items():
         line = (f"{v:<16}{r['load_s']:>8.1f}{r['rss_mb']:>9.0f}{r['weight_mb']:>12.0f}"
                 f"{r['decode@1']:>10.2f}{r['decode@16']:>11.1f}")

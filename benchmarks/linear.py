@@ -48,7 +48,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(default_num_threads())
     params = sum(n * k for n, k in SHAPES) * LAYERS
-    print(f"{'dtype':<10}{'rows':>6}{'oneDNN ms':>11}{'kernel ms':>11}{'kernel GB/s':>13}{'GFLOP/s':>9}{'ratio':>7}")
+    print(
+        f"{'dtype':<10}{'rows':>6}{'oneDNN ms':>11}{'kernel ms':>11}{'kernel GB/s':>13}"
+        f"{'GFLOP/s':>9}{'ratio':>7}"
+    )
     for name in args.dtype.split(","):
         dtype = getattr(torch, name)
         weights = [[(torch.randn(n, k) * 0.05).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)]
@@ -65,7 +68,10 @@ def main() -> None:
             t_ker = seconds(run_kernel, kernel, xs, reps)
             gbs = params * weights[0][0].element_size() / t_ker / 1e9
             gflops = 2 * rows * params / t_ker / 1e9
-            print(f"{name:<10}{rows:>6}{t_ref * 1e3:>11.2f}{t_ker * 1e3:>11.2f}{gbs:>13.1f}{gflops:>9.1f}{t_ker / t_ref:>7.2f}")
+            print(
+                f"{name:<10}{rows:>6}{t_ref * 1e3:>11.2f}{t_ker * 1e3:>11.2f}{gbs:>13.1f}"
+                f"{gflops:>9.1f}{t_ker / t_ref:>7.2f}"
+            )
 
 
 if __name__ == "__main__":

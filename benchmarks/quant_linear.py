@@ -13,7 +13,7 @@ tessera/kernels/quant_linear.py is chosen from.
 `--baseline REF` builds the quantized kernel of REF's sources (a temporary `git worktree`) beside
 this tree's and alternates the two in one process on the same packed weights, round by round,
 printing each one's min and median ms and the ratio. On a noisy machine this is the A/B to
-trust: whole-script runs one after the other drifted by more than a 5% change (session 17). The
+trust: whole-script runs one after the other drifted by more than a 5% change. The
 two builds must agree on the packed layout; the script says so when their outputs differ.
 """
 
@@ -84,9 +84,12 @@ def compare_with_baseline(quant, xs_by_rows, baseline, rounds: int, name: str) -
         same = torch.equal(outputs["new"], outputs["baseline"])
         new, base = (min(times[k]) for k in ("new", "baseline"))
         med_new, med_base = (statistics.median(times[k]) for k in ("new", "baseline"))
-        print(f"{name:<10}{rows:>6}{new * 1e3:>10.2f}{med_new * 1e3:>10.2f}{base * 1e3:>14.2f}"
-              f"{med_base * 1e3:>10.2f}{new / base:>9.3f}x{med_new / med_base:>9.3f}x"
-              f"{'' if same else '  (outputs differ: another packed layout or arithmetic)'}", flush=True)
+        print(
+            f"{name:<10}{rows:>6}{new * 1e3:>10.2f}{med_new * 1e3:>10.2f}{base * 1e3:>14.2f}"
+            f"{med_base * 1e3:>10.2f}{new / base:>9.3f}x{med_new / med_base:>9.3f}x"
+            f"{'' if same else '  (outputs differ: another packed layout or arithmetic)'}",
+            flush=True,
+        )
     for layer in quant:
         for lin in layer:
             lin._kernel = ours
@@ -116,7 +119,11 @@ def run(args, baseline) -> None:
     rng = np.random.default_rng(0)
     weights = [
         [
-            QuantizedTensor(Q4_1, gguf.quants.quantize((rng.standard_normal(s) * 0.05).astype(np.float32), Q4_1), torch.Size(s))
+            QuantizedTensor(
+                Q4_1,
+                gguf.quants.quantize((rng.standard_normal(s) * 0.05).astype(np.float32), Q4_1),
+                torch.Size(s),
+            )
             for s in SHAPES
         ]
         for _ in range(LAYERS)
@@ -132,7 +139,17 @@ def run(args, baseline) -> None:
         if not ql.quant_kernel_supported(dtype, torch.device("cpu")):
             print(f"{name}: quantized kernel unavailable here")
             continue
-        quant = [[ql.QuantLinear([w.pack(pairs=ql.pairs_layout(dtype, torch.device("cpu")))], dtype, torch.device("cpu")) for w in layer] for layer in weights]
+        quant = [
+            [
+                ql.QuantLinear(
+                    [w.pack(pairs=ql.pairs_layout(dtype, torch.device("cpu")))],
+                    dtype,
+                    torch.device("cpu"),
+                )
+                for w in layer
+            ]
+            for layer in weights
+        ]
         if baseline is not None:
             xs_by_rows = {rows: [torch.randn(rows, k).to(dtype) for _, k in SHAPES]
                           for rows in (int(r) for r in args.rows.split(","))}
@@ -140,7 +157,9 @@ def run(args, baseline) -> None:
             continue
         dense = [[PackedLinearWeight(w.dequantize().to(dtype)) for w in layer] for layer in weights]
         q_bytes = sum(lin.weight_bytes for layer in quant for lin in layer)
-        d_bytes = sum(lin.panels.numel() * lin.panels.element_size() for layer in dense for lin in layer)
+        d_bytes = sum(
+            lin.panels.numel() * lin.panels.element_size() for layer in dense for lin in layer
+        )
         for rows in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(rows, k).to(dtype) for _, k in SHAPES]
             reps = max(2, 64 // rows)

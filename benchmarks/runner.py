@@ -1,10 +1,12 @@
-"""Model-runner speed against HF transformers' own forward pass (DynamicCache), same weights, same run.
+"""Model-runner speed against HF transformers' own forward pass (DynamicCache), same weights, same
+run.
 
 Prints prefill tok/s for 1x512 tokens, decode tok/s at batch 1/16/64 with 256-token contexts, and
 achieved GFLOP/s against a matmul peak measured here. Ratios are what carry across machines.
 
     python benchmarks/runner.py [--dtype bfloat16] [--batches 1,16,64] [--skip-hf]
-    python benchmarks/runner.py --profile 8,16,32,64 [--dtype bfloat16]   # where engine decode steps go
+    python benchmarks/runner.py --profile 8,16,32,64 [--dtype bfloat16]   # where engine decode
+    steps go
     python benchmarks/runner.py --quantization none   # today's dequantized weights (default: gguf)
     python benchmarks/runner.py --compare-quantization   # GGUF-quantized vs bf16 vs fp32, one run
 
@@ -51,14 +53,18 @@ def linear_flops_per_token(cfg) -> float:
 
 
 def attn_flops(cfg, num_queries: int, context: float) -> float:
-    return 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * num_queries * context
+    return (
+        4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * num_queries * context
+    )
 
 
 class Ours:
     def __init__(self, cfg, weights, dtype, block_size=16, num_blocks=1300):
         self.model = LlamaForCausalLM(cfg, weights, dtype, torch.device("cpu"), 2048)
         self.weight_bytes = self.model.weight_bytes()
-        spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
+        spec = KVCacheSpec(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype
+        )
         self.cache = CacheEngine(spec, num_blocks, 0, torch.device("cpu"))
         self.runner = ModelRunner(self.model, self.cache, block_size, torch.device("cpu"))
         self.block_size = block_size
@@ -77,11 +83,17 @@ class Ours:
 class HF:
     def __init__(self, cfg, weights, dtype):
         hf_cfg = LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-            tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            max_position_embeddings=cfg.max_position_embeddings,
         )
         self.model = HFLlama(hf_cfg).eval()
         self.model.load_state_dict(weights, strict=False)
@@ -110,7 +122,12 @@ def run(engine, cfg, batches, ctx, steps, prefill_len):
     prompt = [torch.randint(100, 49000, (prefill_len,)).tolist()]
     engine.prefill(prompt)  # warm-up
     dt, _ = timed(engine.prefill, prompt)
-    res["prefill"] = (prefill_len / dt, (linear_flops_per_token(cfg) * prefill_len + attn_flops(cfg, prefill_len, prefill_len / 2)) / dt / 1e9)
+    res["prefill"] = (
+        prefill_len / dt,
+        (linear_flops_per_token(cfg) * prefill_len + attn_flops(cfg, prefill_len, prefill_len / 2))
+        / dt
+        / 1e9,
+    )
     for b in batches:
         prompts = [torch.randint(100, 49000, (ctx,)).tolist() for _ in range(b)]
         tok = engine.prefill(prompts)
@@ -136,19 +153,37 @@ def compare_quantization(batches, ctx, steps, prefill_len, rounds: int = 3) -> N
     engines = {}
     for quantization, dtype in COMPARED:
         cfg, weights = load_model(path, quantization)
-        engines[f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"] = Ours(cfg, weights, getattr(torch, dtype))
+        engines[f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"] = Ours(
+            cfg, weights, getattr(torch, dtype)
+        )
         del weights
     for name, ours in engines.items():
         mb = ours.weight_bytes
-        print(f"{name}: linear weights {mb['linear'] / 1e6:.1f} MB, separate embedding {mb['embedding'] / 1e6:.1f} MB", flush=True)
+        print(
+            f"{name}: linear weights {mb['linear'] / 1e6:.1f} MB, separate embedding "
+            f"{mb['embedding'] / 1e6:.1f} MB",
+            flush=True,
+        )
     per_round: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(rounds):
         for name, ours in engines.items():
             per_round[name].append(run(ours, cfg, batches, ctx, steps, prefill_len))
-    rows = {name: {k: (statistics.median(r[k][0] for r in res), engines[name].weight_bytes["linear"])
-                   for k in res[0]} for name, res in per_round.items()}
-    ratios = {name: {k: statistics.median(r[k][0] / b[k][0] for r, b in zip(res, per_round["dense/bfloat16"], strict=True))
-                     for k in res[0]} for name, res in per_round.items()}
+    rows = {
+        name: {
+            k: (statistics.median(r[k][0] for r in res), engines[name].weight_bytes["linear"])
+            for k in res[0]
+        }
+        for name, res in per_round.items()
+    }
+    ratios = {
+        name: {
+            k: statistics.median(
+                r[k][0] / b[k][0] for r, b in zip(res, per_round["dense/bfloat16"], strict=True)
+            )
+            for k in res[0]
+        }
+        for name, res in per_round.items()
+    }
     base = "dense/bfloat16"
     print(f"{'workload':<12}{'weights':<16}{'tok/s':>9}{'MB/token':>10}{'GB/s':>7}{'vs bf16':>9}")
     for key in rows[base]:
@@ -167,12 +202,20 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3, help="with --compare-quantization: rounds of all four models in turn")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="with --compare-quantization: rounds of all four models in turn",
+    )
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--profile", metavar="BATCHES",
-                    help="only profile whole engine decode steps at these batches (e.g. 8,16,32,64): "
-                         "ms and %% per part (benchmarks/step_profile.py)")
+    ap.add_argument(
+        "--profile",
+        metavar="BATCHES",
+        help="only profile whole engine decode steps at these batches (e.g. 8,16,32,64): "
+        "ms and %% per part (benchmarks/step_profile.py)",
+    )
     ap.add_argument("--speculative-config", help="with --profile: the engine's speculative "
                     "config (JSON), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     args = ap.parse_args()
@@ -192,11 +235,22 @@ def main() -> None:
     cfg, weights = load_model(resolve_model_path(None), args.quantization)
     peak = matmul_peak(dtype)
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} matmul peak {peak:.0f} GFLOP/s")
-    results = {"tessera": run(Ours(cfg, weights, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)}
+    results = {
+        "tessera": run(
+            Ours(cfg, weights, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len
+        )
+    }
     if not args.skip_hf:
-        dense = {k: v.dequantize() if isinstance(v, QuantizedTensor) else v for k, v in weights.items()}
-        results["hf"] = run(HF(cfg, dense, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len)
-    print(f"{'workload':<14}{'tessera tok/s':>14}{'GFLOP/s':>9}{'% peak':>8}" + (f"{'HF tok/s':>10}{'ratio':>8}" if "hf" in results else ""))
+        dense = {
+            k: v.dequantize() if isinstance(v, QuantizedTensor) else v for k, v in weights.items()
+        }
+        results["hf"] = run(
+            HF(cfg, dense, dtype), cfg, batches, args.ctx, args.steps, args.prefill_len
+        )
+    print(
+        f"{'workload':<14}{'tessera tok/s':>14}{'GFLOP/s':>9}{'% peak':>8}"
+        + (f"{'HF tok/s':>10}{'ratio':>8}" if "hf" in results else "")
+    )
     for key, (tps, gf) in results["tessera"].items():
         line = f"{key:<14}{tps:>14.1f}{gf:>9.1f}{100 * gf / peak:>7.0f}%"
         if "hf" in results:

@@ -3,7 +3,7 @@
 finished), and for the whole fake step (also the fake runner turning the message into its output);
 and the cost of aborting every request of a long waiting queue.
 
-Targets (issue 3): <= 500 µs per step at 256 running and 2,000 waiting; flat in the waiting queue
+Targets: <= 500 µs per step at 256 running and 2,000 waiting; flat in the waiting queue
 (1,000 vs 10,000 waiting within 20%).
 
     .venv/bin/python benchmarks/scheduler.py [--steps 200] [--repeats 5]
@@ -131,21 +131,32 @@ def main() -> None:
     parser.add_argument("--no-freeze", action="store_true", help="leave the set-up objects to gc")
     args = parser.parse_args()
     timer = time.perf_counter if args.wall else time.process_time
-    print(f"{'workload':<8} {'waiting':>8} {'sched+update µs':>16} {'whole step µs':>14}   (best of {args.repeats})")
+    print(
+        f"{'workload':<8} {'waiting':>8} {'sched+update µs':>16} {'whole step µs':>14}   (best of "
+        f"{args.repeats})"
+    )
     results = {}
     for churn in (False, True):
         for num_waiting in (1_000, 2_000, 10_000):
-            runs = [run(num_waiting, churn, args.steps, timer=timer, freeze=not args.no_freeze) for _ in range(args.repeats)]
+            runs = [
+                run(num_waiting, churn, args.steps, timer=timer, freeze=not args.no_freeze)
+                for _ in range(args.repeats)
+            ]
             best = min(runs)
             results[(churn, num_waiting)] = best
             name = "churn" if churn else "decode"
             spread = statistics.median(r[0] for r in runs)
-            print(f"{name:<8} {num_waiting:>8} {best[0]:>16.0f} {best[1]:>14.0f}   (median {spread:.0f})")
+            print(
+                f"{name:<8} {num_waiting:>8} {best[0]:>16.0f} {best[1]:>14.0f}   (median "
+                f"{spread:.0f})"
+            )
     for churn in (False, True):
         a, b = results[(churn, 1_000)][0], results[(churn, 10_000)][0]
         name = "churn" if churn else "decode"
         print(f"{name}: 10,000 vs 1,000 waiting: {100 * (b / a - 1):+.1f}%")
-    times = {n: min(abort_all(n, timer) for _ in range(args.repeats)) for n in (2_000, 4_000, 8_000)}
+    times = {
+        n: min(abort_all(n, timer) for _ in range(args.repeats)) for n in (2_000, 4_000, 8_000)
+    }
     print("abort every waiting request: " + ", ".join(f"{n}: {t:.4f} s" for n, t in times.items())
           + f"  (8k / 2k = {times[8_000] / times[2_000]:.1f}x; linear is 4x)")
 

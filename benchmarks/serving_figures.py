@@ -2,14 +2,16 @@
 
     .venv/bin/python benchmarks/serving_figures.py run all      # every measurement, one at a time
     .venv/bin/python benchmarks/serving_figures.py run fig2     # one figure's measurements
-    .venv/bin/python benchmarks/serving_figures.py plot         # PNGs + small JSONs from the results
+    .venv/bin/python benchmarks/serving_figures.py plot         # PNGs + small JSONs from the
+    results
     .venv/bin/python benchmarks/serving_figures.py print        # just print the exact commands
     .venv/bin/python benchmarks/serving_figures.py tables       # docs/performance.md's tables
     LLAMA_SERVER_URL=http://127.0.0.1:8080 ... run fig4          # also bench a running llama-server
 
 Each measurement is a plain `tessera bench sweep` (which starts `tessera serve` per setting with
 its defaults: the GGUF's quantized weights on the quantized kernels, `--dtype auto`, i.e. float32
-activations for the default Q4_1 file), benches it, SIGINTs it, and records the /metrics counter deltas) or
+activations for the default Q4_1 file), benches it, SIGINTs it, and records the /metrics counter
+deltas) or
 `benchmarks/hf_static.py`. Sweep summaries go to docs/results/figN_*.json; the per-request
 results and server logs to $TESSERA_FIG_WORK (default /tmp/tessera-figs), from which `plot`
 writes slimmed per-request JSONs next to the figures. Nothing else may load the CPU meanwhile:
@@ -30,7 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs")
 RESULTS = os.path.join(DOCS, "results")
 WORK = os.environ.get("TESSERA_FIG_WORK", "/tmp/tessera-figs")
-# another checkout's environment, e.g. TESSERA_BIN="/path/.venv/bin/python -m tessera.entrypoints.cli"
+# another checkout's environment, e.g. TESSERA_BIN="/path/.venv/bin/python -m
+# tessera.entrypoints.cli"
 TESSERA = os.environ.get("TESSERA_BIN", ".venv/bin/tessera")
 PYTHON = os.environ.get("PYTHON_BIN", ".venv/bin/python")
 SERVER = ""  # the server's defaults (quantized GGUF weights, --dtype auto)
@@ -239,9 +242,14 @@ def plot_fig2(plt) -> None:
     _bars(axes[2], labels, [p["metrics"]["median_e2el_ms"] / 1000 for p in pts],
           "median E2E (s)", "{:.1f}")
     _bars(axes[3], labels, [p["metrics"]["p99_tpot_ms"] for p in pts], "p99 TPOT (ms)")
-    _save(plt, fig, f"Fig. 2  swap vs recompute under a small KV cache ({FIG2_BLOCKS} blocks of 16), "
-                    f"random 256 in / 256 out, {data['num_prompts']} prompts at once, "
-                    "max-num-seqs 64", "fig2_preemption.png")
+    _save(
+        plt,
+        fig,
+        f"Fig. 2  swap vs recompute under a small KV cache ({FIG2_BLOCKS} blocks of 16), "
+        f"random 256 in / 256 out, {data['num_prompts']} prompts at once, "
+        "max-num-seqs 64",
+        "fig2_preemption.png",
+    )
     _slim("fig2_preemption")
 
 
@@ -287,7 +295,10 @@ def plot_fig4(plt) -> None:
     per = _per_request("fig4_tessera")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     b = hf["config"]["batch_size"]
-    useful, generated = hf["metrics"]["output_throughput"], hf["metrics"]["generated_throughput_incl_waste"]
+    useful, generated = (
+        hf["metrics"]["output_throughput"],
+        hf["metrics"]["generated_throughput_incl_waste"],
+    )
     labels = ["Tessera\n(serve, rate inf)", f"HF static\n(batch {b})"]
     values = [ours["output_throughput"], useful]
     if generated > useful * 1.005:  # with fixed-length outputs (ignore-eos) nothing is wasted
@@ -336,8 +347,10 @@ def tables() -> None:
     def ms(m, key):
         return f"{m[f'median_{key}_ms']:.0f} / {m[f'p99_{key}_ms']:.0f}"
 
-    print("| setting | output tok/s | req/s | median / p99 ITL (ms) | median / p99 TPOT (ms) | "
-          "median / p99 TTFT (ms) | duration (s) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| setting | output tok/s | req/s | median / p99 ITL (ms) | median / p99 TPOT (ms) | "
+        "median / p99 TTFT (ms) | duration (s) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
     for name in ("fig1_chunked_prefill", "fig1b_chunked_prefill_512", "fig1_probe"):
         for p in pts(name):
             m = p["metrics"]
@@ -345,16 +358,22 @@ def tables() -> None:
                 ", rate inf (probe)" if name == "fig1_probe" else "")
             print(f"| {label} | {m['output_throughput']:.1f} | {m['request_throughput']:.2f} | "
                   f"{ms(m, 'itl')} | {ms(m, 'tpot')} | {ms(m, 'ttft')} | {m['duration_s']:.1f} |")
-    print("\n| setting | output tok/s | duration (s) | preemptions | median / p99 E2E (s) | "
-          "median / p99 TPOT (ms) | p99 ITL (ms) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| setting | output tok/s | duration (s) | preemptions | median / p99 E2E (s) | "
+        "median / p99 TPOT (ms) | p99 ITL (ms) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
     for p in pts("fig2_preemption"):
         m, c = p["metrics"], p["server_counters"]
         label = _label(p["setting"]) if p["setting"] != "default" else "default cache (no pressure)"
-        print(f"| {label} | {m['output_throughput']:.1f} | {m['duration_s']:.1f} | "
-              f"{c.get('tessera:num_preemptions_total', 0):.0f} | {m['median_e2el_ms'] / 1e3:.1f} / "
-              f"{m['p99_e2el_ms'] / 1e3:.1f} | {ms(m, 'tpot')} | {m['p99_itl_ms']:.0f} |")
-    print("\n| setting | rate | median / p90 / p99 TTFT (ms) | req/s achieved | cache hits / queries "
-          "(tokens) |\n| --- | ---: | ---: | ---: | ---: |")
+        print(
+            f"| {label} | {m['output_throughput']:.1f} | {m['duration_s']:.1f} | "
+            f"{c.get('tessera:num_preemptions_total', 0):.0f} | {m['median_e2el_ms'] / 1e3:.1f} / "
+            f"{m['p99_e2el_ms'] / 1e3:.1f} | {ms(m, 'tpot')} | {m['p99_itl_ms']:.0f} |"
+        )
+    print(
+        "\n| setting | rate | median / p90 / p99 TTFT (ms) | req/s achieved | cache hits / queries "
+        "(tokens) |\n| --- | ---: | ---: | ---: | ---: |"
+    )
     for p in pts("fig3_prefix_caching"):
         m, c = p["metrics"], p["server_counters"]
         q = c.get("tessera:prefix_cache_queries_total", 0)
@@ -366,8 +385,14 @@ def tables() -> None:
     ours = pts("fig4_tessera")
     if ours and os.path.exists(os.path.join(RESULTS, "fig4_hf_static.json")):
         m, hf = ours[0]["metrics"], _load("docs/results/fig4_hf_static.json")
-        print("\n| engine | output tok/s | req/s | median / p99 E2E (s) |\n| --- | ---: | ---: | ---: |")
-        for name, mm in (("Tessera (`tessera serve`, rate inf)", m), ("HF static batching", hf["metrics"])):
+        print(
+            "\n| engine | output tok/s | req/s | median / p99 E2E (s) |\n| --- | ---: | ---: | "
+            "---: |"
+        )
+        for name, mm in (
+            ("Tessera (`tessera serve`, rate inf)", m),
+            ("HF static batching", hf["metrics"]),
+        ):
             print(f"| {name} | {mm['output_throughput']:.1f} | {mm['request_throughput']:.2f} | "
                   f"{mm['median_e2el_ms'] / 1e3:.1f} / {mm['p99_e2el_ms'] / 1e3:.1f} |")
         print(f"Tessera median TTFT {m['median_ttft_ms'] / 1e3:.1f} s (p99 "

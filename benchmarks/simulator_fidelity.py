@@ -1,4 +1,4 @@
-"""Fidelity of `tessera simulate` (issue 14): the simulator with the profiled cost model against
+"""Fidelity of `tessera simulate`: the simulator with the profiled cost model against
 the real server measured by `tessera bench serve`, on the same trace and flags.
 
     flock -x /work/cpu.lock .venv/bin/python benchmarks/simulator_fidelity.py \\
@@ -29,7 +29,7 @@ the real server measured by `tessera bench serve`, on the same trace and flags.
 5. with `--sensitivity`, each setting simulated again with every step 6% and 3% cheaper and
    dearer (the profile's runner and serving terms scaled): how much a setting's medians move
    for an error of the step prices, which the real runs' own drift between rounds exceeds.
-   Run 16 here: recompute's median TPOT moved 8.79 / 9.36 / 10.30 / 11.03 / 11.67 ms at x0.94
+   In one run here: recompute's median TPOT moved 8.79 / 9.36 / 10.30 / 11.03 / 11.67 ms at x0.94
    .. x1.06 (preemptions 9 .. 14), swap's 8.40 .. 10.20 (9 .. 12).
 
     python benchmarks/simulator_fidelity.py --real-results run.json --profile profile.json \
@@ -66,17 +66,18 @@ from tessera.simulator.step_fit import read_step_log, steps_by_kind
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
           "--random-range-ratio 0.5 --num-prompts 80")
 # name -> (workload flags, engine flags, request rate with --load 0). The rates put the default
-# server at about half of its capacity on the 2-core Zen 5 EPYC of session 13 (~4.9 req/s on RANDOM, simulated at
-# rate inf; 358 output tok/s measured at rate inf): near the knee a few percent of step-time
-# error becomes a doubling of TTFT, which measures the knee's position, not the model. Before
-# session 13's fix the server ran 2.3x slower per step here (tessera/engine/engine_thread.py)
-# and the rates were a quarter of these. They put the 64-block settings at 80-90% of theirs,
+# server at about half of its capacity on a 2-core Zen 5 EPYC (~4.9 req/s on RANDOM, simulated
+# at rate inf; 358 output tok/s measured at rate inf): near the knee a few percent of step-time
+# error becomes a doubling of TTFT, which measures the knee's position, not the model. While the
+# server's steps ran on a thread other than the one that loaded the model it was 2.3x slower per
+# step (tessera/engine/engine_thread.py) and the rates were a quarter of these. They put the
+# 64-block settings at 80-90% of theirs,
 # hence --load.
 SETTINGS = {
     "default": (RANDOM, "", 2.4),
     "chunked": (RANDOM, "--enable-chunked-prefill --max-num-batched-tokens 256", 2.4),
     # 64 blocks hold 1024 tokens, three requests of this trace: a few preemptions at this rate
-    # (6-16 a run in sessions 13-14). The engine refuses a cache that cannot hold one request of
+    # (6-16 a run, measured). The engine refuses a cache that cannot hold one request of
     # --max-model-len, so these settings lower it (the longest request here is ~450 tokens).
     "swap": (RANDOM, "--num-gpu-blocks-override 64 --max-model-len 1024 --preemption-mode swap",
              2.4),

@@ -36,7 +36,8 @@ from tessera.engine.loading import load_bundle
 PASSAGES = [
     "The quick brown fox jumps over the lazy dog. The dog did not move, and the fox ran on into "
     "the forest, where it found a small stream and drank from it before resting under an oak tree. "
-    "When the sun went down, the fox walked back to its den at the edge of the field. Its cubs were "
+    "When the sun went down, the fox walked back to its den at the edge of the field. Its cubs "
+    "were "
     "waiting there, and together they ate the berries it had picked on the way home.",
     "Paris is the capital of France. It is known for the Eiffel Tower, the Louvre museum and its "
     "cafes. Every year millions of tourists visit the city to see its monuments and eat its food. "
@@ -48,7 +49,8 @@ PASSAGES = [
     "it used. To stop the server, press Control and C in the terminal where it runs.",
     "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air pressure "
     "is lower, so water boils at a lower temperature, which is why cooking takes longer there. "
-    "Climbers on high mountains often bring pressure cookers to make their meals. A pressure cooker "
+    "Climbers on high mountains often bring pressure cookers to make their meals. A pressure "
+    "cooker "
     "keeps the steam inside, which raises the pressure and lets the water get hotter.",
 ]
 
@@ -142,8 +144,10 @@ def main() -> None:
     draft_path = args.draft_model or bundle.path
     print(f"dtype {args.dtype}, ngram prompt_lookup 2..4, draft model {draft_path}, "
           f"best of {args.repeat}")
-    print(f"{'workload':<12} {'reqs':>4} {'batch':>5} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} "
-          f"{'accept':>6} {'mean len':>8} {'steps off/on':>12} {'propose ms/step':>15}")
+    print(
+        f"{'workload':<12} {'reqs':>4} {'batch':>5} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} "
+        f"{'accept':>6} {'mean len':>8} {'steps off/on':>12} {'propose ms/step':>15}"
+    )
     offs: dict[str, dict] = {}
     for name in args.workloads.split(","):
         base, _, variant = name.partition("/")
@@ -160,7 +164,9 @@ def main() -> None:
             params = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)
         else:
             prompts, out_lens = workload_b(4 if batch == 1 else batch, 64)
-            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+            params = [
+                SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens
+            ]
             if batch >= 16:
                 spec = {**spec, "disable_by_batch_size": args.disable_by_batch_size}
         best: dict[str, dict] = {}
@@ -177,9 +183,12 @@ def main() -> None:
         mean_len = 1 + on["accepted"] / on["drafts"] if on["drafts"] else 1.0
         share = on["propose_ms"] / on["step_ms"] if on["step_ms"] else 0.0
         label = f"{name}" + ("" if variant else f"/k{args.k}")
-        print(f"{label:<12} {len(prompts):>4} {batch:>5} {off['tok_s']:>9.1f} {on['tok_s']:>9.1f} "
-              f"{on['tok_s'] / off['tok_s']:>5.2f}x {accept:>6.1%} {mean_len:>8.2f} "
-              f"{off['steps']:>5}/{on['steps']:<6} {on['propose_ms']:>8.3f} ({share:.1%})", flush=True)
+        print(
+            f"{label:<12} {len(prompts):>4} {batch:>5} {off['tok_s']:>9.1f} {on['tok_s']:>9.1f} "
+            f"{on['tok_s'] / off['tok_s']:>5.2f}x {accept:>6.1%} {mean_len:>8.2f} "
+            f"{off['steps']:>5}/{on['steps']:<6} {on['propose_ms']:>8.3f} ({share:.1%})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

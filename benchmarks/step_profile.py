@@ -33,7 +33,8 @@ CATEGORIES = ("linear", "attention", "elementwise", "logits+sampling", "metadata
 
 
 class ExclusiveTimers:
-    """Named timers over wrapped callables; nested wrapped calls are subtracted from their parent."""
+    """Named timers over wrapped callables; nested wrapped calls are subtracted from their
+    parent."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -106,10 +107,14 @@ def instrument(engine, timers: ExclusiveTimers) -> Patches:
     model = runner.model
     p.set(engine, "step", w("bookkeeping: engine step (stats, python)", engine.step))
     p.set(sched, "schedule", w("bookkeeping: schedule", sched.schedule))
-    p.set(sched, "update_from_output", w("bookkeeping: update_from_output", sched.update_from_output))
+    p.set(
+        sched, "update_from_output", w("bookkeeping: update_from_output", sched.update_from_output)
+    )
     op = engine.output_processor
     p.set(op, "process", w("bookkeeping: output processor", op.process))
-    p.set(runner, "execute_model", w("bookkeeping: runner (cache ops, python)", runner.execute_model))
+    p.set(
+        runner, "execute_model", w("bookkeeping: runner (cache ops, python)", runner.execute_model)
+    )
     p.set(runner.requests, "update", w("bookkeeping: input batch update", runner.requests.update))
     p.set(runner, "prepare_input", w("metadata: prepare_input (ids, slots)", runner.prepare_input))
     backend = runner.attn_backend
@@ -171,7 +176,9 @@ def _fill(engine, batch: int, ctx: int, seed: int = 0, repeat: bool = False) -> 
     while True:
         before = engine.step_times.num_tokens
         engine.step()
-        if (engine.step_times.num_tokens - before == batch or repeat) and not engine.scheduler.waiting:
+        if (
+            engine.step_times.num_tokens - before == batch or repeat
+        ) and not engine.scheduler.waiting:
             return ids
 
 
@@ -211,12 +218,26 @@ def profile_engine(engine, batches: list[int], ctx: int, steps: int) -> list[dic
         _steps(engine, steps)  # tokens per step (verified drafts included)
         tokens = (engine.step_times.num_tokens - tokens0) / steps
         parts = {k: v / steps for k, v in timers.seconds.items()}
-        book = sum(v for k, v in parts.items()
-                   if k.startswith("bookkeeping: ") and "runner" not in k and "input batch" not in k)
+        book = sum(
+            v
+            for k, v in parts.items()
+            if k.startswith("bookkeeping: ") and "runner" not in k and "input batch" not in k
+        )
         alone, overlapped = overlap_probe(engine, steps, book)
-        rows.append({"batch": b, "plain_ms": plain * 1e3, "instr_ms": timed * 1e3,
-                     "total_ms": total * 1e3, "context": context, "parts": parts, "tokens": tokens,
-                     "book_ms": book * 1e3, "exec_ms": alone * 1e3, "exec_overlap_ms": overlapped * 1e3})
+        rows.append(
+            {
+                "batch": b,
+                "plain_ms": plain * 1e3,
+                "instr_ms": timed * 1e3,
+                "total_ms": total * 1e3,
+                "context": context,
+                "parts": parts,
+                "tokens": tokens,
+                "book_ms": book * 1e3,
+                "exec_ms": alone * 1e3,
+                "exec_overlap_ms": overlapped * 1e3,
+            }
+        )
     return rows
 
 
@@ -241,7 +262,9 @@ def overlap_probe(engine, steps: int, book_seconds: float) -> tuple[float, float
     plain_exec = executor.execute_model
 
     def timed_exec(out, samples, with_thread):
-        worker = threading.Thread(target=_python_work, args=(book_seconds,)) if with_thread else None
+        worker = (
+            threading.Thread(target=_python_work, args=(book_seconds,)) if with_thread else None
+        )
         t0 = time.perf_counter()
         if worker is not None:
             worker.start()
@@ -288,11 +311,20 @@ def format_rows(rows: list[dict], title: str) -> str:
     summary = [
         ("step, instrumented (sum of parts)", lambda r: f"{r['total_ms']:.2f}"),
         ("**step, plain (median)**", lambda r: f"**{r['plain_ms']:.2f}**"),
-        ("decode tok/s, plain (requests / step)", lambda r: f"{1e3 * r['batch'] / r['plain_ms']:.0f}"),
+        (
+            "decode tok/s, plain (requests / step)",
+            lambda r: f"{1e3 * r['batch'] / r['plain_ms']:.0f}",
+        ),
         ("tokens computed per step", lambda r: f"{r['tokens']:.1f}"),
-        ("async probe: engine-side bookkeeping B (schedule, update, outputs)", lambda r: f"{r['book_ms']:.2f}"),
+        (
+            "async probe: engine-side bookkeeping B (schedule, update, outputs)",
+            lambda r: f"{r['book_ms']:.2f}",
+        ),
         ("async probe: execute_model alone F", lambda r: f"{r['exec_ms']:.2f}"),
-        ("async probe: execute_model with B of Python on a 2nd thread", lambda r: f"{r['exec_overlap_ms']:.2f}"),
+        (
+            "async probe: execute_model with B of Python on a 2nd thread",
+            lambda r: f"{r['exec_overlap_ms']:.2f}",
+        ),
         ("mean context (tokens)", lambda r: f"{r['context']:.0f}"),
     ]
     for label, fmt in summary:

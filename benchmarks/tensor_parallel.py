@@ -135,10 +135,13 @@ def print_traffic() -> None:
             cfg = json.load(f)
         t = tp_traffic(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"], 2)
         link8 = t.link_bytes_per_token(8)
-        print(f"| {name} | {t.num_all_reduces_per_step} | {t.all_reduce_bytes_per_token / 1024:.0f} KiB "
-              f"| {t.link_bytes_per_token(2) / 1024:.0f} KiB | {link8 / 1024:.0f} KiB | "
-              f"{t.gather_bytes_per_sampled_token / 1024:.0f} KiB | {link8 / 50e9 * 1e6:.1f} | "
-              f"{link8 / 450e9 * 1e6:.2f} |")
+        print(
+            f"| {name} | {t.num_all_reduces_per_step} | {t.all_reduce_bytes_per_token / 1024:.0f} "
+            f"KiB "
+            f"| {t.link_bytes_per_token(2) / 1024:.0f} KiB | {link8 / 1024:.0f} KiB | "
+            f"{t.gather_bytes_per_sampled_token / 1024:.0f} KiB | {link8 / 50e9 * 1e6:.1f} | "
+            f"{link8 / 450e9 * 1e6:.2f} |"
+        )
 
 
 # ---- the control channel: broadcast over gloo vs a pipe vs pyzmq -----------------------------
@@ -259,13 +262,18 @@ def main() -> None:
     one, two = results
     same_decode = one["decode_tokens"] == two["decode_tokens"]
     same_w1 = sum(a == b for a, b in zip(one["w1_tokens"], two["w1_tokens"], strict=True))
-    print(f"\nmodel: {args.model or 'random Llama, 8 heads / 4 KV heads, hidden 576, 30 layers, fp32'}; "
-          f"W1 = first {args.num_requests} requests of benchmarks/throughput.py's workload")
+    print(
+        f"\nmodel: "
+        f"{args.model or 'random Llama, 8 heads / 4 KV heads, hidden 576, 30 layers, fp32'}; "
+        f"W1 = first {args.num_requests} requests of benchmarks/throughput.py's workload"
+    )
     print("| | TP=1, 2 threads | TP=2, 1 thread/rank | TP=2 / TP=1 |")
     print("| --- | ---: | ---: | ---: |")
     for key, label in (("w1_tok_s", "W1 output tok/s"), ("decode_tok_s", "batch-1 decode tok/s")):
         print(f"| {label} | {one[key]:.1f} | {two[key]:.1f} | {two[key] / one[key]:.2f}x |")
-    print(f"| start-up (LLM(...) to ready), s | {one['startup_s']:.1f} | {two['startup_s']:.1f} | |")
+    print(
+        f"| start-up (LLM(...) to ready), s | {one['startup_s']:.1f} | {two['startup_s']:.1f} | |"
+    )
     print(f"| weights held per rank, MiB | {one['rank_weights_mib'][0]:.0f} | "
           f"{' / '.join(f'{w:.0f}' for w in two['rank_weights_mib'])} | |")
     print(f"| resident memory, MiB | {one['driver_rss_mib']:.0f} (one process) | ranks "

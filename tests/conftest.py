@@ -61,7 +61,8 @@ def model_bundle(default_model_path):
 
 @pytest.fixture(scope="session")
 def make_llm(model_bundle):
-    """`make_llm(**engine_args)` -> an `LLM` over the shared model, with its own cache and scheduler."""
+    """`make_llm(**engine_args)` -> an `LLM` over the shared model, with its own cache and
+    scheduler."""
     from tessera.config import EngineArgs
     from tessera.engine.llm_engine import LLMEngine
     from tessera.entrypoints.llm import LLM

@@ -14,7 +14,8 @@ NEAR_TIE = 1e-3
 
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF's own forward with its DynamicCache, argmax at every step. EOS is neither masked nor a stop:
+    """HF's own forward with its DynamicCache, argmax at every step. EOS is neither masked nor a
+    stop:
     `generate(min_new_tokens=...)` would mask it and so change the argmax."""
     from transformers import DynamicCache
 
@@ -37,7 +38,8 @@ def check_greedy(hf_model, prompt: list[int], expected: list[int], got: list[int
             logits = hf_model(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()
             top2 = logits.topk(2).values
             gap = (top2[0] - top2[1]).item()
-            msg = f"first difference at output token {i}: reference {expected[i]}, ours {got[i]}, top-2 gap {gap:.2e}"
+            msg = (f"first difference at output token {i}: reference {expected[i]}, "
+                   f"ours {got[i]}, top-2 gap {gap:.2e}")
             assert gap <= NEAR_TIE, "not a near-tie: " + msg
             return "near-tie: " + msg
     assert len(expected) == len(got), f"lengths differ: {len(expected)} vs {len(got)}"

@@ -5,7 +5,8 @@ attention layer calls.
     spans, slot_mapping, positions                  q, k, v, this layer's k_cache / v_cache
           │                                                    │
           ▼                                                    ▼
-    backend.build_metadata(...) ──▶ AttentionMetadata ──▶ meta.forward(q, k, v, k_cache, v_cache, scale)
+    backend.build_metadata(...) ──▶ AttentionMetadata ──▶ meta.forward(q, k, v, k_cache, v_cache,
+    scale)
                                     (an argument of             writes the new K/V at slot_mapping,
                                      model.forward, never       then attends
                                      a global)
@@ -24,34 +25,18 @@ Cache layout per layer: k_cache, v_cache `[num_blocks, block_size, num_kv_heads,
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 
-from tessera.attention.spans import SeqSpan, check_spans, is_decode
+from tessera.attention.spans import SeqSpan, check_spans
 from tessera.attention.windowed import WindowedAttention
+from tessera.kernels.paged_attention import write_kv
+from tessera.sequence import is_decode
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "SeqSpan", "check_spans", "is_decode",
-           "select_attention_backend", "write_kv"]
-
-logger = logging.getLogger(__name__)
-
-
-def write_kv(
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] flat slot = block * block_size + offset
-) -> None:
-    """Store the new K/V at their flat cache slots, in the cache's dtype (--kv-cache-dtype may differ
-    from the compute dtype: rounded here, once)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
+           "write_kv"]
 
 @dataclass
 class AttentionMetadata(ABC):
@@ -144,33 +129,3 @@ class AttentionBackend(ABC):
         """Called once per step. spans: the step's sequences in flat-batch order, decodes first
         (see the module docstring); slot_mapping: [num_tokens] on the device; positions: each
         row's position in its sequence."""
-
-
-def select_attention_backend(
-    device: torch.device, dtype: torch.dtype, block_size: int, name: str | None = None
-) -> AttentionBackend:
-    """The backend for this device and cache dtype, chosen once at start-up: the C++ paged kernel
-    where it serves (CPU, float32/bfloat16, built; building it on the first call), else torch SDPA
-    (CUDA, and the fallback). `name` ("paged_kernel" or "sdpa") forces one, for tests and
-    benchmarks; a forced backend that does not serve this device/dtype is a ValueError."""
-    # imported here: both modules import this one
-    from tessera.attention.paged_kernel import PagedKernelBackend
-    from tessera.attention.sdpa import SdpaBackend
-
-    backends: dict[str, type[AttentionBackend]] = {
-        b.name: b for b in (PagedKernelBackend, SdpaBackend)
-    }
-    device = torch.device(device)
-    if name is None:
-        cls = PagedKernelBackend if PagedKernelBackend.supports(device, dtype) else SdpaBackend
-    elif name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}: choose one of {sorted(backends)}")
-    else:
-        cls = backends[name]
-        if not cls.supports(device, dtype):
-            raise ValueError(
-                f"attention backend {name!r} does not serve {device.type}/{dtype}: "
-                f"leave it unset to choose automatically"
-            )
-    logger.info("attention backend: %s (%s, %s)", cls.name, device.type, dtype)
-    return cls(device, block_size)

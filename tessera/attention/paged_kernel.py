@@ -1,4 +1,5 @@
-"""Every token of the step through the C++ paged kernel (tessera/kernels/paged_attention.cpp), on CPU.
+"""Every token of the step through the C++ paged kernel (tessera/kernels/paged_attention.cpp), on
+CPU.
 
 Each query row (a decode, or one token of a prompt chunk) attends to the first `position + 1`
 tokens of its sequence, read in place through the block table: the length is the causal mask.

@@ -8,7 +8,8 @@ Three paths, chosen per sequence when the metadata is built:
   query head (in bf16, `enable_gqa=True` was 2.2x slower than folding, DESIGN.md).
 - fresh prefills (nothing cached yet): causal SDPA on the new K/V directly, no gather (87-93% of
   the fp32 matmul peak, DESIGN.md).
-- continuing chunks (chunked prefill after the first chunk, recompute after a prefix hit): gather the
+- continuing chunks (chunked prefill after the first chunk, recompute after a prefix hit): gather
+the
   cached context plus the new tokens and attend with an explicit causal-offset mask.
 
 Decodes must come first in the batch (the backend contract): they are one contiguous slice.
@@ -73,7 +74,9 @@ class SdpaMetadata(AttentionMetadata):
             if span.num_context == 0:
                 # rounded as the cache stores them (--kv-cache-dtype), so a token attends to the
                 # same K/V whether its prompt came whole or after a cached prefix
-                kp = _as_cached(k[s:e], k_cache, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, n, D]
+                kp = (
+                    _as_cached(k[s:e], k_cache, q.dtype).transpose(0, 1).unsqueeze(0)
+                )  # [1, kvh, n, D]
                 vp = _as_cached(v[s:e], v_cache, q.dtype).transpose(0, 1).unsqueeze(0)
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1
@@ -100,7 +103,9 @@ def _gather(
     """Whole blocks, as [num_seqs, kv_heads, num_blocks * block_size, head_dim] (a strided view),
     in the compute dtype `dtype` (a bf16 cache beside fp32 activations is widened)."""
     _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache.index_select(0, blocks).to(dtype)  # [num_seqs * num_blocks, block_size, kvh, D]
+    gathered = cache.index_select(0, blocks).to(
+        dtype
+    )  # [num_seqs * num_blocks, block_size, kvh, D]
     return gathered.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def is_decode(num_new_tokens: int, num_computed_tokens: int) -> bool:
-    """A decode: one new token after a cached context. The runner puts these first in the batch."""
-    return num_new_tokens == 1 and num_computed_tokens > 0
+from tessera.sequence import is_decode
 
 
 @dataclass

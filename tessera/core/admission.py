@@ -5,7 +5,7 @@ such rejections from stranding work: the cache holds at least one request of max
 from __future__ import annotations
 
 from tessera.config import GiB, SchedulerConfig
-from tessera.core.block_manager import BlockManager
+from tessera.core.block_manager import BlockManager, num_watermark_blocks
 from tessera.sequence import SequenceGroup, SequenceStatus
 from tessera.utils import cdiv
 
@@ -41,6 +41,19 @@ def never_fits_reason(group: SequenceGroup, bm: BlockManager) -> str:
     )
 
 
+def cache_fit(num_seqs: int, num_tokens: int, block_size: int, num_gpu_blocks: int,
+              watermark: float) -> tuple[int, int, int]:
+    """(blocks `num_seqs` sequences of `num_tokens` need, each whole; blocks the device pool
+    gives admissions, less the watermark; the watermark). The one home of "does it fit in an
+    empty cache": the engine's start-up check and its n > 1 check at add_request both ask it."""
+    watermark_blocks = num_watermark_blocks(num_gpu_blocks, watermark)
+    return (
+        num_seqs * cdiv(num_tokens, block_size),
+        num_gpu_blocks - watermark_blocks,
+        watermark_blocks,
+    )
+
+
 def check_cache_holds_max_model_len(
     num_gpu_blocks: int, block_size: int, watermark: float, max_model_len: int,
     block_bytes: int | None = None, overridden: bool = False,
@@ -49,9 +62,8 @@ def check_cache_holds_max_model_len(
     tokens (vLLM refuses it too): such a request would be admitted, run, and be rejected only
     when it outgrows the pool (or after a recompute), its work thrown away. ValueError with the
     numbers and the fix."""
-    watermark_blocks = int(watermark * num_gpu_blocks)
-    usable = num_gpu_blocks - watermark_blocks
-    needed = cdiv(max_model_len, block_size)
+    needed, usable, watermark_blocks = cache_fit(1, max_model_len, block_size, num_gpu_blocks,
+                                                 watermark)
     if needed <= usable:
         return
     fits = max(usable, 0) * block_size

@@ -53,6 +53,12 @@ class AllocStatus(enum.Enum):
     NEVER = "never"  # does not fit even in an empty cache
 
 
+def num_watermark_blocks(num_gpu_blocks: int, watermark: float) -> int:
+    """Device blocks admissions leave free, so running sequences can keep decoding a while
+    (`CacheConfig.watermark`, a fraction of the pool). The one home of this rule."""
+    return int(watermark * num_gpu_blocks)
+
+
 class BlockManager:
     def __init__(
         self,
@@ -75,8 +81,8 @@ class BlockManager:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        # admissions leave this many blocks free, so running sequences can keep decoding a while
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.watermark = watermark
+        self.watermark_blocks = num_watermark_blocks(num_gpu_blocks, watermark)
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu = BlockPool(num_cpu_blocks)
         self._tables: dict[int, list[int]] = {}  # seq_id -> device block table
@@ -118,7 +124,10 @@ class BlockManager:
         """Cached leading blocks of `seq`; none for a request that wants prompt logprobs, since
         those need the logits of every prompt position, nor for an embedding request that pools
         every position (MEAN) or the first (CLS)."""
-        if self.prefix_cache is None or getattr(group.sampling_params, "prompt_logprobs", None) is not None:
+        if (
+            self.prefix_cache is None
+            or getattr(group.sampling_params, "prompt_logprobs", None) is not None
+        ):
             return []
         if group.pooling_params is not None and group.pooling_params.needs_every_position:
             return []
@@ -128,10 +137,11 @@ class BlockManager:
         """Leading tokens of `seq` whose KV a prefix-cache hit would supply (no side effects)."""
         return len(self._prefix_hits(group, seq)) * self.block_size
 
-    def allocate(self, group: SequenceGroup) -> int:
+    def allocate(self, group: SequenceGroup) -> list[int]:
         """Give every waiting sequence of the group blocks for its whole length. With prefix
-        caching, leading cached blocks are shared and the sequence's `num_computed_tokens` starts
-        after them. Returns the number of prompt tokens served from the cache."""
+        caching, leading cached blocks are shared. Returns, per waiting sequence in group order,
+        the tokens the cache already holds: where the scheduler starts its `num_computed_tokens`
+        (core/progress.py)."""
         seqs = [s for s in group.seqs if s.status is _WAITING]
         tables = []
         for seq in seqs:  # take every hit first, so fresh allocations cannot evict them
@@ -140,18 +150,17 @@ class BlockManager:
             for block in hits:
                 self.gpu.incref(block)
             tables.append(hits)
-        num_hit_tokens = 0
+        num_hit_tokens = []
         for seq, table in zip(seqs, tables, strict=True):
             hit_tokens = len(table) * self.block_size
             for _ in range(self._num_blocks(seq.get_len()) - len(table)):
                 table.append(self.gpu.allocate())
             self._tables[seq.seq_id] = table
-            seq.num_computed_tokens = hit_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.admitted(seq, hit_tokens // self.block_size)
                 self.num_prefix_cache_queries += seq.get_len()
                 self.num_prefix_cache_hits += hit_tokens
-            num_hit_tokens += hit_tokens
+            num_hit_tokens.append(hit_tokens)
         return num_hit_tokens
 
     # decode
@@ -172,7 +181,9 @@ class BlockManager:
             grow = cdiv(num_tokens, bs) - len(table)
             if grow > 0:
                 need += grow
-            for i in range(seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)):
+            for i in range(
+                seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)
+            ):
                 block = table[i]
                 if ref_counts[block] > 1:
                     writers[block] = writers.get(block, 0) + 1
@@ -272,12 +283,16 @@ class BlockManager:
         tables = [self._tables[s.seq_id] for s in group.seqs if s.status is _RUNNING]
         return self._distinct(tables) <= self.cpu.num_free
 
-    def swap_out(self, group: SequenceGroup, mapping: dict[int, int] | None = None) -> dict[int, int]:
+    def swap_out(
+        self, group: SequenceGroup, mapping: dict[int, int] | None = None
+    ) -> dict[int, int]:
         """Move the running sequences' blocks to the CPU pool. Returns {device_block: cpu_block},
         each shared block once. Pass the step's mapping so far as `mapping` (it is extended in
         place): a block that another group already swapped out this step (a shared prefix-cache
         block) then reuses that CPU copy instead of needing a second entry for the same key."""
-        return self._move(group, _RUNNING, self._tables, self._cpu_tables, self.gpu, self.cpu, mapping)
+        return self._move(
+            group, _RUNNING, self._tables, self._cpu_tables, self.gpu, self.cpu, mapping
+        )
 
     def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
         """Room for the swapped blocks plus one block per sequence for its next token."""
@@ -286,10 +301,14 @@ class BlockManager:
         reserve = self.watermark_blocks if use_watermark else 0
         return self.gpu.num_free - need >= reserve
 
-    def swap_in(self, group: SequenceGroup, mapping: dict[int, int] | None = None) -> dict[int, int]:
+    def swap_in(
+        self, group: SequenceGroup, mapping: dict[int, int] | None = None
+    ) -> dict[int, int]:
         """Move the swapped sequences' blocks back to the device. Returns {cpu_block: device_block};
         `mapping` as for `swap_out`."""
-        mapping = self._move(group, _SWAPPED, self._cpu_tables, self._tables, self.cpu, self.gpu, mapping)
+        mapping = self._move(
+            group, _SWAPPED, self._cpu_tables, self._tables, self.cpu, self.gpu, mapping
+        )
         if self.prefix_cache is not None:  # fresh device blocks: offer their computed KV again
             for seq in group.seqs:
                 if seq.status is _SWAPPED:

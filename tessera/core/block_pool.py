@@ -8,7 +8,8 @@ A block is in exactly one of three states:
                                         first, which keeps the working set small)
     evictable  ref_count == 0, hashed   on `_evictable` (an OrderedDict in LRU order); its KV is
                                         still valid, so a later prompt with the same prefix can take
-                                        it back; it is evicted (hash dropped) only when `_free` is empty
+                                        it back; it is evicted (hash dropped) only when `_free` is
+                                        empty
 
 A hashed block also keeps what its hash was computed from (its parent's hash and its token ids), and
 `lookup` returns a block only when both match the caller's: a key collision is a miss, never
@@ -142,7 +143,8 @@ class BlockPool:
             rc = self.ref_counts[block]
             if rc != refs.get(block, 0):
                 raise AssertionError(
-                    f"{name}: block {block} has ref count {rc} but {refs.get(block, 0)} tables hold it"
+                    f"{name}: block {block} has ref count {rc} but {refs.get(block, 0)} tables "
+                    f"hold it"
                 )
             unowned = block in free or block in evictable
             if (rc == 0) != unowned:

@@ -40,7 +40,9 @@ class RunnerView:
         self._sent: dict[str, _Sent | None] = {}
         self._finished: list[str] = []
 
-    def describe(self, group: SequenceGroup, seq: Sequence, table: list[int], out: SchedulerOutput) -> None:
+    def describe(
+        self, group: SequenceGroup, seq: Sequence, table: list[int], out: SchedulerOutput
+    ) -> None:
         """Add `seq`'s entry for this step to `out`: whole if the runner lacks it, else a diff."""
         req_id = seq.req_id
         sent = self._sent.get(req_id)
@@ -51,10 +53,10 @@ class RunnerView:
             seed = group.sampling_params.seed
             out.scheduled_new_reqs.append(NewRequestData(
                 req_id=req_id,
-                prompt_token_ids=seq.prompt_token_ids,  # never mutated: shared, not copied
-                output_token_ids=list(seq.output_token_ids),
-                sampling_params=group.sampling_params,
-                block_ids=list(table),
+                prompt_token_ids=tuple(seq.prompt_token_ids),
+                output_token_ids=tuple(seq.output_token_ids),
+                sampling_params=group.sampling_params.clone(),
+                block_ids=tuple(table),
                 num_computed_tokens=seq.num_computed_tokens,
                 seed=None if seed is None else stream_seed(seed, seq.index),
                 pooling_params=group.pooling_params,

@@ -27,8 +27,12 @@ runner after its last step, `seq.spec_token_ids`) gets 1 + k new tokens, listed 
 never pass `max_tokens` or `max_model_len`, and are dropped rather than preempt anyone when their
 lookahead slots are not free; `update_from_output` advances the sequence by the accepted ones.
 
-After the forward pass `update_from_output` is the only writer of request progress: it advances
-`num_computed_tokens` by the tokens actually computed and accepted, appends the sampled tokens,
+One writer of progress: a sequence's `status` and `num_computed_tokens` change only through
+`set_progress` (core/progress.py, which lists the events), called only from the scheduler's
+files; tests/core/test_single_writer.py fails on any other assignment. Admission starts the counter
+at the prefix-cache hits `BlockManager.allocate` returns; a landed remote KV moves it to the
+prompt's last token; recompute resets it to zero; after the forward pass `update_from_output`
+advances it by the tokens actually computed and accepted, appends the sampled tokens,
 applies the token-id stop rules (core/stop_conditions.py), forks the children of n > 1 requests,
 frees what finished and offers full blocks to the prefix cache. The runner is told only plain
 diffs (core/runner_view.py); it never sees these objects.
@@ -52,6 +56,7 @@ from tessera.core.admission import never_fits_reason, reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.lora_admission import LoRAAdmission
+from tessera.core.progress import set_progress
 from tessera.core.request_queue import create_request_queue
 from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_kv import RemoteKVStates
@@ -155,7 +160,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
                 self.running.remove(group)
             for seq in group.seqs:
                 if not seq.is_finished():
-                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    set_progress(seq, seq.num_computed_tokens, SequenceStatus.FINISHED_ABORTED)
             self._drop(group)
             aborted.append(group)
         return aborted
@@ -170,7 +175,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
                 continue
             seq = group.seqs[index]
             if not seq.is_finished():
-                seq.status = SequenceStatus.FINISHED_STOPPED
+                set_progress(seq, seq.num_computed_tokens, SequenceStatus.FINISHED_STOPPED)
             seq.stop_reason = stop_str
             self._free_seq(seq)
             done = done or group.is_finished()
@@ -238,7 +243,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         plan = []
         chunked = self.config.enable_chunked_prefill
         for seq in seqs:
-            need = seq.get_len() - seq.num_computed_tokens
+            need = seq.get_num_uncomputed_tokens()
             if need <= 0:
                 continue
             if need == 1:
@@ -272,7 +277,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             left = budget.tokens
             seq = seqs[0]
             plan: _Plan
-            if len(seqs) == 1 and seq.get_len() - seq.num_computed_tokens == 1 and left > 0:
+            if len(seqs) == 1 and seq.is_decoding() and left > 0:
                 plan = [(seq, 1)]  # the common case: one sequence decoding
                 if pending_decodes:
                     pending_decodes -= 1
@@ -312,7 +317,9 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         self.running = kept
         return preempted
 
-    def _take_drafts(self, seqs: list[Sequence], plan: _Plan, room: int, spare_blocks: int) -> _Plan:
+    def _take_drafts(
+        self, seqs: list[Sequence], plan: _Plan, room: int, spare_blocks: int
+    ) -> _Plan:
         """Schedule the draft tokens of the plan's decodes as extra new tokens, within `room`
         tokens of budget and `spare_blocks` new blocks, and so that verification can neither pass
         `max_tokens` nor `max_model_len`. Trims each running sequence's `spec_token_ids` to what
@@ -324,7 +331,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         decoding = set()
         for seq, n in plan:
             drafts = seq.spec_token_ids
-            if n == 1 and drafts and seq.get_len() - seq.num_computed_tokens == 1:
+            if n == 1 and drafts and seq.is_decoding():
                 num_tokens = seq.get_len()
                 # slots already in the table (or in the block its next token needs) are free to use
                 have = max(len(self.block_manager.get_block_table(seq)), cdiv(num_tokens, bs)) * bs
@@ -380,7 +387,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             if self.lora is not None:
                 self.lora.admitted(group)
             for seq in seqs:
-                seq.status = _RUNNING
+                set_progress(seq, seq.num_computed_tokens, _RUNNING)
             copies = bm.try_append_slots(group)
             assert copies is not None, "can_swap_in reserved a block per sequence"
             out.blocks_to_copy += copies
@@ -447,7 +454,10 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             self.waiting.pop()
             if lora is not None:
                 lora.admitted(group)
-            hits = bm.allocate(group)
+            hits = 0
+            for seq, num_hit_tokens in zip(seqs, bm.allocate(group), strict=True):
+                set_progress(seq, num_hit_tokens, _WAITING)  # the cache holds these already
+                hits += num_hit_tokens
             out.num_prefix_cache_hit_tokens += hits
             if group.first_scheduled_time is None:
                 group.num_cached_tokens = hits
@@ -455,7 +465,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
                 budget.num_seqs += n
                 continue
             for seq in seqs:
-                seq.status = _RUNNING
+                set_progress(seq, seq.num_computed_tokens, _RUNNING)
             plan = self._plan(seqs, budget.tokens)
             scheduled.append((group, plan))
             budget.tokens -= sum(n for _, n in plan)
@@ -498,7 +508,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             self.block_manager.swap_out(group, out.blocks_to_swap_out)
             for seq in group.seqs:
                 if seq.status is _RUNNING:
-                    seq.status = _SWAPPED
+                    set_progress(seq, seq.num_computed_tokens, _SWAPPED)
                     self._runner.preempted(seq)
             self.swapped.append(group)
             out.num_swapped_out += 1
@@ -512,14 +522,16 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             if not seq.is_finished():
                 self.block_manager.free(seq)
                 self._runner.preempted(seq)
-                seq.reset_for_recompute()
+                # its KV is gone: the whole sequence (prompt + output so far) is prefilled again
+                set_progress(seq, 0, _WAITING)
+                seq.spec_token_ids = []
         self.waiting.prepend(group)  # keeps its place ahead of newer arrivals
 
     def _ignore(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
         logger.warning("request %s ignored: %s", group.request_id, reason)
         for seq in group.seqs:
             if not seq.is_finished():
-                seq.status = SequenceStatus.FINISHED_IGNORED
+                set_progress(seq, seq.num_computed_tokens, SequenceStatus.FINISHED_IGNORED)
         group.error = reason
         self._drop(group)
         out.ignored_request_ids.append(group.request_id)
@@ -539,6 +551,4 @@ def _drop_drafts(seqs: list[Sequence], plan: _Plan) -> _Plan:
 
 
 def _num_decodes(group: SequenceGroup) -> int:
-    return sum(
-        1 for s in group.seqs if s.status is _RUNNING and s.get_len() - s.num_computed_tokens == 1
-    )
+    return sum(1 for s in group.seqs if s.status is _RUNNING and s.is_decoding())

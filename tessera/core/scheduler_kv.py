@@ -19,6 +19,7 @@ import bisect
 from typing import TYPE_CHECKING, Any
 
 from tessera.core.kv_connector import PullConnectorScheduler
+from tessera.core.progress import set_progress
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -65,7 +66,7 @@ class RemoteKVStates:
             return False
         table = self.block_manager.get_block_table(seq)
         self.kv_connector.update_state_after_alloc(group, seq, table, num_external)
-        seq.status = _WAITING_REMOTE
+        set_progress(seq, seq.num_computed_tokens, _WAITING_REMOTE)
         self.waiting_for_remote_kvs[seq.req_id] = group
         return True
 
@@ -76,9 +77,10 @@ class RemoteKVStates:
             return  # aborted meanwhile
         seq = group.seqs[0]
         group.remote_kv_tried = True
-        if loaded:
-            seq.num_computed_tokens = max(seq.num_computed_tokens, len(seq.prompt_token_ids) - 1)
-        seq.status = SequenceStatus.RUNNING
+        computed = seq.num_computed_tokens
+        if loaded:  # the peer computed the prompt; its last token is this step's decode input
+            computed = max(computed, len(seq.prompt_token_ids) - 1)
+        set_progress(seq, computed, SequenceStatus.RUNNING)
         bisect.insort(self.running, group, key=self._key)
 
     def _abort_remote(self, group: SequenceGroup) -> bool:

@@ -27,13 +27,16 @@ from tessera.pooling_params import PoolingParams
 from tessera.sampling.params import SamplingParams
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class NewRequestData:
+    """A request the runner does not hold (new, forked, or back from a preemption), whole. Its
+    own data: tuples and a copy of the request's SamplingParams, never the scheduler's lists."""
+
     req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # non-empty for a forked child or a resumed request
-    sampling_params: SamplingParams
-    block_ids: list[int]  # the whole device block table
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # non-empty for a forked child or a resumed request
+    sampling_params: SamplingParams  # a copy (SamplingParams.clone)
+    block_ids: tuple[int, ...]  # the whole device block table
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits, swap-in)
     seed: int | None = None  # of this stream's generator (child k of a seeded request: seed + k)
     # set for an embedding request: the runner pools its prompt's hidden states, samples nothing
@@ -43,6 +46,10 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
+    """A request the runner holds: what changed since it last saw it. The lists are fresh
+    slices or copies, never the scheduler's own (not frozen: built for every running request
+    every step, where a frozen dataclass's slower construction shows)."""
+
     req_id: str
     new_token_ids: list[int]  # tokens appended since the runner last saw this request
     new_block_ids: list[int]  # appended to its block table ...

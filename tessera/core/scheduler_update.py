@@ -1,4 +1,4 @@
-"""`Scheduler.update_from_output`: after the forward pass, the only writer of request progress.
+"""`Scheduler.update_from_output`: what a step computed, applied to the requests.
 
 Per scheduled stream it advances `num_computed_tokens` by the tokens actually computed (a rejected
 draft token's KV does not count: a stream that verified k drafts and got a + 1 tokens back, the a
@@ -7,7 +7,8 @@ proposed for its next step, appends the sampled tokens up to the first that stop
 (core/stop_conditions.py), forks the n-1 children of an n > 1 request when its prompt completes,
 finishes an embedding request whose prompt completed (with the runner's pooled vector), frees
 what finished and offers newly full blocks to the prefix cache. It answers, per request that
-changed, an `EngineCoreOutput` for the engine's output processor.
+changed, an `EngineCoreOutput` for the engine's output processor. Progress and status change
+through `set_progress` (core/progress.py), as everywhere in the scheduler.
 
 Kept apart from the scheduling phases (core/scheduler.py) as a base class of `Scheduler`: the two
 halves share the scheduler's state, but a reader of one need not read the other.
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tessera.core.core_output import EngineCoreOutput, SeqDelta
+from tessera.core.progress import set_progress
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.core.stop_conditions import check_token_stop
@@ -81,8 +83,8 @@ class UpdateFromOutput:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Apply one step's results; the only writer of request progress (see the module
-        docstring). Returns, per request that changed, what its sequences gained."""
+        """Apply one step's results (see the module docstring). Returns, per request that changed,
+        what its sequences gained."""
         now = self.clock()
         caching = self.block_manager.enable_prefix_caching
         index = runner_output.req_id_to_index
@@ -108,7 +110,7 @@ class UpdateFromOutput:
                 assert tokens and len(tokens) <= len(drafts) + 1, f"{req_id}: bad verification"
                 num_new -= len(drafts) + 1 - len(tokens)
                 self._count_accepted(len(drafts), len(tokens) - 1)
-            seq.num_computed_tokens = start + num_new
+            set_progress(seq, start + num_new, _RUNNING)
             # the next step's drafts (verified only if the sequence still decodes then)
             seq.spec_token_ids = proposals[i] if proposals and i is not None else []
             num_prompt = len(seq.prompt_token_ids)
@@ -138,7 +140,10 @@ class UpdateFromOutput:
             any_finished |= self._append(group, seq, tokens, logprobs, out)
         self._update_remote_kv(runner_output)
         for group in self._ignored:
-            touched[group.request_id] = (group, EngineCoreOutput(group.request_id, error=group.error))
+            touched[group.request_id] = (
+                group,
+                EngineCoreOutput(group.request_id, error=group.error),
+            )
         self._ignored = []
         if any_finished:
             self._sweep_finished()
@@ -182,7 +187,9 @@ class UpdateFromOutput:
             per_pos[j] += 1
     # a step that raised (engine/step_recovery.py)
 
-    def resend_whole(self, scheduler_output: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:
+    def resend_whole(
+        self, scheduler_output: SchedulerOutput, req_ids: list[str]
+    ) -> SchedulerOutput:
         """The part of a failed step's `scheduler_output` that concerns `req_ids`, each request
         sent whole (the runner's copy may hold half-applied diffs; a whole one replaces it). No
         cache operations and no finished ids: the runner applied those before the forward pass
@@ -231,7 +238,9 @@ class UpdateFromOutput:
         for token in tokens:
             seq.output_token_ids.append(token)
             kept += 1
-            if check_token_stop(seq, params, max_len, self.eos_token_ids):
+            status = check_token_stop(seq, params, max_len, self.eos_token_ids)
+            if status is not None:
+                set_progress(seq, seq.num_computed_tokens, status)
                 finished = True
                 break
         self.num_generation_tokens_total += kept

@@ -21,19 +21,18 @@ from tessera.sequence import Sequence, SequenceStatus
 
 def check_token_stop(
     seq: Sequence, params: SamplingParams, max_model_len: int, eos_token_ids: tuple[int, ...]
-) -> bool:
-    """Set `seq.status` (and `seq.stop_reason`) if its newest token ends it; True if it did."""
+) -> SequenceStatus | None:
+    """The finished status if `seq`'s newest token ends it (setting `seq.stop_reason` for a stop
+    token), else None. The scheduler applies the status (core/progress.py)."""
     output_len = len(seq.output_token_ids)
     if output_len >= params.min_tokens:
         last = seq.output_token_ids[-1]
         is_eos = not params.ignore_eos and last in eos_token_ids
         if is_eos or last in params.stop_token_ids:
-            seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = None if is_eos else last
-            return True
+            return SequenceStatus.FINISHED_STOPPED
     if (params.max_tokens is not None and output_len >= params.max_tokens) or (
         seq.get_len() >= max_model_len
     ):
-        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        return True
-    return False
+        return SequenceStatus.FINISHED_LENGTH_CAPPED
+    return None

@@ -57,10 +57,6 @@ class TensorParallelGroup:
         self.device = device
         self.stats = CollectiveStats()
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (returns t). CPU collectives are synchronous, so the timing
         is the collective's own; on CUDA it times the launch only."""
@@ -80,7 +76,9 @@ class TensorParallelGroup:
         if local.shape[-1] < width:
             local = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+        parts = (
+            [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+        )
         dist.gather(local, parts, dst=0)
         self.stats.gather_seconds += time.perf_counter() - t0
         self.stats.num_gather += 1

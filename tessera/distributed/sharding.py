@@ -19,11 +19,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import gguf
 import numpy as np
 import torch
 
-from tessera.model.gguf_quant import QuantizedTensor
 from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -135,26 +133,9 @@ class ShardPlan:
         if s is None or (s[0] == 1 and len(w.shape) == 1):
             return w
         dim, start, stop = s
-        if isinstance(w, QuantizedTensor):
-            return shard_quantized(w, dim, start, stop, name)
+        if not isinstance(w, (torch.Tensor, np.ndarray)):  # GGUF blocks cut themselves
+            return w.shard(dim, start, stop, name)  # (QuantizedTensor.shard, model/gguf_quant.py)
         index = (slice(None),) * dim + (slice(start, stop),)
         if isinstance(w, np.ndarray):
             return np.ascontiguousarray(w[index]).copy()
         return w[index].contiguous().clone()
-
-
-def shard_quantized(w: QuantizedTensor, dim: int, start: int, stop: int, name: str = ""):
-    """Rows of blocks (dim 0: whole rows), or whole blocks of every row (dim 1). A column slice
-    off the block grid is dequantized (float32 tensor)."""
-    if dim == 0:
-        data = np.ascontiguousarray(w.data[start:stop]).copy()
-        return QuantizedTensor(w.qtype, data, torch.Size([stop - start, w.shape[1]]))
-    block, type_size = gguf.GGML_QUANT_SIZES[w.qtype]
-    n, k = w.shape
-    if start % block or stop % block:
-        logger.warning("%s: columns %d:%d are not on %s's %d-value blocks; this shard is "
-                       "dequantized", name, start, stop, w.qtype.name, block)
-        return w.dequantize()[:, start:stop].contiguous().clone()
-    blocks = np.ascontiguousarray(w.data).reshape(n, k // block, type_size)
-    data = np.ascontiguousarray(blocks[:, start // block : stop // block]).reshape(n, -1).copy()
-    return QuantizedTensor(w.qtype, data, torch.Size([n, stop - start]))

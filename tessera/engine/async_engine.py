@@ -1,4 +1,5 @@
-"""`AsyncLLMEngine`: the synchronous `LLMEngine` driven from a background thread for asyncio callers.
+"""`AsyncLLMEngine`: the synchronous `LLMEngine` driven from a background thread for asyncio
+callers.
 
 Why a thread and not a process: the model's work happens inside torch ops, which release the GIL,
 so the HTTP event loop keeps answering (`/health` stays fast under a full batch) while outputs
@@ -94,7 +95,8 @@ class AsyncLLMEngine:
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
         self.max_logprobs: int = getattr(engine.config.model, "max_logprobs", 20)
         self.scheduling_policy = engine.config.scheduler.scheduling_policy
-        # the server tokenizes on the event loop with this copy; the engine thread keeps the original
+        # the server tokenizes on the event loop with this copy; the engine thread keeps the
+        # original
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.vocab_size: int = getattr(engine, "vocab_size", None) or len(self.tokenizer)
         self.on_finished: list[Any] = []  # callbacks(RequestOutput) run on the event loop
@@ -260,7 +262,9 @@ class AsyncLLMEngine:
         async for output in stream:
             yield output
 
-    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _iterate(
+        self, request_id: str, stream: asyncio.Queue
+    ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -342,8 +346,12 @@ class AsyncLLMEngine:
                 self._step()
                 self._heap_dirty = True
             except ExecutorDeadError as e:
-                logger.error("the engine's workers are gone (%s); failing the %d requests in "
-                             "flight and stopping", e, len(self._in_engine))
+                logger.error(
+                    "the engine's workers are gone (%s); failing the %d requests in "
+                    "flight and stopping",
+                    e,
+                    len(self._in_engine),
+                )
                 self.fatal_error = e
                 self._accepting = False
                 self._fail_all(EngineError(f"the engine stopped: {e}"))
@@ -353,10 +361,12 @@ class AsyncLLMEngine:
                 break
             except Exception as e:
                 # whatever broke (a step, a bad request, our own bookkeeping), the loop lives on
-                logger.exception("engine step failed; failing the %d requests in flight",
-                                 len(self._in_engine))
-                self._fail_all(EngineError(f"the engine step failed ({type(e).__name__}); see "
-                                           "the server log"))
+                logger.exception(
+                    "engine step failed; failing the %d requests in flight", len(self._in_engine)
+                )
+                self._fail_all(
+                    EngineError(f"the engine step failed ({type(e).__name__}); see the server log")
+                )
         self._fail_all(RequestAbortedError("the server is shutting down"))
         with contextlib.suppress(Exception):
             self._take_snapshot()
@@ -438,14 +448,21 @@ class AsyncLLMEngine:
             return
         try:
             lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.sampling_params,
-                                    priority=cmd.priority, arrival_time=cmd.arrival_time, **lora)
+            self.engine.add_request(
+                cmd.request_id,
+                cmd.prompt,
+                cmd.sampling_params,
+                priority=cmd.priority,
+                arrival_time=cmd.arrival_time,
+                **lora,
+            )
         except Exception as e:
             # ValueError is the client's fault; anything else is ours but must not kill the loop
             if not isinstance(e, ValueError):
                 logger.exception("add_request(%s) failed", cmd.request_id)
-                e = EngineError(f"could not add the request ({type(e).__name__}); see the "
-                                "server log")
+                e = EngineError(
+                    f"could not add the request ({type(e).__name__}); see the server log"
+                )
             self._resolve(cmd.accepted, e)
             return
         self._in_engine.add(cmd.request_id)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
+from tessera.core.admission import cache_fit
 from tessera.core.kv_connector import PullConnectorScheduler, check_kv_transfer_params
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
@@ -32,7 +33,6 @@ from tessera.pooling_params import PoolingParams
 from tessera.sampling.grammar import GrammarBackend
 from tessera.sampling.params import RequestOutputKind, SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
-from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -204,10 +204,10 @@ class LLMEngine:
         max_len = self.config.model.max_model_len
         longest = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
         bm = self.scheduler.block_manager
-        usable = bm.num_gpu_blocks - bm.watermark_blocks
-        need = params.n * cdiv(longest, bm.block_size)
+        need, usable, _ = cache_fit(params.n, longest, bm.block_size, bm.num_gpu_blocks,
+                                    bm.watermark)
         if need > usable:
-            most = max(usable // cdiv(longest, bm.block_size), 1)
+            most = max(usable // (need // params.n), 1)
             raise ValueError(
                 f"n must be at most {most} for this prompt and max_tokens: {params.n} sequences "
                 f"of up to {longest} tokens need up to {need} KV blocks, more than the "
@@ -243,9 +243,6 @@ class LLMEngine:
         """Also True while KV transfers are in flight: the loop must step to hear them end."""
         return self.scheduler.has_unfinished_seqs() or self.scheduler.has_pending_kv_transfers()
 
-    def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_seq_groups()
-
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         t0 = time.perf_counter()
@@ -272,14 +269,19 @@ class LLMEngine:
         )
         outputs += failed  # the culprits of a step that raised (engine/step_recovery.py)
         t3 = time.perf_counter()
-        self.step_times.record(t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens)
+        self.step_times.record(
+            t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens
+        )
         if self.step_log is not None and scheduler_output.total_num_scheduled_tokens:
             self.step_log.record(scheduler_output, t0, t3, self.has_unfinished_requests())
         if watched:
             end = self.clock()
             self.dashboard.record_step(scheduler_output, end - (t3 - t0), end,
                                        self.scheduler.num_spec_accepted_tokens_total - accepted)
-        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_pending_kv_transfers():
+        if (
+            not scheduler_output.total_num_scheduled_tokens
+            and self.scheduler.has_pending_kv_transfers()
+        ):
             time.sleep(_KV_POLL_SECONDS)  # only transfers in flight: poll, do not spin
         return outputs
 
@@ -288,11 +290,16 @@ class LLMEngine:
     ) -> tuple[ModelRunnerOutput, list[RequestOutput]]:
         """The step raised: find the request(s) that make it fail and fail only those; the
         others' results come from re-runs (see engine/step_recovery.py)."""
-        logger.error("engine step failed (%s: %s); re-running its %d requests in halves to find "
-                     "the culprit", type(error).__name__, error,
-                     len(scheduler_output.num_scheduled_tokens), exc_info=error)
+        logger.error(
+            "engine step failed (%s: %s); re-running its %d requests in halves to find the culprit",
+            type(error).__name__,
+            error,
+            len(scheduler_output.num_scheduled_tokens),
+            exc_info=error,
+        )
         runner_output, culprits = find_culprits(
-            scheduler_output, self.scheduler.resend_whole, self.executor.execute_model)
+            scheduler_output, self.scheduler.resend_whole, self.executor.execute_model
+        )
         failed: dict[str, BaseException] = {}
         for req_id, e in culprits.items():
             request_id = self.scheduler.request_id_of(req_id)
@@ -300,18 +307,29 @@ class LLMEngine:
                 failed.setdefault(request_id, e)
         outputs = []
         for request_id, e in failed.items():
-            logger.error("request %s fails the engine step on its own (%s: %s): it is stopped, "
-                         "the others go on", request_id, type(e).__name__, e, exc_info=e)
+            logger.error(
+                "request %s fails the engine step on its own (%s: %s): it is stopped, "
+                "the others go on",
+                request_id,
+                type(e).__name__,
+                e,
+                exc_info=e,
+            )
             state = self.output_processor.requests.get(request_id)
             if state is not None:
-                outputs.append(RequestOutput(
-                    request_id=request_id, prompt=state.prompt,
-                    prompt_token_ids=state.prompt_token_ids, outputs=[], finished=True,
-                    metrics=state.metrics or RequestMetrics(arrival_time=state.arrival_time),
-                    error=f"the engine failed while running this request ({type(e).__name__}); "
-                          "it was stopped so that the other requests could go on",
-                    failed=True,
-                ))
+                outputs.append(
+                    RequestOutput(
+                        request_id=request_id,
+                        prompt=state.prompt,
+                        prompt_token_ids=state.prompt_token_ids,
+                        outputs=[],
+                        finished=True,
+                        metrics=state.metrics or RequestMetrics(arrival_time=state.arrival_time),
+                        error=f"the engine failed while running this request ({type(e).__name__}); "
+                        "it was stopped so that the other requests could go on",
+                        failed=True,
+                    )
+                )
         self.abort_request(list(failed))
         return runner_output, outputs
 
@@ -344,22 +362,28 @@ class LLMEngine:
             metrics["tessera:kv_transfer_bytes_total"] = float(s.num_kv_transfer_bytes_total)
             metrics["tessera:kv_transfer_failures_total"] = float(s.num_kv_transfer_failures_total)
             metrics["tessera:num_requests_waiting_for_remote_kvs"] = float(
-                len(s.waiting_for_remote_kvs))
+                len(s.waiting_for_remote_kvs)
+            )
         if self.config.lora is not None:  # vLLM's info gauge: labels say, the value is the time
             running, waiting = _adapter_names(s.running), _adapter_names(s.waiting)
-            metrics[f'tessera:lora_requests_info{{max_lora="{self.config.lora.max_loras}",'
-                    f'running_lora_adapters="{running}",waiting_lora_adapters="{waiting}"}}'] = (
-                time.time())
+            metrics[
+                f'tessera:lora_requests_info{{max_lora="{self.config.lora.max_loras}",'
+                f'running_lora_adapters="{running}",waiting_lora_adapters="{waiting}"}}'
+            ] = time.time()
         spec = self.config.speculative
         if spec is not None:  # vLLM's names; accepted per draft position as a labelled counter
             metrics["tessera:spec_decode_num_drafts_total"] = float(s.num_spec_drafts_total)
-            metrics["tessera:spec_decode_num_draft_tokens_total"] = float(s.num_spec_draft_tokens_total)
+            metrics["tessera:spec_decode_num_draft_tokens_total"] = float(
+                s.num_spec_draft_tokens_total
+            )
             metrics["tessera:spec_decode_num_accepted_tokens_total"] = float(
-                s.num_spec_accepted_tokens_total)
+                s.num_spec_accepted_tokens_total
+            )
             per_pos = s.num_spec_accepted_tokens_per_pos
             for pos in range(spec.num_speculative_tokens):
-                metrics[f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'] = (
-                    float(per_pos[pos]) if pos < len(per_pos) else 0.0)
+                metrics[
+                    f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'
+                ] = float(per_pos[pos]) if pos < len(per_pos) else 0.0
         return metrics
 
     def get_stats(self) -> StatsSnapshot:
@@ -367,7 +391,8 @@ class LLMEngine:
         return self.stats.snapshot()
 
     def get_dashboard_snapshot(self) -> dict:
-        """One sample of the live view (tessera/engine/dashboard/snapshot.py); engine thread only."""
+        """One sample of the live view (tessera/engine/dashboard/snapshot.py); engine thread
+        only."""
         return self.dashboard.snapshot(self.clock())
 
     def check_health(self) -> None:
@@ -383,6 +408,7 @@ class LLMEngine:
 def _adapter_names(groups: Iterable[SequenceGroup]) -> str:
     """The distinct adapters of `groups`, comma-separated in name order (vLLM's label format).
     Walks the groups: only with --enable-lora, once per step."""
-    names = ",".join(sorted({g.lora_request.lora_name for g in groups
-                             if g.lora_request is not None}))
+    names = ",".join(
+        sorted({g.lora_request.lora_name for g in groups if g.lora_request is not None})
+    )
     return names.replace("\\", "\\\\").replace('"', '\\"')  # as a label value

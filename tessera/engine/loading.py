@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import EngineArgs, default_num_threads
-from tessera.core.admission import check_cache_holds_max_model_len
 from tessera.engine.malloc_tuning import release_free_memory
+from tessera.engine.sizing import describe_config, size_kv_pools
 from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.model.checkpoint_dtype import checkpoint_dtype
 from tessera.model.config import ModelArchConfig
@@ -24,7 +24,7 @@ from tessera.model.loader import load_model, weight_quantization
 from tessera.model.registry import get_model_class
 from tessera.sampling.grammar import GrammarBackend
 from tessera.tokenizer import load_tokenizer
-from tessera.worker.cache_engine import CacheEngine, KVCacheSpec, kv_cache_torch_dtype
+from tessera.worker.cache_engine import CacheEngine, kv_cache_spec
 from tessera.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -55,50 +55,39 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
         None, stored_dtype)
     arch, weights = load_model(path, weight_quantization(
         early.model.quantization, early.model.dtype, early.device.device))
-    config = args.create_engine_config(arch.max_position_embeddings, stored_dtype, arch.uniform_window)
+    config = args.create_engine_config(
+        arch.max_position_embeddings, stored_dtype, arch.uniform_window
+    )
     torch.set_num_threads(default_num_threads())
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
-    model = model_cls(arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len)
+    model = model_cls(
+        arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len
+    )
     del weights  # the model holds its own (packed) copies; the file's blocks go now
     release_free_memory()  # and their pages, which the heap would otherwise keep resident
     return ModelBundle(
-        path, arch, model, load_tokenizer(path, arch.architecture), config.model.dtype, config.device.device,
-        config.model.max_model_len, config.model.quantization, stored_dtype,
+        path,
+        arch,
+        model,
+        load_tokenizer(path, arch.architecture),
+        config.model.dtype,
+        config.device.device,
+        config.model.max_model_len,
+        config.model.quantization,
+        stored_dtype,
     )
-
-
-def kv_cache_spec(arch: ModelArchConfig, config, num_kv_heads: int) -> KVCacheSpec:
-    """The KV cache of one worker: `num_kv_heads` are its own (a tensor-parallel rank's)."""
-    return KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=num_kv_heads,
-                       head_dim=arch.head_dim, block_size=config.cache.block_size,
-                       dtype=kv_cache_torch_dtype(config))
-
-
-def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
-    """(device blocks, swap blocks) of one worker from --kv-cache-space/--swap-space (GiB per
-    worker) or --num-gpu-blocks-override; refuses a pool that cannot hold one max_model_len
-    request."""
-    num_gpu_blocks = config.cache.num_gpu_blocks_override or spec.num_blocks_for(config.cache.kv_cache_space)
-    if num_gpu_blocks < 1:
-        raise ValueError(
-            f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
-            f"{spec.block_bytes} bytes: raise it"
-        )
-    check_cache_holds_max_model_len(
-        num_gpu_blocks, config.cache.block_size, config.cache.watermark,
-        config.model.max_model_len, spec.block_bytes,
-        overridden=config.cache.num_gpu_blocks_override is not None,
-    )
-    return num_gpu_blocks, spec.num_blocks_for(config.cache.swap_space)
 
 
 def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None):
-    """Load the model (unless a compatible `bundle` is given), size the KV pools, build the engine."""
+    """Load the model (unless a compatible `bundle` is given), size the KV pools, build the
+    engine."""
     if args.tensor_parallel_size > 1 or args.nnodes > 1:
         if bundle is not None:
-            raise ValueError("a loaded model bundle cannot be shared with --tensor-parallel-size "
-                             "> 1: each rank loads its own shard")
+            raise ValueError(
+                "a loaded model bundle cannot be shared with --tensor-parallel-size "
+                "> 1: each rank loads its own shard"
+            )
         from tessera.engine.tp_loading import build_tp_engine
 
         return build_tp_engine(engine_cls, args)
@@ -106,7 +95,8 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     bundle = bundle or load_bundle(args)
     arch, path = bundle.arch, bundle.path
     config = args.create_engine_config(
-        arch.max_position_embeddings, bundle.checkpoint_dtype, arch.uniform_window)
+        arch.max_position_embeddings, bundle.checkpoint_dtype, arch.uniform_window
+    )
     loaded = (bundle.dtype, bundle.device, bundle.quantization)
     if (config.model.dtype, config.device.device, config.model.quantization) != loaded or (
         config.model.max_model_len > bundle.max_positions
@@ -130,17 +120,31 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     if config.speculative is not None and config.speculative.method == "draft_model":
         from tessera.engine.draft_loading import build_draft_proposer
 
-        draft = build_draft_proposer(config, path, model, arch, tokenizer, num_gpu_blocks,
-                                     num_cpu_blocks)
+        draft = build_draft_proposer(
+            config, path, model, arch, tokenizer, num_gpu_blocks, num_cpu_blocks
+        )
     kv_worker, kv_scheduler = _kv_connector(config, cache_engine)
-    runner = ModelRunner(model, cache_engine, config.cache.block_size, device, eos_token_ids=eos,
-                         speculative_config=config.speculative, grammar_backend=grammar_backend,
-                         draft_proposer=draft, kv_connector=kv_worker, lora_config=config.lora)
+    runner = ModelRunner(
+        model,
+        cache_engine,
+        config.cache.block_size,
+        device,
+        eos_token_ids=eos,
+        speculative_config=config.speculative,
+        grammar_backend=grammar_backend,
+        draft_proposer=draft,
+        kv_connector=kv_worker,
+        lora_config=config.lora,
+    )
     logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
     logger.info(
         "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
-        time.perf_counter() - start, os.path.basename(path), config.model.dtype,
-        num_gpu_blocks, num_gpu_blocks * config.cache.block_size, num_cpu_blocks,
+        time.perf_counter() - start,
+        os.path.basename(path),
+        config.model.dtype,
+        num_gpu_blocks,
+        num_gpu_blocks * config.cache.block_size,
+        num_cpu_blocks,
     )
     # long-lived objects out of the cyclic GC's way: full collections otherwise walk every
     # waiting request each time and make step cost grow with the queue (benchmarks/scheduler.py)
@@ -173,17 +177,3 @@ def _kv_connector(config, cache_engine: CacheEngine):
     if kv.is_producer:
         kv = dataclasses.replace(kv, kv_port=worker.port)
     return worker, PullConnectorScheduler(kv, config.cache.block_size, engine_id=engine_id)
-
-
-def describe_config(config) -> str:
-    """Every field of the resolved `EngineConfig` (defaults filled in, limits derived from the
-    model) as `section.field=value`, one line: what the engine really runs with."""
-    parts = []
-    for section in dataclasses.fields(config):
-        value = getattr(config, section.name)
-        if not dataclasses.is_dataclass(value):  # an optional part that is off (speculative)
-            parts.append(f"{section.name}={value!r}")
-            continue
-        for f in dataclasses.fields(value):
-            parts.append(f"{section.name}.{f.name}={getattr(value, f.name)!r}")
-    return ", ".join(parts)

@@ -57,13 +57,14 @@ _HELP = {
     "tessera:generation_tokens_total": "Tokens generated since start.",
     "tessera:prefix_cache_hits_total": "Prompt tokens served from the prefix cache.",
     "tessera:prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
-    "tessera:spec_decode_num_drafts_total": "Requests that verified draft tokens, summed over steps.",
+    "tessera:spec_decode_num_drafts_total": "Requests that verified draft tokens, summed over "
+    "steps.",
     "tessera:spec_decode_num_draft_tokens_total": "Draft tokens verified.",
     "tessera:spec_decode_num_accepted_tokens_total": "Draft tokens accepted.",
     "tessera:spec_decode_num_accepted_tokens_per_pos_total": "Draft tokens accepted, by position.",
     "tessera:prompt_tokens_cached_total": "Prompt tokens whose KV came from the prefix cache.",
-    "tessera:kv_transfer_requests_total":
-        "Requests whose KV blocks this engine sent to (producer) or received from (consumer) a peer.",
+    "tessera:kv_transfer_requests_total": "Requests whose KV blocks this engine sent to (producer) "
+    "or received from (consumer) a peer.",
     "tessera:kv_transfer_bytes_total": "KV cache bytes sent or received.",
     "tessera:kv_transfer_failures_total":
         "KV transfers that failed: pulls that failed or timed out (the request then prefills "

@@ -157,7 +157,9 @@ class OutputProcessor:
         return None
 
     @staticmethod
-    def _check_stop_strings(seq: SeqOutputState, params: SamplingParams, num_new: int) -> str | None:
+    def _check_stop_strings(
+        seq: SeqOutputState, params: SamplingParams, num_new: int
+    ) -> str | None:
         """Find the earliest stop string overlapping the new text and cut the text there."""
         # older text was searched in earlier steps, so each string is looked for in the new tail
         # plus len(stop_str) - 1 characters before it
@@ -196,15 +198,19 @@ class OutputProcessor:
                 else:
                     start_chars = start_tokens = 0
                     visible = max(visible, 0)
-                completions.append(CompletionOutput(
-                    index=i,
-                    text=seq.output_text[start_chars:visible],
-                    token_ids=seq.output_token_ids[start_tokens:],
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=seq.logprobs[start_tokens:] if req.params.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                ))
+                completions.append(
+                    CompletionOutput(
+                        index=i,
+                        text=seq.output_text[start_chars:visible],
+                        token_ids=seq.output_token_ids[start_tokens:],
+                        cumulative_logprob=seq.cumulative_logprob,
+                        logprobs=seq.logprobs[start_tokens:]
+                        if req.params.logprobs is not None
+                        else None,
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                )
             if kind is _DELTA and not completions and not finished:
                 return None
         return RequestOutput(
@@ -230,7 +236,9 @@ def _embedding_output(req: RequestState, core: EngineCoreOutput) -> EmbeddingReq
         error=core.error, num_cached_tokens=req.num_cached_tokens)
 
 
-def _extend_prompt_logprobs(req: RequestState, first_pos: int, chunk: list[dict[int, float]]) -> None:
+def _extend_prompt_logprobs(
+    req: RequestState, first_pos: int, chunk: list[dict[int, float]]
+) -> None:
     """Extend with this chunk's prompt logprobs (once: a recompute scores the prompt again)."""
     if req.prompt_logprobs is None:
         req.prompt_logprobs = [None]  # the first prompt token has no logprob

@@ -10,8 +10,9 @@ successful halves are merged into one `ModelRunnerOutput`, as if the step had su
 the culprit. Greedy tokens do not change: a request's results do not depend on its batch.
 
 Why re-running is safe although the failed step may have half-updated the runner:
-- the scheduler wrote nothing yet (`update_from_output`, the only writer of progress, did not run),
-  so its state still describes the step: the same tokens to compute, the same block tables;
+- the scheduler wrote nothing yet (`update_from_output`, which advances progress after a step,
+  did not run), so its state still describes the step: the same tokens to compute, the same block
+  tables;
 - the runner's persistent batch may hold half-applied diffs, so each re-run sends its requests
   whole (`Scheduler.resend_whole`), which replaces the runner's copy (its seeded generators are
   kept; the sampler restores their state when it raises, so a seeded request draws the same

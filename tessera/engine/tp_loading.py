@@ -15,12 +15,13 @@ import time
 
 from tessera.config import EngineArgs
 from tessera.distributed.sharding import ShardPlan, check_shardable
-from tessera.engine.loading import describe_config, kv_cache_spec, size_kv_pools
+from tessera.engine.sizing import describe_config, size_kv_pools
 from tessera.executor.multiproc_executor import MultiprocExecutor
 from tessera.model.default_model import resolve_model_path
 from tessera.model.loader import read_model_config
 from tessera.sampling.grammar import GrammarBackend
 from tessera.tokenizer import load_tokenizer
+from tessera.worker.cache_engine import kv_cache_spec
 from tessera.worker.tp_worker import WorkerInit
 
 logger = logging.getLogger(__name__)

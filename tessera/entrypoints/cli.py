@@ -9,67 +9,18 @@ switches. So a new engine knob appears in `tessera serve --help` by being added 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
-import types
-import typing
 from collections.abc import Callable
 
 from tessera.bench import add_bench_parser
-from tessera.config import EngineArgs, flag_name
+from tessera.engine.arg_utils import add_engine_args, engine_args_from
 from tessera.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
 from tessera.entrypoints.proxy import add_proxy_parser
 from tessera.simulator import add_simulate_parser
-
-
-def _base_type(annotation) -> type:
-    """`int | None` -> int; `str` -> str."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        assert len(args) == 1, f"unsupported flag type {annotation}"
-        return args[0]
-    return annotation
-
-
-def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per `EngineArgs` field, in declaration order (less the `exclude`d fields: the
-    simulator names its model and device otherwise)."""
-    group = parser.add_argument_group("engine", "engine flags (see tessera.config.EngineArgs)")
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in exclude:
-            continue
-        help_text = f.metadata.get("help", "")
-        if f.metadata.get("json"):  # a JSON object on the command line, a dict from Python
-            group.add_argument(flag_name(f.name), type=str, default=f.default, help=help_text,
-                               metavar="JSON")
-            continue
-        kind = _base_type(hints[f.name])
-        if kind is bool:
-            if f.default:
-                group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,
-                                   default=True, help=help_text)
-            else:
-                group.add_argument(flag_name(f.name), action="store_true", help=help_text)
-            continue
-        if f.default is not None:
-            help_text += " (default: %(default)s)"
-        group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), type=kind,
-                           default=f.default,
-                           choices=f.metadata.get("choices"), help=help_text,
-                           metavar=None if f.metadata.get("choices") else f.name.upper())
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    """The EngineArgs of parsed flags (fields without a flag keep their defaults)."""
-    args = {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
-    if getattr(ns, "model_tag", None) is not None:  # `tessera serve MODEL`
-        args["model"] = ns.model_tag
-    return EngineArgs(**args)
 
 
 def _positive_int(value: str) -> int:
@@ -228,15 +179,27 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         engine.engine.shutdown()
         args.parser.error(str(e))
-    return run_server(engine, host=args.host, port=args.port, served_model_name=args.served_model_name,
-               api_key=args.api_key, log_level=args.log_level, chat_template=chat_template,
-               uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
-               log_requests=args.enable_log_requests, allowed_origins=origins,
-               root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
-               max_request_body_bytes=args.max_request_body_bytes,
-               enable_dashboard=not args.disable_dashboard,
-               dashboard_interval_ms=args.dashboard_interval, lora_modules=lora_modules,
-               allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+    return run_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        log_level=args.log_level,
+        chat_template=chat_template,
+        uvicorn_log_level=args.uvicorn_log_level,
+        sampling_defaults=sampling_defaults,
+        log_requests=args.enable_log_requests,
+        allowed_origins=origins,
+        root_path=args.root_path,
+        tool_call_parser=args.tool_call_parser,
+        sock=sock,
+        max_request_body_bytes=args.max_request_body_bytes,
+        enable_dashboard=not args.disable_dashboard,
+        dashboard_interval_ms=args.dashboard_interval,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+    )
 
 
 def _serve_worker_node(args: argparse.Namespace) -> int:
@@ -248,7 +211,9 @@ def _serve_worker_node(args: argparse.Namespace) -> int:
         args.parser.error(str(e))
     logging.getLogger(__name__).info(
         "--node-rank %d: running worker ranks only; the model and engine flags are node 0's "
-        "(sent by rank 0)", args.node_rank)
+        "(sent by rank 0)",
+        args.node_rank,
+    )
 
     def interrupted(sig, frame):
         raise KeyboardInterrupt

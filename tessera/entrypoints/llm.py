@@ -108,7 +108,8 @@ class LLM:
         chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.llm_engine.apply_chat_template(conv)} for conv in conversations
+            {"prompt_token_ids": self.llm_engine.apply_chat_template(conv)}
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

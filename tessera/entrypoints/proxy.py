@@ -1,8 +1,11 @@
 """`tessera proxy`: one OpenAI endpoint in front of prefill and decode servers (disaggregation).
 
-    client ──▶ proxy ──(1) the request with max_tokens=1, kv_transfer_params={"do_remote_decode"}──▶ P
-                     ◀────────────── kv_transfer_params: where the prompt's KV waits ────────────── P
-                     ──(2) the original request + those params ───────────────────────────────────▶ D
+    client ──▶ proxy ──(1) the request with max_tokens=1,
+    kv_transfer_params={"do_remote_decode"}──▶ P
+                     ◀────────────── kv_transfer_params: where the prompt's KV waits ──────────────
+                     P
+                     ──(2) the original request + those params ───────────────────────────────────▶
+                     D
            ◀──────── D's answer, streamed through as it comes ──────────────────────────────────── D
 
 P and D are `tessera serve` instances started with --kv-transfer-config (kv_producer,

@@ -1,4 +1,5 @@
-"""`UniProcExecutor`: today's path, the model runner in the engine's own process and thread."""
+"""`UniProcExecutor`: the model runner in the engine's own process and thread (the default; with
+`--tensor-parallel-size` > 1 `MultiprocExecutor` runs one runner per rank instead)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ may still use them); deleting any of them is safe and costs one rebuild.
 
 A finished build writes `key.json` (the hashed inputs, to read when debugging) next to its .so, and
 a start that finds it imports the .so directly: no ninja, no compiler check, no lock, since nothing
-rewrites a finished build (the three kernels load in 0.2-0.4 s warm). A start that does not find it
+rewrites a finished build (each kernel loads in a fraction of a second warm). A start that does not
+find it
 takes an flock on the directory first, so of two processes starting at once one builds, the other
 logs that it waits and then imports the same .so. An flock dies with its process; torch's own
 `lock` file does not, and a build killed mid-way leaves one that would make every later start wait

@@ -30,7 +30,9 @@ import torch
 from tessera.kernels.build import load_extension
 
 _SOURCE = Path(__file__).with_name("linear.cpp")
-TILES_HEADER = Path(__file__).with_name("linear_tiles.h")  # the panel layout, shared with quant_linear
+TILES_HEADER = Path(__file__).with_name(
+    "linear_tiles.h"
+)  # the panel layout, shared with quant_linear
 AMX_HEADER = Path(__file__).with_name("linear_amx.h")  # bf16 tiles on AMX, shared with quant_linear
 
 
@@ -63,4 +65,6 @@ class PackedLinearWeight:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        return self._linear(x2, self.panels, self.out_features, self.bias).view(*lead, self.out_features)
+        return self._linear(x2, self.panels, self.out_features, self.bias).view(
+            *lead, self.out_features
+        )

@@ -56,6 +56,21 @@ def paged_attention_available(
     return _load() is not None
 
 
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] flat slot = block * block_size + offset
+) -> None:
+    """Store the new K/V at their flat cache slots, in the cache's dtype (--kv-cache-dtype may
+    differ
+    from the compute dtype: rounded here, once)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
 def paged_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -70,7 +85,7 @@ def paged_attention(
     """softmax(q K^T * scale) V for each query row over the first seq_lens[b] tokens of its paged
     context. `new_kv` = (k, v [T, num_kv_heads, head_dim], slot_mapping [T] int64): rows stored
     at their flat cache slots first, in the cache's dtype, by the same call (the kernel saves a
-    layer the two index_copy_ of attention.backend.write_kv, same values)."""
+    layer the two index_copy_ of `write_kv`, same values)."""
     if out is None:
         out = torch.empty_like(q)
     if paged_attention_available(q.device, q.dtype, k_cache.dtype):
@@ -81,8 +96,6 @@ def paged_attention(
             seq_starts,
         )
     if new_kv is not None:
-        from tessera.attention.backend import write_kv  # here: attention imports this module
-
         write_kv(new_kv[0], new_kv[1], k_cache, v_cache, new_kv[2])
     return _torch_fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, out, seq_starts)
 

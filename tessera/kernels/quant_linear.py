@@ -60,7 +60,10 @@ from tessera.kernels.quant_layout import (
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
-_HEADERS = tuple(Path(__file__).with_name(h) for h in ("quant_formats.h", "quant_blocksum.h", "quant_exact.h", "quant_rows.h"))
+_HEADERS = tuple(
+    Path(__file__).with_name(h)
+    for h in ("quant_formats.h", "quant_blocksum.h", "quant_exact.h", "quant_rows.h")
+)
 # fp32: the row count from which a panel is dequantized once into a dense panel and the dense
 # tiles run over it (same result, bit for bit); below it each block is dequantized in registers
 # for every row. Measured on 30 layers of the default model's Q4_1 shapes (ms, registers / dense):
@@ -74,7 +77,9 @@ DENSE_MIN_ROWS = {torch.float32: 32}
 
 
 def _module() -> ModuleType | None:
-    return load_extension("tessera_quant_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER, *_HEADERS))
+    return load_extension(
+        "tessera_quant_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER, *_HEADERS)
+    )
 
 
 def quant_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -107,7 +112,11 @@ def lookup_rows(
     """Rows `ids` [T] of a packed weight -> [T, K] in `dtype`: the quantized embedding lookup.
     The C++ kernel where it runs (2048 ids: 40 ms in torch ops, a fraction of a ms there), else
     dequantize_rows; the same values either way."""
-    module = _module() if packed.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+    module = (
+        _module()
+        if packed.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        else None
+    )
     if module is None:
         return dequantize_rows(fmt, packed, k, ids, pairs).to(dtype)
     ids = ids.to(torch.int64).contiguous().view(-1)
@@ -122,7 +131,8 @@ class QuantLinear:
 
     def __init__(self, parts: list[QuantPart], dtype: torch.dtype, device: torch.device):
         assert len({p.k for p in parts}) == 1, "fused parts share the input width"
-        # the loader packs for the dtype already (pairs_layout); this covers a part packed for another
+        # the loader packs for the dtype already (pairs_layout); this covers a part packed for
+        # another
         pairs = pairs_layout(dtype, device)
         self.parts = merge_parts([with_layout(p, pairs) for p in parts])
         self.in_features = parts[0].k

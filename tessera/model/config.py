@@ -82,7 +82,9 @@ class ModelArchConfig:
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ValueError(f"model config: rope_scaling lacks 'rope_type': {self.rope_scaling}")
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"model config: sliding_window must be >= 1, got {self.sliding_window}")
+            raise ValueError(
+                f"model config: sliding_window must be >= 1, got {self.sliding_window}"
+            )
         if self.layer_types:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(
@@ -93,7 +95,9 @@ class ModelArchConfig:
             if unknown:
                 raise ValueError(f"model config: layer_types {sorted(unknown)} are not supported")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
-                raise ValueError("model config: layer_types has sliding layers but no sliding_window")
+                raise ValueError(
+                    "model config: layer_types has sliding layers but no sliding_window"
+                )
         rotary = self.head_dim * self.partial_rotary_factor
         if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
             raise ValueError(
@@ -158,8 +162,10 @@ class ModelArchConfig:
             names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
             names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
             if self.traits.gemma_norms:
-                names += [f"{p}pre_feedforward_layernorm.weight",
-                          f"{p}post_feedforward_layernorm.weight"]
+                names += [
+                    f"{p}pre_feedforward_layernorm.weight",
+                    f"{p}post_feedforward_layernorm.weight",
+                ]
         names.append("model.norm.weight")
         if not self.tie_word_embeddings:
             names.append("lm_head.weight")

@@ -16,6 +16,7 @@ bit for bit). Block layouts (GGML's, per row, K-positions along the row):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import gguf
@@ -31,6 +32,8 @@ from tessera.kernels.quant_layout import (
     QuantPart,
     pack_quantized,
 )
+
+logger = logging.getLogger(__name__)
 
 T = gguf.GGMLQuantizationType
 # The GGUF types a kernel format exists for; others are dequantized at load.
@@ -66,6 +69,27 @@ class QuantizedTensor:
     def decode(self) -> Decoded:
         n, k = self.shape
         return _DECODERS[self.qtype](np.ascontiguousarray(self.data).reshape(n, -1), n, k)
+
+    def shard(
+        self, dim: int, start: int, stop: int, name: str = ""
+    ) -> QuantizedTensor | torch.Tensor:
+        """A tensor-parallel rank's slice (tessera/distributed/sharding.py): rows of blocks
+        (dim 0: whole rows), or whole blocks of every row (dim 1). A column slice off the block
+        grid is dequantized (float32 tensor)."""
+        if dim == 0:
+            data = np.ascontiguousarray(self.data[start:stop]).copy()
+            return QuantizedTensor(self.qtype, data, torch.Size([stop - start, self.shape[1]]))
+        block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        n, k = self.shape
+        if start % block or stop % block:
+            logger.warning("%s: columns %d:%d are not on %s's %d-value blocks; this shard is "
+                           "dequantized", name, start, stop, self.qtype.name, block)
+            return self.dequantize()[:, start:stop].contiguous().clone()
+        blocks = np.ascontiguousarray(self.data).reshape(n, k // block, type_size)
+        data = np.ascontiguousarray(blocks[:, start // block : stop // block])
+        return QuantizedTensor(
+            self.qtype, data.reshape(n, -1).copy(), torch.Size([n, stop - start])
+        )
 
     def pack(self, bias: torch.Tensor | None = None, pairs: bool = False) -> QuantPart:
         """The kernel's packed copy of this weight (built here; `data` may be dropped after), its

@@ -159,7 +159,9 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
         sliding_window=sliding,
         layer_types=layer_types,
         rope_local_base_freq=local_theta,
-        query_pre_attn_scalar=_positive(cfg, "query_pre_attn_scalar") if family.gemma_norms else None,
+        query_pre_attn_scalar=_positive(cfg, "query_pre_attn_scalar")
+        if family.gemma_norms
+        else None,
         attn_logit_softcapping=_positive(cfg, "attn_logit_softcapping"),
         final_logit_softcapping=_positive(cfg, "final_logit_softcapping"),
         partial_rotary_factor=partial,
@@ -192,8 +194,10 @@ def _rope_of(cfg: dict, path: str, max_pos: int) -> tuple[float, dict | None, fl
     if "full_attention" in params or "sliding_attention" in params:
         local = params.get("sliding_attention") or {}
         if local.get("rope_type", "default") != "default":
-            raise ValueError(f"{path}: rope_parameters.sliding_attention: only default RoPE "
-                             f"is supported on local layers, got {local.get('rope_type')!r}")
+            raise ValueError(
+                f"{path}: rope_parameters.sliding_attention: only default RoPE "
+                f"is supported on local layers, got {local.get('rope_type')!r}"
+            )
         local_theta = local.get("rope_theta", local_theta)
         params = dict(params.get("full_attention") or {})
     rope_theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -221,7 +225,9 @@ def _rope_of(cfg: dict, path: str, max_pos: int) -> tuple[float, dict | None, fl
     return rope_theta, scaling, None if local_theta is None else float(local_theta), partial
 
 
-def _windows_of(cfg: dict, architecture: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+def _windows_of(
+    cfg: dict, architecture: str, num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, layer_types) as `ModelArchConfig` reads them: Gemma's interleaved local
     layers, Mistral's window on every layer, Qwen's `use_sliding_window` (off by default)."""
     window = cfg.get("sliding_window")
@@ -231,15 +237,19 @@ def _windows_of(cfg: dict, architecture: str, num_layers: int) -> tuple[int | No
             return None, ()
         if not types:  # HF: layers from max_window_layers on use the window
             first = int(cfg.get("max_window_layers", num_layers))
-            types = tuple("sliding_attention" if i >= first else "full_attention"
-                          for i in range(num_layers))
+            types = tuple(
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            )
     elif architecture == "Gemma2ForCausalLM" and not types:
-        types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                      for i in range(num_layers))
+        types = tuple(
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        )
     elif architecture == "Gemma3ForCausalLM" and not types:
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
-        types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
-                      for i in range(num_layers))
+        types = tuple(
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        )
     if window is None:
         return None, ()
     if types and "sliding_attention" not in types:

@@ -60,7 +60,13 @@ class Linear:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weight this layer holds and streams per call."""
-        t = self.kernel.panels if self.kernel is not None else self.packed if self.packed is not None else self.weight
+        t = (
+            self.kernel.panels
+            if self.kernel is not None
+            else self.packed
+            if self.packed is not None
+            else self.weight
+        )
         assert t is not None
         return t.numel() * t.element_size()
 
@@ -328,7 +334,9 @@ class RotaryEmbedding:
             return (1.0 / base.unsqueeze(1) ** exponents).float().to(positions.device)
         return self.inv_freq
 
-    def apply_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+    def apply_(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
+    ) -> None:
         """Rotate the first `num_heads` heads of each row of qkv [n, width] in place (q and k are
         adjacent at the start of the fused projection's output)."""
         if self._fused is not None and qkv.stride(-1) == 1:

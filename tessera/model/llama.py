@@ -211,9 +211,13 @@ class LlamaForCausalLM:
     def weight_bytes(self) -> dict[str, int]:
         """Resident bytes of weights by kind: "linear" (streamed once per step: every layer's
         projections and the lm_head) and "embedding" (0 when it shares the lm_head's copy)."""
-        linears = [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
+        linears = [
+            lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2)
+        ]
         linear = sum(lin.weight_bytes for lin in [*linears, self.lm_head])
-        shared = isinstance(self.lm_head, QuantLinear) and self.embed.weight is self.lm_head.parts[0]
+        shared = (
+            isinstance(self.lm_head, QuantLinear) and self.embed.weight is self.lm_head.parts[0]
+        )
         return {"linear": linear, "embedding": 0 if shared else self.embed.weight_bytes}
 
     @torch.inference_mode()

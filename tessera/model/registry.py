@@ -83,7 +83,8 @@ def traits(architecture: str) -> ArchTraits:
 
 
 def has_qkv_bias(architecture: str) -> bool:
-    """Whether the architecture's q/k/v projections carry a bias (ModelArchConfig.attention_bias)."""
+    """Whether the architecture's q/k/v projections carry a bias
+    (ModelArchConfig.attention_bias)."""
     return traits(architecture).qkv_bias
 
 

@@ -143,7 +143,8 @@ class DraftWalk:
         return _DraftRow(self, j)  # type: ignore[return-value]
 
     def seek(self, j: int) -> bool:
-        """Bring the matcher to the state after drafts[:j]; False if a draft before j was refused."""
+        """Bring the matcher to the state after drafts[:j]; False if a draft before j was
+        refused."""
         if j < self.pos:
             self.restore()
         matcher = self.state.matcher

@@ -22,7 +22,8 @@ filters work on the top 64 candidates and widen only for rows whose kept set may
 Seeds: a seeded row draws its uniforms from its own `torch.Generator` (one per sample), so its
 tokens depend only on its own logits and generator state, never on the batch. Unseeded rows share
 one draw from torch's default RNG for the device. Generators are never shared: each sequence of a
-seeded request has its own (the engine creates them, `LLMEngine._generator`). For `n > 1` the
+seeded request has its own (the runner's persistent batch creates them from the seed the
+scheduler sends, `InputBatch._generator`, tessera/worker/input_batch.py). For `n > 1` the
 first sequence's generator, seeded `seed`, draws all n first tokens at the fork (its row has
 `num_samples = n`); child k (1 <= k < n) then continues with its own generator seeded `seed + k`.
 """
@@ -357,7 +358,8 @@ def _apply_filters(cand: torch.Tensor, params: list[SamplingParams], vocab: int,
     # the mass above a tail token can round up to the total and would drop it.
     use_k = top_k <= k  # the top-k mass is the kept candidates' sum
     p_off = top_p >= 1
-    # with top-k off the total is the whole distribution's (row_mass); with K < top_k < vocab it is not
+    # with top-k off the total is the whole distribution's (row_mass); with K < top_k < vocab it is
+    # not
     # known from the candidates, so such a row resolves only once top-p is off or K reaches top_k
     whole = row_mass.to(top_p.dtype) if row_mass is not None else torch.ones_like(top_p)
     total = torch.where(use_k, kept.sum(dim=-1), whole)  # [T]

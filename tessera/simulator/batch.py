@@ -9,7 +9,8 @@ token. So a request ends exactly where the dataset says (or at `max_model_len`, 
 
 Speculative decoding plugs in here (tessera/simulator/spec_decode.py): with a
 `SpeculativeConfig`, the runner drafts k synthetic tokens for every request that sampled one
-(unless the running batch holds `disable_by_batch_size` requests or more), and when the scheduler schedules
+(unless the running batch holds `disable_by_batch_size` requests or more), and when the scheduler
+schedules
 them (`scheduled_spec_decode_tokens`) an `AcceptanceModel` says how many a verification step
 returns. A step with drafts and no acceptance model is an error rather than a silent guess.
 """
@@ -23,6 +24,7 @@ from typing import Protocol
 from tessera.config import SpeculativeConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
+from tessera.sequence import is_decode
 
 SYNTHETIC_TOKEN_ID = 1  # appended for every sampled token; requests run with ignore_eos
 
@@ -57,7 +59,7 @@ def batch_shape(reqs: Iterable[tuple[int, int]], swap_bytes: int = 0) -> BatchSh
         seqs += 1
         context += c + n
         pairs += n * c + n * (n + 1) // 2
-        if n == 1 and c > 0:  # the runner's is_decode
+        if is_decode(n, c):
             decode += 1
         else:
             prefill += n

@@ -40,7 +40,7 @@ _NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", *_PLACEMENT
 
 def add_simulate_parser(subparsers) -> None:
     from tessera.bench.config import add_arrival_args, add_dataset_args
-    from tessera.entrypoints.cli import add_engine_args
+    from tessera.engine.arg_utils import add_engine_args
     from tessera.simulator.specs import hardware_names, model_config_names
 
     p = subparsers.add_parser(
@@ -153,13 +153,16 @@ def make_cost_model(args: argparse.Namespace):
 
 def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, int, int]:
     """The engine config and KV pool sizes the server would have with these flags."""
-    from tessera.entrypoints.cli import engine_args_from
+    from tessera.engine.arg_utils import engine_args_from
 
     engine_args = dataclasses.replace(engine_args_from(args), dtype=cost_model.dtype, device="meta")
     config = engine_args.create_engine_config(
         cost_model.max_model_len, sliding_window=getattr(cost_model, "sliding_window", None))
     block_bytes = cost_model.geometry.block_bytes(config.cache.block_size)
-    num_gpu = config.cache.num_gpu_blocks_override or int(config.cache.kv_cache_space * GiB) // block_bytes
+    num_gpu = (
+        config.cache.num_gpu_blocks_override
+        or int(config.cache.kv_cache_space * GiB) // block_bytes
+    )
     num_cpu = int(config.cache.swap_space * GiB) // block_bytes
     if num_gpu < 1:
         raise ValueError(f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
@@ -170,38 +173,13 @@ def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, in
     return config, num_gpu, num_cpu
 
 
-def sim_requests(samples, request_rate: float, burstiness: float, seed: int):
-    """Samples at bench serve's arrival times; synthetic distinct prompt ids when a sample has
-    none (then no two prompts share a prefix)."""
-    from tessera.bench.client import arrival_times
-    from tessera.simulator.simulator import SimRequest
-
-    offsets = arrival_times(len(samples), request_rate, burstiness, seed)
-    requests = []
-    for k, (sample, offset) in enumerate(zip(samples, offsets, strict=True)):
-        ids = sample.prompt_token_ids
-        prompt = list(ids) if ids is not None else [k + 1] * sample.prompt_len
-        requests.append(SimRequest(prompt, sample.max_tokens, float(offset)))
-    return requests
-
-
-def probe_request(requests):
-    """bench serve's test request before the trace: the first sample, at most 4 tokens
-    (tessera/bench/serve.py)."""
-    from tessera.simulator.simulator import SimRequest
-
-    if not requests:
-        return None
-    first = requests[0]
-    return SimRequest(first.prompt_token_ids, min(first.max_tokens, 4), 0.0)
-
-
 def run_point(args: argparse.Namespace, samples, request_rate: float,
               include_requests: bool = True) -> dict:
     """One simulation with the flags in `args`: the result JSON (bench serve's, plus timeline)."""
     from tessera.bench.report import json_rate, parse_goodput
     from tessera.simulator.report import simulation_json
     from tessera.simulator.simulator import Simulator
+    from tessera.simulator.workload import probe_request, sim_requests
 
     cost_model = make_cost_model(args)
     config, num_gpu, num_cpu = engine_setup(args, cost_model)
@@ -239,15 +217,17 @@ def run_point(args: argparse.Namespace, samples, request_rate: float,
 
 
 def _dashboard_frames(args: argparse.Namespace, sim, cost_model):
-    """The dashboard's frame recorder when --dashboard-file asks for one (simulator/dashboard.py)."""
+    """The dashboard's frame recorder when --dashboard-file asks for one
+    (simulator/dashboard.py)."""
     if not getattr(args, "dashboard_file", None):
         return None
     from tessera.simulator.dashboard import DashboardFrames
     from tessera.simulator.simulator import Simulator
 
     if not isinstance(sim, Simulator):
-        raise ValueError("--dashboard-file shows one engine; a simulated P/D pair "
-                         "(--kv-transfer-config) has two")
+        raise ValueError(
+            "--dashboard-file shows one engine; a simulated P/D pair (--kv-transfer-config) has two"
+        )
     d = cost_model.describe()
     name = d.get("model_config") or d.get("model") or d["cost_model"]
     if d.get("hardware"):
@@ -265,35 +245,48 @@ def acceptance_model(args: argparse.Namespace, config: EngineConfig):
     spec = config.speculative
     if spec is None:
         if rate is not None or proposal != 1.0:
-            raise ValueError("--spec-acceptance-rate and --spec-proposal-rate need "
-                             "--speculative-config")
+            raise ValueError(
+                "--spec-acceptance-rate and --spec-proposal-rate need --speculative-config"
+            )
         return None
     if spec.method != "ngram":
-        raise ValueError(f"--speculative-config method {spec.method!r}: the simulator does not "
-                         "price draft-model passes; only ngram (whose proposals cost nothing)")
+        raise ValueError(
+            f"--speculative-config method {spec.method!r}: the simulator does not "
+            "price draft-model passes; only ngram (whose proposals cost nothing)"
+        )
     if rate is None:
-        raise ValueError("--speculative-config needs --spec-acceptance-rate (the server's "
-                         "tessera:spec_decode_num_accepted_tokens_total / "
-                         "tessera:spec_decode_num_draft_tokens_total)")
+        raise ValueError(
+            "--speculative-config needs --spec-acceptance-rate (the server's "
+            "tessera:spec_decode_num_accepted_tokens_total / "
+            "tessera:spec_decode_num_draft_tokens_total)"
+        )
     return GeometricAcceptance(rate, spec.num_speculative_tokens, proposal, args.seed)
 
 
 def _engine_json(config: EngineConfig) -> dict:
     s, c = config.scheduler, config.cache
-    return {"max_model_len": s.max_model_len, "max_num_batched_tokens": s.max_num_batched_tokens,
-            "max_num_seqs": s.max_num_seqs, "enable_chunked_prefill": s.enable_chunked_prefill,
-            "preemption_mode": s.preemption_mode.value if s.preemption_mode else None,
-            "scheduling_policy": s.scheduling_policy.value, "block_size": c.block_size,
-            "enable_prefix_caching": c.enable_prefix_caching, "swap_space": c.swap_space,
-            "kv_cache_space": c.kv_cache_space, "dtype": config.model.dtype,
-            "tensor_parallel_size": config.parallel.tensor_parallel_size,
-            "speculative_config": (dataclasses.asdict(config.speculative)
-                                   if config.speculative else None)}
+    return {
+        "max_model_len": s.max_model_len,
+        "max_num_batched_tokens": s.max_num_batched_tokens,
+        "max_num_seqs": s.max_num_seqs,
+        "enable_chunked_prefill": s.enable_chunked_prefill,
+        "preemption_mode": s.preemption_mode.value if s.preemption_mode else None,
+        "scheduling_policy": s.scheduling_policy.value,
+        "block_size": c.block_size,
+        "enable_prefix_caching": c.enable_prefix_caching,
+        "swap_space": c.swap_space,
+        "kv_cache_space": c.kv_cache_space,
+        "dtype": config.model.dtype,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "speculative_config": (
+            dataclasses.asdict(config.speculative) if config.speculative else None
+        ),
+    }
 
 
 def setting_args(args: argparse.Namespace, setting: str) -> argparse.Namespace:
     """`args` with the engine flags of one sweep setting laid over them."""
-    from tessera.entrypoints.cli import add_engine_args
+    from tessera.engine.arg_utils import add_engine_args
 
     parser = argparse.ArgumentParser(prog="--settings", add_help=False, exit_on_error=False)
     add_engine_args(parser, exclude=_NOT_SIMULATED)
@@ -314,11 +307,20 @@ def run_sweep(args: argparse.Namespace, samples) -> dict:
             data = run_point(point_args, samples, rate, include_requests=False)
             label = setting.strip() or "default"
             m = data["metrics"]
-            print(f"{label:<40} rate {rate:>6g}: {m['request_throughput']:7.2f} req/s, "
-                  f"p99 TPOT {m['p99_tpot_ms']:8.1f} ms, p99 ITL {m['p99_itl_ms']:8.1f} ms, "
-                  f"preemptions {m['num_preemptions']}", flush=True)
-            points.append({"setting": label, "request_rate": json_rate(rate),
-                           "metrics": m, "config": data["config"]})
+            print(
+                f"{label:<40} rate {rate:>6g}: {m['request_throughput']:7.2f} req/s, "
+                f"p99 TPOT {m['p99_tpot_ms']:8.1f} ms, p99 ITL {m['p99_itl_ms']:8.1f} ms, "
+                f"preemptions {m['num_preemptions']}",
+                flush=True,
+            )
+            points.append(
+                {
+                    "setting": label,
+                    "request_rate": json_rate(rate),
+                    "metrics": m,
+                    "config": data["config"],
+                }
+            )
     return {"dataset": args.dataset, "num_prompts": len(samples), "points": points}
 
 
@@ -362,8 +364,10 @@ def simulate_main(args: argparse.Namespace) -> int:
     m = data["metrics"]
     if not args.quiet:
         print(format_table(m))
-        print(f"preemptions: {m['num_preemptions']}, steps: {m['num_steps']}, simulated in "
-              f"{m['wall_time_s']:.2f} s ({m['simulated_requests_per_wall_s']:.0f} requests/s)")
+        print(
+            f"preemptions: {m['num_preemptions']}, steps: {m['num_steps']}, simulated in "
+            f"{m['wall_time_s']:.2f} s ({m['simulated_requests_per_wall_s']:.0f} requests/s)"
+        )
     if args.result_file:
         save_json(args.result_file, data)
     if args.plot_file:
@@ -374,30 +378,44 @@ def simulate_main(args: argparse.Namespace) -> int:
         from tessera.simulator.report import plot_timeline
 
         c = data["config"]
-        plot_timeline(args.timeline_file, data["timeline"],
-                      title=f"{c['cost_model']}: {c['dataset']}, rate {c['request_rate']}")
+        plot_timeline(
+            args.timeline_file,
+            data["timeline"],
+            title=f"{c['cost_model']}: {c['dataset']}, rate {c['request_rate']}",
+        )
     return 0
 
 
 def calibrate_main(args: argparse.Namespace) -> int:
-    from tessera.entrypoints.cli import engine_args_from
+    from tessera.engine.arg_utils import engine_args_from
     from tessera.simulator.calibrate import calibrate
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for flag, value, least in (("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1),
-                               ("--serving-requests", args.serving_requests, 0),
-                               ("--serving-runs", args.serving_runs, 1),
-                               ("--serving-request-rate", args.serving_request_rate, 1e-9)):
+    for flag, value, least in (
+        ("--repeats", args.repeats, 1),
+        ("--rounds", args.rounds, 1),
+        ("--serving-requests", args.serving_requests, 0),
+        ("--serving-runs", args.serving_runs, 1),
+        ("--serving-request-rate", args.serving_request_rate, 1e-9),
+    ):
         if value < least:
             args.parser.error(f"{flag} must be >= {least}, got {value}")
     try:
-        profile = calibrate(engine_args_from(args), grid=args.grid, repeats=args.repeats,
-                            output=args.output, serving_requests=args.serving_requests,
-                            rounds=args.rounds, serving_runs=args.serving_runs,
-                            serving_request_rate=args.serving_request_rate)
+        profile = calibrate(
+            engine_args_from(args),
+            grid=args.grid,
+            repeats=args.repeats,
+            output=args.output,
+            serving_requests=args.serving_requests,
+            rounds=args.rounds,
+            serving_runs=args.serving_runs,
+            serving_request_rate=args.serving_request_rate,
+        )
     except ValueError as e:
         args.parser.error(str(e))
     fit = profile["fit"]
-    print(f"wrote {args.output}: {len(profile['grid'])} shapes, relative RMS error "
-          f"{100 * fit['relative_rms_error']:.1f}%, worst {100 * fit['max_relative_error']:.1f}%")
+    print(
+        f"wrote {args.output}: {len(profile['grid'])} shapes, relative RMS error "
+        f"{100 * fit['relative_rms_error']:.1f}%, worst {100 * fit['max_relative_error']:.1f}%"
+    )
     return 0

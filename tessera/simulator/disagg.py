@@ -30,8 +30,6 @@ from tessera.config import EngineConfig
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.runner_output import KVTransferStats
 from tessera.core.scheduler import Scheduler
-from tessera.sampling.params import SamplingParams
-from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 from tessera.simulator.batch import SyntheticRunner
 from tessera.simulator.cost_model import CostModel
 from tessera.simulator.simulator import (
@@ -40,6 +38,7 @@ from tessera.simulator.simulator import (
     SimRequest,
     Timeline,
     VirtualClock,
+    sim_group,
 )
 
 
@@ -134,24 +133,9 @@ class DisaggSimulator:
                         records[int(out.request_id)].finished = p.free_at
             else:
                 for out in self._step(d, t):
-                    rec = records[int(out.request_id)]
-                    for delta in out.seqs:
-                        rec.token_times.extend([d.free_at] * len(delta.new_token_ids))
-                    if out.error is not None:
-                        rec.error = out.error
-                    if out.finished:
-                        rec.finished = d.free_at
-                        if out.metrics is not None:
-                            rec.first_scheduled = out.metrics.first_scheduled_time
+                    records[int(out.request_id)].record(out, d.free_at)
                 if record_timeline:
-                    s = d.scheduler
-                    tl.time.append(d.free_at)
-                    tl.num_waiting.append(len(s.waiting) + len(s.waiting_for_remote_kvs))
-                    tl.num_running.append(len(s.running))
-                    tl.num_swapped.append(len(s.swapped))
-                    tl.kv_usage.append(s.block_manager.gpu_usage())
-                    tl.batch_seqs.append(self._last_batch.num_seqs)
-                    tl.batch_tokens.append(self._last_batch.num_tokens)
+                    tl.sample(d.free_at, d.scheduler, self._last_batch)
         counters: dict[str, float] = {}
         for name, inst in (("prefill", p), ("decode", d)):
             s = inst.scheduler
@@ -171,11 +155,7 @@ class DisaggSimulator:
 
     def _add(self, inst: _Instance, k: int, req: SimRequest, arrival: float, max_tokens: int,
              params: dict | None) -> None:
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
-                            kv_transfer_params=params)
-        inst.scheduler.add_seq_group(SequenceGroup(
-            request_id=str(k), seqs=[Sequence(new_seq_id(), list(req.prompt_token_ids))],
-            sampling_params=sp, arrival_time=arrival))
+        inst.scheduler.add_seq_group(sim_group(str(k), req, arrival, max_tokens, params))
         inst.free_at = max(inst.free_at, arrival)  # an idle instance starts when work arrives
 
     def _step(self, inst: _Instance, start: float):

@@ -24,8 +24,14 @@ def request_results(outcome: SimOutcome) -> list[RequestResult]:
                                          error=rec.error or "did not finish"))
             continue
         if not times:  # finished without a token (cannot happen with ignore_eos, kept honest)
-            results.append(RequestResult(success=True, prompt_len=rec.prompt_len,
-                                         ttft=rec.finished - rec.sent, e2el=rec.finished - rec.sent))
+            results.append(
+                RequestResult(
+                    success=True,
+                    prompt_len=rec.prompt_len,
+                    ttft=rec.finished - rec.sent,
+                    e2el=rec.finished - rec.sent,
+                )
+            )
             continue
         itl = np.diff(np.asarray(times)).tolist() if len(times) > 1 else []
         results.append(RequestResult(success=True, prompt_len=rec.prompt_len,
@@ -67,8 +73,11 @@ def engine_means(outcome: SimOutcome, latency_s: float) -> dict[str, float]:
         prefill.append(rec.token_times[0] - rec.first_scheduled)
     if not ttft:
         return {}
-    return {"mean_ttft_ms": 1e3 * float(np.mean(ttft)), "mean_queue_ms": 1e3 * float(np.mean(queue)),
-            "mean_prefill_ms": 1e3 * float(np.mean(prefill))}
+    return {
+        "mean_ttft_ms": 1e3 * float(np.mean(ttft)),
+        "mean_queue_ms": 1e3 * float(np.mean(queue)),
+        "mean_prefill_ms": 1e3 * float(np.mean(prefill)),
+    }
 
 
 def plot_timeline(path: str, timeline: dict, title: str = "") -> None:

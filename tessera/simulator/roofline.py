@@ -56,7 +56,9 @@ class RooflineCostModel(CostModel):
                                                    hardware.link("tp_link"))
         self.kv_link = parse_link(hardware.kv_link, f"--hardware {hardware.name} kv_link")
         # one device's share (all of it at n = 1): KV geometry, FLOPs and bytes per rank
-        self.geometry = KVGeometry(model.num_layers, kv_heads, model.head_dim, DTYPE_BYTES[kv_dtype])
+        self.geometry = KVGeometry(
+            model.num_layers, kv_heads, model.head_dim, DTYPE_BYTES[kv_dtype]
+        )
         self.max_model_len = model.max_position_embeddings
         self.sliding_window = model.sliding_window
         self._flops = hardware.flops(dtype) * hardware.compute_efficiency * n  # n devices

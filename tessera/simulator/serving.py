@@ -30,7 +30,7 @@ Why steps and not the end metrics: an earlier version bisected two rates until t
 mean TPOT and TTFT of the calibration trace equalled the measured ones. Any error of the trace's
 means landed in the rates, and the per-prefill-token rate came out 0.2-0.27 ms in two of three
 calibrations, where the logged prefill steps showed none: every simulated TTFT was 11-30% high
-(docs/simulator.md, runs 8 and 9). Fitted to steps, TTFT and TPOT are predictions; the
+(docs/simulator.md). Fitted to steps, TTFT and TPOT are predictions; the
 calibration trace's means are reported beside the simulated ones as a check.
 """
 
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 # error on 2048-token prefill steps and came out 2-3x too high for a loaded-but-stable server)
 TRACE = {"dataset": "random", "random_input_len": 192, "random_output_len": 48,
          "random_range_ratio": 0.5, "num_prompts": 48}
-TRACE_RATE = 3.2  # 0.8 before session 13's fix: the server ran 2.3x slower per step
+TRACE_RATE = 3.2  # 0.8 while the server ran its steps off the loading thread, 2.3x slower
 
 
 def engine_flags(args: EngineArgs, skip: tuple[str, ...] = ()) -> list[str]:
@@ -210,10 +210,10 @@ def fit_serving(args: EngineArgs, profile: dict, samples, rate: float, real_runs
     trace `samples` sent at `rate`) and the serving rates (from their step logs), with the check
     that the simulation of the trace gives back its measured means."""
     from tessera.config import GiB
-    from tessera.simulator.cli import probe_request, sim_requests
     from tessera.simulator.cost_model import ProfiledCostModel
     from tessera.simulator.report import request_results
     from tessera.simulator.simulator import Simulator
+    from tessera.simulator.workload import probe_request, sim_requests
 
     real = median_run(real_runs)
     latency = statistics.median(request_latency(r) for r in real_runs)

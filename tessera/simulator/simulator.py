@@ -29,7 +29,7 @@ from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
-from tessera.simulator.batch import AcceptanceModel, SyntheticRunner
+from tessera.simulator.batch import AcceptanceModel, BatchShape, SyntheticRunner
 from tessera.simulator.cost_model import CostModel
 
 
@@ -56,6 +56,17 @@ class SimRequest:
     arrival_time: float  # seconds from the start (before any concurrency cap delays it)
 
 
+def sim_group(request_id: str, req: SimRequest, arrival: float, max_tokens: int | None = None,
+              kv_transfer_params: dict | None = None) -> SequenceGroup:
+    """A simulated request as the engine would hold it: greedy, EOS ignored (the tokens are
+    synthetic), `max_tokens` (the request's own unless given)."""
+    params = SamplingParams(max_tokens=req.max_tokens if max_tokens is None else max_tokens,
+                            ignore_eos=True, temperature=0.0, kv_transfer_params=kv_transfer_params)
+    return SequenceGroup(request_id=request_id,
+                         seqs=[Sequence(new_seq_id(), list(req.prompt_token_ids))],
+                         sampling_params=params, arrival_time=arrival)
+
+
 @dataclass
 class RequestRecord:
     """What the client of one request would have seen, in virtual seconds."""
@@ -66,6 +77,19 @@ class RequestRecord:
     finished: float | None = None
     first_scheduled: float | None = None  # engine clock, as the server's queue-time histogram
     error: str | None = None
+
+    def record(self, out: EngineCoreOutput, t: float) -> bool:
+        """A step's output for this request, ended at `t`; True if the request finished."""
+        for delta in out.seqs:
+            if delta.new_token_ids:
+                self.token_times.extend([t] * len(delta.new_token_ids))
+        if out.error is not None:
+            self.error = out.error
+        if out.finished:
+            self.finished = t
+            if out.metrics is not None:
+                self.first_scheduled = out.metrics.first_scheduled_time
+        return out.finished
 
 
 @dataclass
@@ -79,6 +103,17 @@ class Timeline:
     kv_usage: list[float] = field(default_factory=list)
     batch_seqs: list[int] = field(default_factory=list)
     batch_tokens: list[int] = field(default_factory=list)
+
+    def sample(self, t: float, sched: Scheduler, batch: BatchShape) -> None:
+        """One row: the queues after a step that ended at `t` (a request waiting for its
+        remote KV counts as waiting), and that step's batch."""
+        self.time.append(t)
+        self.num_waiting.append(len(sched.waiting) + len(sched.waiting_for_remote_kvs))
+        self.num_running.append(len(sched.running))
+        self.num_swapped.append(len(sched.swapped))
+        self.kv_usage.append(sched.block_manager.gpu_usage())
+        self.batch_seqs.append(batch.num_seqs)
+        self.batch_tokens.append(batch.num_tokens)
 
 
 @dataclass
@@ -133,11 +168,9 @@ class Simulator:
     def _run_probe(self, probe: SimRequest) -> float:
         """Run `probe` alone from time 0; the time it finished."""
         sched, clock = self.scheduler, self.clock
-        sched.add_seq_group(SequenceGroup(
-            request_id="probe", seqs=[Sequence(new_seq_id(), list(probe.prompt_token_ids))],
-            sampling_params=SamplingParams(max_tokens=probe.max_tokens, ignore_eos=True,
-                                           temperature=0.0),
-            arrival_time=clock.now + self.cost_model.request_latency_s))
+        sched.add_seq_group(
+            sim_group("probe", probe, clock.now + self.cost_model.request_latency_s)
+        )
         clock.now += self.cost_model.request_latency_s
         while sched.has_unfinished_seqs():
             out = sched.schedule()
@@ -175,11 +208,7 @@ class Simulator:
                 sent = sent_at(k)
                 records[k].sent = sent
                 # the engine sees the request `latency` after its send (HTTP, tokenizer)
-                sched.add_seq_group(SequenceGroup(
-                    request_id=str(k), seqs=[Sequence(new_seq_id(), list(req.prompt_token_ids))],
-                    sampling_params=SamplingParams(max_tokens=req.max_tokens, ignore_eos=True,
-                                                   temperature=0.0),
-                    arrival_time=sent + latency))
+                sched.add_seq_group(sim_group(str(k), req, sent + latency))
                 in_flight += 1
                 nxt += 1
             if not sched.has_unfinished_seqs():
@@ -196,27 +225,12 @@ class Simulator:
             if observer is not None:
                 observer.on_step(out, core_outputs, t - dt, t)
             for core in core_outputs:
-                rec = by_id[core.request_id]
-                for delta in core.seqs:
-                    if delta.new_token_ids:
-                        rec.token_times.extend([t] * len(delta.new_token_ids))
-                if core.error is not None:
-                    rec.error = core.error
-                if core.finished:
-                    rec.finished = t
-                    if core.metrics is not None:
-                        rec.first_scheduled = core.metrics.first_scheduled_time
+                if by_id[core.request_id].record(core, t):
                     if cap is not None and in_flight == cap:
                         room_since = t
                     in_flight -= 1
             if record_timeline:
-                tl.time.append(t)
-                tl.num_waiting.append(len(sched.waiting))
-                tl.num_running.append(len(sched.running))
-                tl.num_swapped.append(len(sched.swapped))
-                tl.kv_usage.append(sched.block_manager.gpu_usage())
-                tl.batch_seqs.append(batch.num_seqs)
-                tl.batch_tokens.append(batch.num_tokens)
+                tl.sample(t, sched, batch)
             if dt == 0.0 and not core_outputs:
                 idle_steps += 1  # nothing ran and nothing changed: only an arrival can help
                 if nxt < len(order):

@@ -76,4 +76,6 @@ class GeometricAcceptance:
     def mean_tokens_returned(self, num_draft_tokens: int) -> float:
         """E[tokens per verification step] for k drafts."""
         a = self.alpha
-        return float(num_draft_tokens + 1) if a >= 1.0 else (1 - a ** (num_draft_tokens + 1)) / (1 - a)
+        return (
+            float(num_draft_tokens + 1) if a >= 1.0 else (1 - a ** (num_draft_tokens + 1)) / (1 - a)
+        )

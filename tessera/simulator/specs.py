@@ -24,7 +24,9 @@ def _data():
 
 
 def hardware_names() -> list[str]:
-    return sorted(k for k in json.loads(_data().joinpath("hardware.json").read_text()) if k[0] != "_")
+    return sorted(
+        k for k in json.loads(_data().joinpath("hardware.json").read_text()) if k[0] != "_"
+    )
 
 
 def model_config_names() -> list[str]:
@@ -179,4 +181,6 @@ def load_model_config(name_or_path: str) -> ModelSpec:
             sliding_window=_uniform_window(config),
         )
     except KeyError as e:
-        raise ValueError(f"--model-config {name_or_path}: config.json lacks {e.args[0]!r}") from None
+        raise ValueError(
+            f"--model-config {name_or_path}: config.json lacks {e.args[0]!r}"
+        ) from None

@@ -1,6 +1,7 @@
 """The KV tensors: a device pool and a CPU swap pool, and the block moves the scheduler asks for.
 
-Both pools are one tensor each, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, so
+Both pools are one tensor each, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`,
+so
 `kv_caches[layer] = (K, V)` are views and a swap or copy of any set of blocks is a single batched
 index operation over all layers (no Python loop per block, nor per layer). Decides nothing: it
 applies the block-id mappings in a `SchedulerOutput`.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import GiB, resolve_kv_cache_dtype
+from tessera.model.config import ModelArchConfig
 from tessera.utils import kv_bytes_per_token
 
 
@@ -42,8 +44,17 @@ class KVCacheSpec:
         return int(gib * GiB) // self.block_bytes
 
 
+def kv_cache_spec(arch: ModelArchConfig, config, num_kv_heads: int) -> KVCacheSpec:
+    """The KV cache of one worker: `num_kv_heads` are its own (a tensor-parallel rank's)."""
+    return KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=num_kv_heads,
+                       head_dim=arch.head_dim, block_size=config.cache.block_size,
+                       dtype=kv_cache_torch_dtype(config))
+
+
 class CacheEngine:
-    def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device):
+    def __init__(
+        self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device
+    ):
         self.spec = spec
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
@@ -58,7 +69,10 @@ class CacheEngine:
         # empty, not zeros: a swap block is read only after swap_out wrote it, and untouched pages
         # are not resident, so an idle engine does not hold its whole --swap-space in RAM
         self.cpu_cache = torch.empty(
-            shape[:2] + (num_cpu_blocks,) + shape[3:], dtype=spec.dtype, device="cpu", pin_memory=pin
+            shape[:2] + (num_cpu_blocks,) + shape[3:],
+            dtype=spec.dtype,
+            device="cpu",
+            pin_memory=pin,
         )
 
     @property
@@ -80,7 +94,8 @@ class CacheEngine:
             self.cpu_cache.index_copy_(2, dst, self.gpu_cache.index_select(2, src).to("cpu"))
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Device block copies (copy-on-write). Sources are read before any destination is written."""
+        """Device block copies (copy-on-write). Sources are read before any destination is
+        written."""
         if pairs:
             src = self._ids((s for s, _ in pairs), self.device)
             dst = self._ids((d for _, d in pairs), self.device)

@@ -73,7 +73,7 @@ class InputBatch:
             generator = old.generator if old is not None else self._generator(new.seed)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
+                prompt_token_ids=list(new.prompt_token_ids),  # the runner's own copies
                 output_token_ids=list(new.output_token_ids),
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),

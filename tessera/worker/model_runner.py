@@ -15,7 +15,8 @@ last token and the k drafts as k + 1 new tokens of the same flat batch (to atten
 continues a cached context), with logits at all k + 1 positions; the sampler draws at each, and
 the request keeps the drafts the draws confirm plus one (tessera/sampling/rejection_sampler.py).
 Draft-model drafts of requests that sample are verified instead by the general rejection rule
-against the draft's own distribution (tessera/worker/spec_decode/verify.py). A constrained request's rows are masked
+against the draft's own distribution (tessera/worker/spec_decode/verify.py). A constrained
+request's rows are masked
 by its grammar walked through the drafts (`DraftWalk`, rolled back after sampling).
 LoRA (--enable-lora): the decodes, and the prompt chunks, are ordered by adapter, so each
 adapter's rows are contiguous; the `LoRAManager` turns the rows' adapters into the step's
@@ -332,7 +333,9 @@ class ModelRunner:
         rejection rule verifies (their emitted tokens, by req_id)."""
         if general:
             skip = [i for a, b in general.values() for i in range(a, b)]
-            emitted = verify_general(self.draft_proposer, self.requests, general, logits, rows, spec)
+            emitted = verify_general(
+                self.draft_proposer, self.requests, general, logits, rows, spec
+            )
             skipped = set(skip)
             keep = [i for i in range(len(rows)) if i not in skipped]
             drawn = self.sampler(logits[keep], [rows[i] for i in keep]).samples
@@ -372,7 +375,9 @@ class ModelRunner:
             result.sampled_token_ids.append([t.token_id for t in toks])
             result.logprobs.append([t.top_logprobs or {t.token_id: t.logprob} for t in toks])
 
-    def _propose(self, num_reqs: int, num_samples: dict[str, int], result: ModelRunnerOutput) -> None:
+    def _propose(
+        self, num_reqs: int, num_samples: dict[str, int], result: ModelRunnerOutput
+    ) -> None:
         """Drafts for the next step of every request that sampled one token this step (none while
         the running batch is at or above `disable_by_batch_size`: verifying there only costs)."""
         assert self.speculative_config is not None

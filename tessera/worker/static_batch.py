@@ -64,7 +64,9 @@ class StaticBatch:
         inp = runner.prepare_input(self.message(seqs))
         h = runner.model.forward(inp.input_ids, inp.positions, runner.cache_engine.kv_caches,
                                  inp.attn_metadata)
-        return runner.model.compute_logits(h if all_positions else h.index_select(0, inp.logits_indices))
+        return runner.model.compute_logits(
+            h if all_positions else h.index_select(0, inp.logits_indices)
+        )
 
     @staticmethod
     def advance(seqs: list[StaticSeq], next_ids: list[int]) -> None:

@@ -185,11 +185,10 @@ def _serve(launch: WorkerLaunch, conn) -> int:
 def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torch.device):
     """Load this rank's shard (each tensor cut while it is read) and build its runner over its
     shard of the KV cache."""
-    from tessera.engine.loading import kv_cache_spec
     from tessera.model.loader import load_model, read_model_config, weight_quantization
     from tessera.model.registry import get_model_class
     from tessera.sampling.grammar import GrammarBackend
-    from tessera.worker.cache_engine import CacheEngine
+    from tessera.worker.cache_engine import CacheEngine, kv_cache_spec
     from tessera.worker.model_runner import ModelRunner
 
     args = init.engine_args

@@ -1,4 +1,5 @@
-"""--kv-cache-dtype: the KV cache stored in another dtype than the compute dtype (bf16 K/V beside fp32
+"""--kv-cache-dtype: the KV cache stored in another dtype than the compute dtype (bf16 K/V beside
+fp32
 activations), and everything that holds or moves KV following it: the device and swap pools, their
 sizing from --kv-cache-space, preemption by swap, prefix caching, chunked prefill, the draft model's
 cache. Greedy output with a bf16 cache stays invariant under batching/chunking/caching/preemption
@@ -108,7 +109,8 @@ PROMPTS = [
 @pytest.mark.heavy  # ~90 s on two busy cores: over the default suite's budget
 def test_bf16_cache_greedy_matches_hf_fp32(make_llm, hf_model, default_tokenizer, kernels_built):
     """fp32 compute over a bf16 cache against HF fp32 on the same weights: identical tokens, or a
-    first difference at a near-tie (the rule of tests/greedy_reference.py), on at most one prompt."""
+    first difference at a near-tie (the rule of tests/greedy_reference.py), on at most one
+    prompt."""
     from greedy_reference import check_greedy, hf_greedy
 
     llm = make_llm(kv_cache_dtype="bfloat16")

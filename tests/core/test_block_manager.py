@@ -9,8 +9,8 @@ SWAPPED = SequenceStatus.SWAPPED
 
 
 def admit(bm, group):
-    bm.allocate(group)
-    for s in group.seqs:
+    for s, hit_tokens in zip(group.seqs, bm.allocate(group), strict=True):
+        s.num_computed_tokens = hit_tokens  # as the scheduler's set_progress does
         s.status = RUNNING
     return group.seqs[0]
 
@@ -103,7 +103,9 @@ def test_swap_maps_shared_blocks_once():
 
 
 def test_prefix_hit_skips_computed_blocks_and_counts_tokens():
-    bm = BlockManager(block_size=4, num_gpu_blocks=16, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True)
+    bm = BlockManager(
+        block_size=4, num_gpu_blocks=16, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True
+    )
     prompt = list(range(10))
     a = admit(bm, make_group("a", 0, prompt=prompt))
     compute(bm, a)
@@ -117,7 +119,9 @@ def test_prefix_hit_skips_computed_blocks_and_counts_tokens():
 
 
 def test_whole_prompt_hit_recomputes_last_block():
-    bm = BlockManager(block_size=4, num_gpu_blocks=16, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True)
+    bm = BlockManager(
+        block_size=4, num_gpu_blocks=16, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True
+    )
     prompt = list(range(8))
     a = admit(bm, make_group("a", 0, prompt=prompt))
     compute(bm, a)
@@ -130,7 +134,9 @@ def test_whole_prompt_hit_recomputes_last_block():
 
 
 def test_freed_cached_blocks_are_free_and_evicted_lru():
-    bm = BlockManager(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True)
+    bm = BlockManager(
+        block_size=4, num_gpu_blocks=4, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True
+    )
     old = admit(bm, make_group("old", 0, prompt=[1] * 4 + [2]))
     compute(bm, old)
     new = admit(bm, make_group("new", 0, prompt=[3] * 4 + [4]))

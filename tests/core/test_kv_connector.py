@@ -92,7 +92,7 @@ def test_consumer_waits_holding_blocks_without_blocking_others_then_decodes_from
     out = runner.step()
     assert out.num_scheduled_tokens == {"r": 1}  # only the last prompt token, to sample
     new = out.scheduled_new_reqs[0]
-    assert new.req_id == "r" and new.num_computed_tokens == 9 and new.block_ids == table
+    assert new.req_id == "r" and new.num_computed_tokens == 9 and list(new.block_ids) == table
     assert sched.num_prompt_tokens_total - prompt_before == 1
     runner.run()
     assert "r" in runner.finished
@@ -231,8 +231,9 @@ def test_bad_kv_transfer_params_name_the_key(params, key):
 
 def test_params_need_the_right_role():
     with pytest.raises(ValueError, match="do_remote_decode"):
-        check_kv_transfer_params({"do_remote_decode": True}, KVTransferConfig(kv_role="kv_consumer"),
-                                 8, BS)
+        check_kv_transfer_params(
+            {"do_remote_decode": True}, KVTransferConfig(kv_role="kv_consumer"), 8, BS
+        )
     with pytest.raises(ValueError, match="kv-transfer-config"):
         check_kv_transfer_params({"do_remote_decode": True}, None, 8, BS)
 

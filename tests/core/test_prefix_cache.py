@@ -74,8 +74,9 @@ def new_bm() -> BlockManager:
 
 def admit(bm: BlockManager, req_id: str, prompt: list[int]):
     group = make_group(req_id, 0, prompt=prompt)
-    bm.allocate(group)
+    (hit_tokens,) = bm.allocate(group)
     seq = group.seqs[0]
+    seq.num_computed_tokens = hit_tokens  # as the scheduler's set_progress does
     seq.status = SequenceStatus.RUNNING
     bm.check_integrity()
     return seq

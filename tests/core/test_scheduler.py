@@ -1,4 +1,4 @@
-"""Hand-written traces, one per scheduling rule of issue 3."""
+"""Hand-written traces, one per scheduling rule."""
 
 from core_fakes import FakeRunner, make_group, make_scheduler, samples_this_step, scheduled_tokens
 
@@ -22,9 +22,29 @@ def test_fcfs_admits_in_arrival_order_whole_prompts():
     assert scheduled_tokens(out) == {"r0": 30, "r1": 30}  # r2 does not fit the 4 tokens left
     assert ids(sched.running) == ["r0", "r1"] and ids(sched.waiting) == ["r2"]
     assert [r.req_id for r in out.scheduled_new_reqs] == ["r0", "r1"]
-    assert out.scheduled_new_reqs[0].prompt_token_ids == sched.running[0].prompt_token_ids
+    assert list(out.scheduled_new_reqs[0].prompt_token_ids) == sched.running[0].prompt_token_ids
     assert out.total_num_scheduled_tokens == 60
     assert sched.running[0].first_scheduled_time is not None
+
+
+def test_new_request_messages_carry_data_not_the_schedulers_objects():
+    """What the runner is sent cannot change the scheduler's request, nor the reverse."""
+    import dataclasses
+
+    import pytest
+
+    sched = make_scheduler()
+    sched.add_seq_group(make_group("a", 5, max_tokens=3))
+    new = sched.schedule().scheduled_new_reqs[0]
+    group = sched.running[0]
+    assert isinstance(new.prompt_token_ids, tuple) and isinstance(new.block_ids, tuple)
+    assert isinstance(new.output_token_ids, tuple)
+    assert new.sampling_params == group.sampling_params
+    assert new.sampling_params is not group.sampling_params
+    new.sampling_params.stop_token_ids.append(7)
+    assert 7 not in group.sampling_params.stop_token_ids
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.block_ids = ()  # type: ignore[misc]
 
 
 def test_decode_after_prefill_and_finish_frees_blocks():
@@ -41,12 +61,18 @@ def test_decode_after_prefill_and_finish_frees_blocks():
     sched.block_manager.check_integrity()
 
 
-def _three_running(mode=None, num_cpu_blocks=64, priority=False, priorities=(0, 0, 0), order=("r0", "r1", "r2")):
+def _three_running(
+    mode=None, num_cpu_blocks=64, priority=False, priorities=(0, 0, 0), order=("r0", "r1", "r2")
+):
     # 6 blocks of 4: three 8-token prompts fill them; the next decode needs a 7th block
-    sched = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=num_cpu_blocks, mode=mode, priority=priority)
+    sched = make_scheduler(
+        num_gpu_blocks=6, num_cpu_blocks=num_cpu_blocks, mode=mode, priority=priority
+    )
     runner = FakeRunner(sched)
     for i in range(3):
-        sched.add_seq_group(make_group(f"r{i}", 8, arrival=i, priority=priorities[i], max_tokens=10))
+        sched.add_seq_group(
+            make_group(f"r{i}", 8, arrival=i, priority=priorities[i], max_tokens=10)
+        )
     runner.step()
     assert ids(sched.running) == list(order)
     return sched, runner
@@ -125,8 +151,10 @@ def test_swap_out_swapped_then_swap_in():
     assert ids(sched.running) == ["pair"] and scheduled_tokens(out) == {"pair": 2}
     # swapped-in streams come back to the runner whole, on their new device blocks
     assert sorted(r.req_id for r in out.scheduled_new_reqs) == ["1_pair", "pair"]
-    assert all(set(r.block_ids) <= set(out.blocks_to_swap_in.values()) | {b for _, b in out.blocks_to_copy}
-               for r in out.scheduled_new_reqs)
+    assert all(
+        set(r.block_ids) <= set(out.blocks_to_swap_in.values()) | {b for _, b in out.blocks_to_copy}
+        for r in out.scheduled_new_reqs
+    )
     sched.block_manager.check_integrity()
 
 
@@ -138,7 +166,9 @@ def test_swap_falls_back_to_recompute_when_cpu_pool_is_full():
             break
     assert out.preempted_request_ids == ["pair"] and out.num_swapped_out == 0
     assert ids(sched.waiting) == ["pair"] and not sched.swapped
-    assert all(s.status is WAITING and s.num_computed_tokens == 0 for s in sched.waiting.peek().seqs)
+    assert all(
+        s.status is WAITING and s.num_computed_tokens == 0 for s in sched.waiting.peek().seqs
+    )
     sched.block_manager.check_integrity()
 
 
@@ -209,8 +239,9 @@ def test_prefix_hits_skip_computation():
 
 def test_priority_preempts_running_tail():
     # running sorted by (priority, arrival): the tail is the worst
-    sched, runner = _three_running(mode=PreemptionMode.RECOMPUTE, priority=True, priorities=(0, 5, 3),
-                                  order=("r0", "r2", "r1"))
+    sched, runner = _three_running(
+        mode=PreemptionMode.RECOMPUTE, priority=True, priorities=(0, 5, 3), order=("r0", "r2", "r1")
+    )
     sched.add_seq_group(make_group("vip", 8, priority=1, arrival=20))
     sched.add_seq_group(make_group("low", 4, priority=9, arrival=21))
     out = runner.step()

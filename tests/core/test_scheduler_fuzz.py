@@ -224,7 +224,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add_request(self, prompt_len, shared, max_tokens, n, prio, kv, lora):
         req_id = f"r{len(self.groups)}"
         shared = min(shared, prompt_len)
-        prompt = COMMON_PREFIX[:shared] + [len(self.groups) * 64 + i for i in range(prompt_len - shared)]
+        prompt = COMMON_PREFIX[:shared] + [
+            len(self.groups) * 64 + i for i in range(prompt_len - shared)
+        ]
         group = make_group(req_id, 0, prompt=prompt, n=n, max_tokens=max_tokens,
                            arrival=float(len(self.groups)), priority=prio)
         if self.max_loras is not None and lora:  # a LoRA adapter (--max-loras): no remote KV
@@ -234,9 +236,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             kv = None
         if kv == "pull" and n == 1:  # its prompt's KV comes from a peer
             group.sampling_params.kv_transfer_params = {
-                "do_remote_prefill": True, "remote_host": "peer", "remote_port": 1,
-                "remote_block_ids": list(range(cdiv(prompt_len, self.sched.block_manager.block_size))),
-                "remote_engine_id": "peer", "remote_request_id": req_id}
+                "do_remote_prefill": True,
+                "remote_host": "peer",
+                "remote_port": 1,
+                "remote_block_ids": list(
+                    range(cdiv(prompt_len, self.sched.block_manager.block_size))
+                ),
+                "remote_engine_id": "peer",
+                "remote_request_id": req_id,
+            }
         elif kv == "serve" and n == 1:  # its blocks wait for a peer once it finishes
             group.sampling_params.kv_transfer_params = {"do_remote_decode": True}
         self.groups.append(group)

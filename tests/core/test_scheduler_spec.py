@@ -41,8 +41,12 @@ def test_drafts_are_scheduled_counted_and_advance_by_accepted():
     assert seq.get_len() == 9 and seq.num_computed_tokens == 8
     assert seq.output_token_ids[1] == 7
     m = sched
-    assert (m.num_spec_drafts_total, m.num_spec_draft_tokens_total,
-            m.num_spec_accepted_tokens_total, m.num_spec_accepted_tokens_per_pos) == (1, 3, 1, [1, 0, 0])
+    assert (
+        m.num_spec_drafts_total,
+        m.num_spec_draft_tokens_total,
+        m.num_spec_accepted_tokens_total,
+        m.num_spec_accepted_tokens_per_pos,
+    ) == (1, 3, 1, [1, 0, 0])
     out = runner.step()  # position 8 onward: the rejected drafts' slots are written again
     assert out.num_scheduled_tokens == {"r": 4}
     assert len(sched.block_manager.get_block_table(seq)) == 3  # 8..11 fit block 2: no growth
@@ -71,7 +75,10 @@ def test_drafts_never_pass_max_tokens_max_model_len_or_the_budget():
     out = runner.step()
     assert out.total_num_scheduled_tokens <= 64
     # drafts leave one token of budget for each later decode
-    assert all(n >= 1 for n in out.num_scheduled_tokens.values()) and len(out.num_scheduled_tokens) == 3
+    assert (
+        all(n >= 1 for n in out.num_scheduled_tokens.values())
+        and len(out.num_scheduled_tokens) == 3
+    )
 
 
 def test_drafts_are_dropped_rather_than_preempt():

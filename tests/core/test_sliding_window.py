@@ -23,7 +23,10 @@ def test_release_keeps_the_window_and_frees_the_rest():
     assert bm.gpu.num_free == 11  # 5 blocks for 20 tokens
     seq.num_computed_tokens = 20  # next query at 20 sees keys 15..20: blocks 3 and 4
     assert bm.release_out_of_window(seq) == 3
-    assert bm.get_block_table(seq)[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in bm.get_block_table(seq)[3:]
+    assert (
+        bm.get_block_table(seq)[:3] == [NULL_BLOCK] * 3
+        and NULL_BLOCK not in bm.get_block_table(seq)[3:]
+    )
     assert bm.gpu.num_free == 14 and bm.num_live_blocks(seq) == 2
     assert bm.release_out_of_window(seq) == 0  # idempotent
     bm.check_integrity()
@@ -69,17 +72,30 @@ def _check_window_is_live(scheduler, runner: FakeRunner) -> None:
             assert held[first : len(table)] == window
 
 
-@pytest.mark.parametrize("setting", [
-    {"mode": PreemptionMode.SWAP}, {"mode": PreemptionMode.RECOMPUTE},
-    {"prefix": True}, {"chunked": True, "max_num_batched_tokens": 8},
-], ids=["swap", "recompute", "prefix", "chunked"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"mode": PreemptionMode.SWAP},
+        {"mode": PreemptionMode.RECOMPUTE},
+        {"prefix": True},
+        {"chunked": True, "max_num_batched_tokens": 8},
+    ],
+    ids=["swap", "recompute", "prefix", "chunked"],
+)
 def test_scheduling_with_a_window(setting):
-    scheduler = make_scheduler(block_size=BS, num_gpu_blocks=9, num_cpu_blocks=32,
-                               max_model_len=48, sliding_window=WINDOW, **setting)
+    scheduler = make_scheduler(
+        block_size=BS,
+        num_gpu_blocks=9,
+        num_cpu_blocks=32,
+        max_model_len=48,
+        sliding_window=WINDOW,
+        **setting,
+    )
     shared = list(range(500, 516))  # prefix-cache hits across requests
     for i in range(6):
-        scheduler.add_seq_group(make_group(f"r{i}", 0, max_tokens=24,
-                                           prompt=shared + [i] * (i + 1)))
+        scheduler.add_seq_group(
+            make_group(f"r{i}", 0, max_tokens=24, prompt=shared + [i] * (i + 1))
+        )
     runner = FakeRunner(scheduler)
     steps = 0
     while scheduler.has_unfinished_seqs():

@@ -1,6 +1,6 @@
 """The shard plan, without processes: every rank's slices put back together are the whole tensor
-(dense, and GGUF blocks bit for bit), KV heads split or replicated as the issue says, and an
-unshardable size is refused before any weight is read, naming the numbers."""
+(dense, and GGUF blocks bit for bit), KV heads split or replicated as docs/tensor_parallel.md says,
+and an unshardable size is refused before any weight is read, naming the numbers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from quant_weights import random_weight
 
 from tessera.config import EngineArgs, ParallelConfig
-from tessera.distributed.sharding import ShardPlan, check_shardable, shard_quantized
+from tessera.distributed.sharding import ShardPlan, check_shardable
 from tessera.entrypoints.cli import build_parser, engine_args_from
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import QuantizedTensor
@@ -66,20 +66,27 @@ def test_vocab_shards_of_an_uneven_vocabulary():
     assert plans[1].vocab_shard_size == 161  # the short last shard is padded for the gather
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q8_0,
-                                   gguf.GGMLQuantizationType.Q6_K])
+@pytest.mark.parametrize(
+    "qtype",
+    [
+        gguf.GGMLQuantizationType.Q4_1,
+        gguf.GGMLQuantizationType.Q4_K,
+        gguf.GGMLQuantizationType.Q8_0,
+        gguf.GGMLQuantizationType.Q6_K,
+    ],
+)
 def test_quantized_shards_are_whole_blocks_bit_for_bit(qtype):
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     w = random_weight(qtype, 96, 4 * 256)
     dense = w.dequantize()
     for dim, start, stop in [(0, 48, 96), (1, 256, 512), (1, 0, 512)]:
-        part = shard_quantized(w, dim, start, stop)
+        part = w.shard(dim, start, stop)
         assert isinstance(part, QuantizedTensor)  # whole blocks: still quantized
         ref = dense[start:stop] if dim == 0 else dense[:, start:stop]
         assert torch.equal(part.dequantize(), ref)
     if block == 32:  # off the 256-value grid but on the 32 one: still blocks
-        assert isinstance(shard_quantized(w, 1, 32, 96), QuantizedTensor)
-    off = shard_quantized(w, 1, 16, 80)  # off the grid: dequantized, same values
+        assert isinstance(w.shard(1, 32, 96), QuantizedTensor)
+    off = w.shard(1, 16, 80)  # off the grid: dequantized, same values
     assert isinstance(off, torch.Tensor) and torch.equal(off, dense[:, 16:80])
 
 
@@ -89,7 +96,10 @@ def test_quantized_shards_are_whole_blocks_bit_for_bit(qtype):
     (8, 8, 1537, 2, "intermediate_size (1537)"),
 ])
 def test_unshardable_sizes_are_refused_naming_the_numbers(heads, kv, inter, n, fragment):
-    with pytest.raises(ValueError, match=rf"--tensor-parallel-size {n}.*{fragment.replace('(', '[(]').replace(')', '[)]')}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"--tensor-parallel-size {n}.*{fragment.replace('(', '[(]').replace(')', '[)]')}",
+    ):
         check_shardable(heads, kv, inter, n)
 
 

@@ -96,7 +96,9 @@ def test_an_empty_pull_releases_the_blocks(pair):
     p_cache, d_cache, producer, consumer = pair
     producer.bind_connector_metadata(KVConnectorMetadata(reqs_to_send={"r": [3]}))
     before = d_cache.gpu_cache.clone()
-    consumer.bind_connector_metadata(KVConnectorMetadata(reqs_to_recv={"d": pull(producer, [], [])}))
+    consumer.bind_connector_metadata(
+        KVConnectorMetadata(reqs_to_recv={"d": pull(producer, [], [])})
+    )
     assert wait_finished(consumer) == (["d"], [])
     assert torch.equal(d_cache.gpu_cache, before)
     assert producer.get_finished()[0] == ["r"]

@@ -44,7 +44,10 @@ def make_bf16_llm(default_model_path):
 
 def test_bf16_greedy_is_invariant(make_bf16_llm):
     rng = np.random.default_rng(0)  # random-token prompts: near-tied logits are common
-    prompts = [{"prompt_token_ids": rng.integers(100, 49000, int(n)).tolist()} for n in rng.integers(150, 400, 6)]
+    prompts = [
+        {"prompt_token_ids": rng.integers(100, 49000, int(n)).tolist()}
+        for n in rng.integers(150, 400, 6)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def run(llm, batch=prompts):

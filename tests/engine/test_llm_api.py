@@ -40,13 +40,19 @@ def test_outputs_in_input_order_and_metrics(llm):
 
 
 def test_max_tokens_and_ignore_eos(llm):
-    out = llm.generate("The capital of France is", greedy(max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        "The capital of France is", greedy(max_tokens=40, ignore_eos=True), use_tqdm=False
+    )[0]
     c = out.outputs[0]
     assert len(c.token_ids) == 40 and c.finish_reason == "length"
 
 
 def test_eos_stops_and_min_tokens_defers_it(llm):
-    prompt = {"prompt_token_ids": llm.llm_engine.apply_chat_template([{"role": "user", "content": "Say hi."}])}
+    prompt = {
+        "prompt_token_ids": llm.llm_engine.apply_chat_template(
+            [{"role": "user", "content": "Say hi."}]
+        )
+    }
     free = llm.generate(prompt, greedy(max_tokens=200), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "stop" and len(free.token_ids) < 200  # ended by EOS
     n = len(free.token_ids) + 5
@@ -56,17 +62,27 @@ def test_eos_stops_and_min_tokens_defers_it(llm):
 
 def test_stop_string_is_cut_unless_asked(llm):
     prompt = "Count: 1, 2, 3, 4, 5,"
-    full = llm.generate(prompt, greedy(max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    full = (
+        llm.generate(prompt, greedy(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     stop = full.strip().split()[2]  # a string that occurs in the greedy text
     cut = llm.generate(prompt, greedy(max_tokens=20, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full[: full.index(stop)]
-    kept = llm.generate(prompt, greedy(max_tokens=20, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)
+    kept = llm.generate(
+        prompt, greedy(max_tokens=20, stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )
     assert kept[0].outputs[0].text == full[: full.index(stop) + len(stop)]
 
 
 def test_n_gives_distinct_samples(llm):
-    out = llm.generate("Tell me a story about", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16), use_tqdm=False)[0]
+    out = llm.generate(
+        "Tell me a story about",
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     texts = {tuple(c.token_ids) for c in out.outputs}
     assert len(texts) == 3
@@ -83,11 +99,17 @@ def test_seeded_sample_independent_of_batch(llm):
 
 def test_logprobs_match_reference_log_softmax(llm, hf_model):
     prompt = llm.get_tokenizer().encode("The capital of France is")
-    out = llm.generate({"prompt_token_ids": prompt}, greedy(max_tokens=6, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        greedy(max_tokens=6, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     c = out.outputs[0]
     assert len(c.logprobs) == len(c.token_ids) == 6
     with torch.inference_mode():
-        ref = torch.log_softmax(hf_model(torch.tensor([prompt + c.token_ids])).logits[0].float(), -1)
+        ref = torch.log_softmax(
+            hf_model(torch.tensor([prompt + c.token_ids])).logits[0].float(), -1
+        )
     for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
         assert 3 <= len(lp) <= 4 and tok in lp
         assert abs(lp[tok] - ref[len(prompt) - 1 + i, tok].item()) < 1e-3
@@ -96,9 +118,15 @@ def test_logprobs_match_reference_log_softmax(llm, hf_model):
 
 
 def test_bad_sampling_params_name_the_field(llm):
-    for kwargs, field in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"),
-                          ({"logprobs": 2**31}, "logprobs"), ({"max_tokens": 0}, "max_tokens"),
-                          ({"seed": 2**64}, "seed"), ({"top_k": 2**70}, "top_k")]:
+    for kwargs, field in [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 2**31}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": 2**64}, "seed"),
+        ({"top_k": 2**70}, "top_k"),
+    ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
     # past --max-logprobs (default 20): refused by the engine, as vLLM does
@@ -119,7 +147,9 @@ def test_unknown_engine_argument_is_a_clear_error():
 
 
 def test_chat_uses_the_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is 2+2?"}], greedy(max_tokens=12), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is 2+2?"}], greedy(max_tokens=12), use_tqdm=False
+    )[0]
     assert out.outputs[0].text.strip()
     assert out.prompt_token_ids[:1] == llm.get_tokenizer().encode("<|im_start|>")
 
@@ -127,8 +157,12 @@ def test_chat_uses_the_template(llm):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_prompt_logprobs_match_reference(make_llm, llm, hf_model, chunked):
     engine = make_llm(enable_chunked_prefill=True, max_num_batched_tokens=8) if chunked else llm
-    prompt = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog near the river bank")
-    out = engine.generate({"prompt_token_ids": prompt}, greedy(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    prompt = llm.get_tokenizer().encode(
+        "The quick brown fox jumps over the lazy dog near the river bank"
+    )
+    out = engine.generate(
+        {"prompt_token_ids": prompt}, greedy(max_tokens=2, prompt_logprobs=1), use_tqdm=False
+    )[0]
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     with torch.inference_mode():
         ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)

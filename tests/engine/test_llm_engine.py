@@ -131,8 +131,12 @@ def test_counters_and_stop_strings_finish_through_the_scheduler():
 
 def test_delta_outputs_concatenate_to_the_final_one():
     engine = make_engine()
-    engine.add_request("d", "hello", SamplingParams(max_tokens=12, output_kind=RequestOutputKind.DELTA))
-    engine.add_request("f", "hello", SamplingParams(max_tokens=12, output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request(
+        "d", "hello", SamplingParams(max_tokens=12, output_kind=RequestOutputKind.DELTA)
+    )
+    engine.add_request(
+        "f", "hello", SamplingParams(max_tokens=12, output_kind=RequestOutputKind.FINAL_ONLY)
+    )
     texts, tokens, finals = [], [], {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -141,7 +145,9 @@ def test_delta_outputs_concatenate_to_the_final_one():
                 tokens += out.outputs[0].token_ids
             if out.finished:
                 finals[out.request_id] = out
-    assert "".join(texts) == finals["f"].outputs[0].text and tokens == finals["f"].outputs[0].token_ids
+    assert (
+        "".join(texts) == finals["f"].outputs[0].text and tokens == finals["f"].outputs[0].token_ids
+    )
     assert len(texts) > 1
 
 

@@ -101,7 +101,10 @@ def test_final_only_emits_once_and_delta_skips_empty_steps():
         EngineCoreOutput("d", [SeqDelta(0, [98], [{98: -0.5}]), SeqDelta(1, [99], [{99: -0.25}])]),
     ])
     assert [o.request_id for o in outs] == ["d"]
-    assert [(c.index, c.text, c.token_ids) for c in outs[0].outputs] == [(0, "b", [98]), (1, "c", [99])]
+    assert [(c.index, c.text, c.token_ids) for c in outs[0].outputs] == [
+        (0, "b", [98]),
+        (1, "c", [99]),
+    ]
     # only child 1 moves: child 0 is left out of the delta
     outs, _ = processor.process([EngineCoreOutput("d", [SeqDelta(1, [100], [{}])])])
     assert [(c.index, c.text) for c in outs[0].outputs] == [(1, "d")]

@@ -28,7 +28,9 @@ def _prompts() -> list[dict]:
             seg = rng.integers(100, 20000, 40).tolist()
             out.append({"prompt_token_ids": seg + seg[:12]})
         else:
-            out.append({"prompt_token_ids": rng.integers(100, 20000, int(rng.integers(30, 60))).tolist()})
+            out.append(
+                {"prompt_token_ids": rng.integers(100, 20000, int(rng.integers(30, 60))).tolist()}
+            )
     return out
 
 
@@ -126,8 +128,9 @@ def test_seeded_sampling_draws_the_same_tokens(llm_factory):
         for (bt, blp), (gt, glp) in zip(b, g, strict=True):
             assert bt == gt
             assert [[i for i, _ in d] for d in blp] == [[i for i, _ in d] for d in glp]
-            np.testing.assert_allclose([v for d in blp for _, v in d], [v for d in glp for _, v in d],
-                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(
+                [v for d in blp for _, v in d], [v for d in glp for _, v in d], rtol=1e-4, atol=1e-4
+            )
     _speculated(llm)
 
 

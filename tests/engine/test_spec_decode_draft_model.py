@@ -124,7 +124,9 @@ def test_tiny_draft_stops_and_max_tokens(tiny, tiny_baseline):
     llm = LLM(model=tiny[0], max_model_len=256, speculative_config=_draft(tiny[1], k=4))
     stop_id = tiny_baseline[1][6]
     first = tiny_baseline[1].index(stop_id)
-    got = _run(llm, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, stop_token_ids=[stop_id]))
+    got = _run(
+        llm, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, stop_token_ids=[stop_id])
+    )
     assert got[1] == tiny_baseline[1][: first + 1]
     got = _run(llm, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert got == [t[:5] for t in tiny_baseline]
@@ -156,7 +158,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "require
 
 def _self_draft_case(make, path: str):
     """Greedy identical to plain greedy, acceptance near 100%, beside a constrained request."""
-    constrained = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"json": PERSON})
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=12, structured_outputs={"json": PERSON}
+    )
     prompts = [*COPY_PROMPTS[:3], "Name a person as JSON:"]
     params = [GREEDY] * 3 + [constrained]
 

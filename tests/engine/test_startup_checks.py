@@ -14,12 +14,15 @@ def test_rule_counts_blocks_and_the_watermark():
         check_cache_holds_max_model_len(64, 16, 0.0, 1025)
     # 100 blocks, 1 kept free as the watermark: 99 usable
     check_cache_holds_max_model_len(100, 16, 0.01, 99 * 16)
-    with pytest.raises(ValueError, match=r"99 are usable .* lower --max-model-len \(to at most 1584\)"):
+    with pytest.raises(
+        ValueError, match=r"99 are usable .* lower --max-model-len \(to at most 1584\)"
+    ):
         check_cache_holds_max_model_len(100, 16, 0.01, 100 * 16)
 
 
 def test_engine_refuses_to_start(make_llm):
-    # as in the issue (64 blocks of 16 under max_model_len 2048): 32 blocks of 16 under 1024
+    # a cache too small for one request (64 blocks of 16 under max_model_len 2048): 32 blocks of 16
+    # under 1024
     with pytest.raises(ValueError) as e:
         make_llm(num_gpu_blocks_override=32, max_model_len=1024)
     message = str(e.value)

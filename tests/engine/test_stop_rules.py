@@ -50,7 +50,10 @@ def run(pieces, params, max_model_len=1000, prompt_len=3, eos_text=""):
     for step, (token_id, piece) in enumerate(pieces, start=1):
         tokenizer.texts[token_id] = eos_text if token_id == EOS else piece
         seq.output_token_ids.append(token_id)
-        done = check_token_stop(seq, params, max_model_len, (EOS, 99))
+        status = check_token_stop(seq, params, max_model_len, (EOS, 99))
+        done = status is not None
+        if done:
+            seq.status = status  # as the scheduler's set_progress does
         delta = SeqDelta(0, [token_id], [{}], seq.status.finish_reason if done else None,
                          seq.stop_reason)
         outputs, stops = processor.process([EngineCoreOutput("r", [delta], finished=done)])

@@ -13,8 +13,6 @@ import pytest
 from tessera import LLM, SamplingParams
 from tessera.sampling.structured_outputs import StructuredOutputsParams
 
-pytestmark = pytest.mark.slow
-
 PERSON = {
     "type": "object",
     "properties": {

@@ -1,4 +1,5 @@
-"""A tiny randomly initialised HF checkpoint (no tokenizer) served by the engine: greedy tokens equal
+"""A tiny randomly initialised HF checkpoint (no tokenizer) served by the engine: greedy tokens
+equal
 HF's own generate, for Llama and for Qwen2 (q/k/v bias), batched, alone and under preemption."""
 
 from __future__ import annotations

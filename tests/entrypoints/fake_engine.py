@@ -1,7 +1,8 @@
 """A small deterministic stand-in for `LLMEngine` (same interface) so the server and the async
 engine can be tested in milliseconds.
 
-Tokens are bytes (vocab 256). Greedy output of a request is the cycle `a b c ... z a ...` starting at
+Tokens are bytes (vocab 256). Greedy output of a request is the cycle `a b c ... z a ...` starting
+at
 letter (prompt length % 26); a seeded sampled sequence k starts at (seed + k) % 26 instead. Each
 step advances every running request by one token and sleeps `step_delay` (as a model would, with the
 GIL released). A prompt containing "__boom__" makes the next step raise. `tokenizer=False` is a bare
@@ -9,7 +10,8 @@ checkpoint: token ids in, token ids out, no text (as `LLMEngine` with `tokenizer
 An embedding request (`PoolingParams`) finishes in one step with the vector
 [prompt length, sum of its ids % 97, 1.0].
 
-Tests wait on `wait_until(predicate)`: every change of the fake's requests notifies a condition, so a
+Tests wait on `wait_until(predicate)`: every change of the fake's requests notifies a condition, so
+a
 waiter wakes when the engine thread has added, stepped or aborted, instead of polling.
 """
 
@@ -181,19 +183,27 @@ class FakeEngine:
                 continue
             outputs = [] if too_long else [_copy(req, o, kind is RequestOutputKind.DELTA)
                                            for o in req.outputs]
-            results.append(RequestOutput(
-                request_id=req.request_id, prompt=req.prompt,
-                prompt_token_ids=req.prompt_token_ids,
-                outputs=outputs, finished=finished,
-                metrics=RequestMetrics(arrival_time=req.arrival_time,
-                                       first_scheduled_time=req.first_token_time - self.step_delay,
-                                       first_token_time=req.first_token_time,
-                                       last_token_time=now,
-                                       finished_time=now if finished else None,
-                                       num_generation_tokens=_num_tokens(req) if finished else None),
-                error=f"prompt is too long ({len(req.prompt_token_ids)} > max_model_len "
-                      f"{self.config.model.max_model_len})" if too_long else None,
-            ))
+            results.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    prompt=req.prompt,
+                    prompt_token_ids=req.prompt_token_ids,
+                    outputs=outputs,
+                    finished=finished,
+                    metrics=RequestMetrics(
+                        arrival_time=req.arrival_time,
+                        first_scheduled_time=req.first_token_time - self.step_delay,
+                        first_token_time=req.first_token_time,
+                        last_token_time=now,
+                        finished_time=now if finished else None,
+                        num_generation_tokens=_num_tokens(req) if finished else None,
+                    ),
+                    error=f"prompt is too long ({len(req.prompt_token_ids)} > max_model_len "
+                    f"{self.config.model.max_model_len})"
+                    if too_long
+                    else None,
+                )
+            )
         return results
 
     def _advance(self, req: _Req, seq: CompletionOutput) -> None:
@@ -213,7 +223,10 @@ class FakeEngine:
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 return
         at_max = p.max_tokens is not None and len(seq.token_ids) >= p.max_tokens
-        if at_max or len(req.prompt_token_ids) + len(seq.token_ids) >= self.config.model.max_model_len:
+        if (
+            at_max
+            or len(req.prompt_token_ids) + len(seq.token_ids) >= self.config.model.max_model_len
+        ):
             seq.finish_reason = "length"
 
     def check_constraints(self, params: SamplingParams) -> None:

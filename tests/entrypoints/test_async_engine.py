@@ -249,7 +249,10 @@ def test_engine_thread_hands_back_results_and_errors_in_order():
     from tessera.engine.engine_thread import EngineThread
 
     thread = EngineThread("test-engine-thread")
-    assert thread.call(lambda a, b: (a + b, threading.get_ident()), 2, 3) == (5, thread.thread.ident)
+    assert thread.call(lambda a, b: (a + b, threading.get_ident()), 2, 3) == (
+        5,
+        thread.thread.ident,
+    )
     with pytest.raises(ValueError, match="bad flag"):
         thread.call(lambda: (_ for _ in ()).throw(ValueError("bad flag")))
     ran = threading.Event()

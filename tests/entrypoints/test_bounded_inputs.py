@@ -100,7 +100,7 @@ def test_tokenization_runs_off_the_event_loop(monkeypatch):
 
 
 def test_health_answers_while_a_huge_prompt_is_refused():
-    """The issue's case: a 5 MB prompt against default flags is a 413 before its body is read;
+    """A 5 MB prompt against default flags is a 413 before its body is read;
     /health probes meanwhile answer within 100 ms. (Under the limit, a huge prompt is refused by
     its length before tokenization: tests/reliability, 3 MB on the real server.)"""
     engine = FakeEngine(max_model_len=128)

@@ -28,7 +28,10 @@ def test_every_engine_field_is_a_documented_flag():
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         assert flag in help_text, flag
-    assert "{swap,recompute}" in help_text and "{auto,float32,float,bfloat16,half,float16}" in help_text
+    assert (
+        "{swap,recompute}" in help_text
+        and "{auto,float32,float,bfloat16,half,float16}" in help_text
+    )
 
 
 def test_flags_parse_into_engine_args():

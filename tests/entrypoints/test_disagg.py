@@ -123,9 +123,13 @@ def test_proxy_greedy_equals_colocated_and_decode_computes_no_prompt(pair, make_
     after = metrics(decode.url)
     n = len(prompts) + 1
     one = prefill is decode  # then its counters hold both sides
-    transfers = after["tessera:kv_transfer_requests_total"] - before["tessera:kv_transfer_requests_total"]
+    transfers = (
+        after["tessera:kv_transfer_requests_total"] - before["tessera:kv_transfer_requests_total"]
+    )
     assert transfers == (2 * n if one else n)
-    assert after["tessera:kv_transfer_failures_total"] == before["tessera:kv_transfer_failures_total"]
+    assert (
+        after["tessera:kv_transfer_failures_total"] == before["tessera:kv_transfer_failures_total"]
+    )
     # one prompt token per transferred request (the last, recomputed for its logits)
     prompt_tokens = after["tessera:prompt_tokens_total"] - before["tessera:prompt_tokens_total"]
     if one:  # ... on top of the whole prompts it prefilled as the producer

@@ -52,7 +52,6 @@ def test_fuzz_fake_engine(case, fake_server):
     _check(case, fake_server.url)
 
 
-@pytest.mark.slow
 @REAL_SCHEMA.parametrize()
 # random cases only, no shrinking: each real request costs real decode steps, and schemathesis'
 # boundary-value phase alone is ~600 requests (it runs against the fake engine above; the

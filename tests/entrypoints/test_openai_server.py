@@ -1,5 +1,6 @@
 """Acceptance: the real `tessera serve` (default model, free loopback port) driven by the official
-`openai` client. One server for the module; max_tokens stays small so the module runs in ~a minute."""
+`openai` client. One server for the module; max_tokens stays small so the module runs in ~a
+minute."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ import pytest
 
 from .conftest import ServerProcess
 from .test_server import open_request
-
-pytestmark = pytest.mark.slow
 
 API_KEY = "sk-tessera-test"
 PROMPT = "The three primary colors are"
@@ -67,7 +66,9 @@ def test_completion_stream_equals_greedy_and_usage(client, model):
                                        echo=True, logprobs=0)
     choice = echoed.choices[0]
     assert choice.text == PROMPT + text
-    assert len(choice.logprobs.tokens) == echoed.usage.prompt_tokens + echoed.usage.completion_tokens
+    assert (
+        len(choice.logprobs.tokens) == echoed.usage.prompt_tokens + echoed.usage.completion_tokens
+    )
     assert choice.logprobs.token_logprobs[0] is None  # the first prompt token has none
     assert all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
     assert echoed.usage.completion_tokens == full.usage.completion_tokens <= 12
@@ -101,8 +102,15 @@ def test_chat_and_stream(client, model):
 
 def test_seeded_n2_is_reproducible(client, model):
     def run():
-        return client.completions.create(model=model, prompt=PROMPT, n=2, max_tokens=8,
-                                         temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
+        return client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            n=2,
+            max_tokens=8,
+            temperature=1.0,
+            seed=1234,
+            extra_body={"ignore_eos": True},
+        )
 
     first, second = run(), run()
     assert [c.index for c in first.choices] == [0, 1]
@@ -123,7 +131,7 @@ def test_stop(client, model):
 
 @pytest.mark.parametrize("stop", [["6, 7"], [" 7"], ["5, 6, 7, 8"], [",", " 9"], ["zzz"]])
 def test_streamed_text_equals_whole_text_with_stop_strings(client, model, stop):
-    """The issue's trace: a stream used to leak the start of a multi-token stop string."""
+    """A stream used to leak the start of a multi-token stop string."""
     args = dict(model=model, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=stop)
     whole = client.completions.create(**args).choices[0]
     pieces = [c.choices[0].text for c in client.completions.create(**args, stream=True)

@@ -113,7 +113,9 @@ def test_a_decode_stream_that_breaks_ends_with_an_error_event():
 
 
 def test_bad_json_is_a_400():
-    with UvicornThread(build_app(DisaggProxy(["http://127.0.0.1:1"], ["http://127.0.0.1:1"]))) as px:
+    with UvicornThread(
+        build_app(DisaggProxy(["http://127.0.0.1:1"], ["http://127.0.0.1:1"]))
+    ) as px:
         r = httpx.post(px.url + "/v1/completions", content=b"{not json", timeout=10,
                        headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

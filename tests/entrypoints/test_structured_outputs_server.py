@@ -15,8 +15,6 @@ import pytest
 
 from .conftest import ServerProcess
 
-pytestmark = pytest.mark.slow
-
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
         "user": {"type": "object", "properties": {

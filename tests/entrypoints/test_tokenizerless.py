@@ -88,7 +88,6 @@ def tiny_server(tmp_path_factory):
         yield srv
 
 
-@pytest.mark.slow
 def test_real_engine_without_tokenizer(tiny_server):
     r = httpx.post(tiny_server.url + "/v1/completions", timeout=60,
                    json={"prompt": [1, 5, 9, 33], "max_tokens": 4, "temperature": 0,

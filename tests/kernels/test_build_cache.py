@@ -224,7 +224,6 @@ print(load_extension("tessera_tiny", Path(sys.argv[1])).answer())
 """
 
 
-@pytest.mark.slow
 def test_two_processes_starting_at_once_build_once_then_warm(tmp_path):
     """Really compiles (a few seconds of g++): one build for two processes, none for a third."""
     source = tmp_path / "tiny.cpp"

@@ -69,7 +69,9 @@ def test_rope_rotates_only_the_given_heads_in_place(dtype):
     rope = RotaryEmbedding(d, 64, 10000.0, None, dtype, CPU)
     cos, sin = rope.lookup(torch.tensor([0, 1, 7, 31, 63]))
     ref = apply_rope(
-        qkv[:, : rotated * d].double().view(n, rotated, d), cos.double()[:, None], sin.double()[:, None]
+        qkv[:, : rotated * d].double().view(n, rotated, d),
+        cos.double()[:, None],
+        sin.double()[:, None],
     )
     out = qkv.clone()
     ops.rope_(out, cos, sin, rotated, d)

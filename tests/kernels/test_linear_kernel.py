@@ -1,4 +1,5 @@
-"""The linear kernel against a float64 reference, its row independence, and `Linear` on top of it."""
+"""The linear kernel against a float64 reference, its row independence, and `Linear` on top of
+it."""
 
 from __future__ import annotations
 

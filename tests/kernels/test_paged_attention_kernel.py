@@ -16,7 +16,8 @@ def kernel():
 
 
 def _make_case(num_heads, num_kv_heads, head_dim, block_size, seq_lens, dtype, gen, index_dtype):
-    """Random paged cache; each sequence owns distinct random blocks. Returns the kernel's inputs and
+    """Random paged cache; each sequence owns distinct random blocks. Returns the kernel's inputs
+    and
     each sequence's K/V in order ([L, kvh, D]) for the reference."""
     num_seqs = len(seq_lens)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -187,7 +188,9 @@ def test_row_independent_bitwise(kernel, dtypes):
     q = q.to(q_dtype)
     batched = pa.paged_attention(q, k_cache, v_cache, tables, lens, 0.125)
     for b in (*range(len(edges)), 20, 39):
-        alone = pa.paged_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125)
+        alone = pa.paged_attention(
+            q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.125
+        )
         assert torch.equal(alone[0], batched[b]), b
     few = pa.paged_attention(q[2:5], k_cache, v_cache, tables[2:5], lens[2:5], 0.125)
     assert torch.equal(few, batched[2:5])

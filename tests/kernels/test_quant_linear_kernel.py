@@ -34,7 +34,9 @@ def _kernel_or_skip(dtype):
 def test_packed_weights_dequantize_to_gguf_values(qtype):
     for n, k in SHAPES:
         w = random_weight(qtype, n, k)
-        ref = torch.from_numpy(gguf.quants.dequantize(w.data, qtype).reshape(n, k).astype(np.float32))
+        ref = torch.from_numpy(
+            gguf.quants.dequantize(w.data, qtype).reshape(n, k).astype(np.float32)
+        )
         for pairs in (False, True):  # both code layouts (fp32 and bf16 activations)
             part = w.pack(pairs=pairs)
             assert part.packed.numel() == part.fmt.packed_bytes(n, k)
@@ -51,7 +53,9 @@ def test_row_lookup_kernel_gives_the_gguf_values_in_each_dtype(qtype):
     casts, for both code layouts; an id past the packed rows is an error, not a read."""
     for n, k in SHAPES:
         w = random_weight(qtype, n, k, seed=1)
-        ref = torch.from_numpy(gguf.quants.dequantize(w.data, qtype).reshape(n, k).astype(np.float32))
+        ref = torch.from_numpy(
+            gguf.quants.dequantize(w.data, qtype).reshape(n, k).astype(np.float32)
+        )
         ids = torch.tensor([n - 1, 0, n // 2, n - 1, 0])
         for pairs in (False, True):
             part = w.pack(pairs=pairs)
@@ -60,7 +64,9 @@ def test_row_lookup_kernel_gives_the_gguf_values_in_each_dtype(qtype):
                 assert got.dtype == dtype and torch.equal(got, ref[ids].to(dtype))
             if ql._module() is not None:
                 with pytest.raises(RuntimeError, match="outside the packed rows"):
-                    ql.lookup_rows(part.fmt, part.packed, k, torch.tensor([10**6]), torch.float32, pairs)
+                    ql.lookup_rows(
+                        part.fmt, part.packed, k, torch.tensor([10**6]), torch.float32, pairs
+                    )
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,7 +84,9 @@ def test_kernel_matches_float64_matmul(qtype, dtype):
         w = random_weight(qtype, n, k, seed=i)
         ref_w = w.dequantize()
         bias = torch.randn(n) if i % 2 else None
-        lin = ql.QuantLinear([w.pack(None if bias is None else ql.pad_bias(bias.to(dtype)))], dtype, CPU)
+        lin = ql.QuantLinear(
+            [w.pack(None if bias is None else ql.pad_bias(bias.to(dtype)))], dtype, CPU
+        )
         for m in (1, 5, ql.DENSE_MIN_ROWS.get(dtype, 16) + 3):
             # a strided x: rows of a wider buffer
             x = torch.randn(m, k + 16).to(dtype)[:, 3 : 3 + k]
@@ -128,12 +136,21 @@ def test_fused_parts_of_different_types_fill_their_columns():
     dtype = torch.float32
     _kernel_or_skip(dtype)
     k = 256
-    ws = [random_weight(t, n, k, seed=i) for i, (t, n) in enumerate([(T.Q4_K, 50), (T.Q6_K, 20), (T.Q8_0, 33)])]
-    gen = torch.Generator().manual_seed(5)  # unseeded draws made this flaky (it failed 1 of 3 CI runs)
+    ws = [
+        random_weight(t, n, k, seed=i)
+        for i, (t, n) in enumerate([(T.Q4_K, 50), (T.Q6_K, 20), (T.Q8_0, 33)])
+    ]
+    gen = torch.Generator().manual_seed(
+        5
+    )  # unseeded draws made this flaky (it failed 1 of 3 CI runs)
     biases = [torch.randn(w.shape[0], generator=gen) for w in ws]
-    lin = ql.QuantLinear([w.pack(ql.pad_bias(b)) for w, b in zip(ws, biases, strict=True)], dtype, CPU)
+    lin = ql.QuantLinear(
+        [w.pack(ql.pad_bias(b)) for w, b in zip(ws, biases, strict=True)], dtype, CPU
+    )
     x = torch.randn(7, k, generator=gen)
-    ref = torch.cat([_reference(x, w.dequantize(), b) for w, b in zip(ws, biases, strict=True)], dim=1)
+    ref = torch.cat(
+        [_reference(x, w.dequantize(), b) for w, b in zip(ws, biases, strict=True)], dim=1
+    )
     y = lin(x)
     assert y.shape == (7, 103)
     # outputs reach ~20: fp32 sums of 256 products round at ~1e-5 absolute, so 1e-5 was the edge
@@ -149,10 +166,15 @@ def test_same_type_parts_run_as_one_part_with_the_same_bits(dtype):
     spec = [(T.Q4_1, 96), (T.Q4_1, 48), (T.Q4_1, 50), (T.Q4_1, 48), (T.Q8_0, 48)]
     ws = [random_weight(t, n, k, seed=i) for i, (t, n) in enumerate(spec)]
     biases = [torch.randn(w.shape[0]).to(dtype) for w in ws]
-    fused = ql.QuantLinear([w.pack(ql.pad_bias(b)) for w, b in zip(ws, biases, strict=True)], dtype, CPU)
+    fused = ql.QuantLinear(
+        [w.pack(ql.pad_bias(b)) for w, b in zip(ws, biases, strict=True)], dtype, CPU
+    )
     assert [p.n for p in fused.parts] == [194, 48, 48]
     x = torch.randn(20, k).to(dtype)
-    alone = [ql.QuantLinear([w.pack(ql.pad_bias(b))], dtype, CPU) for w, b in zip(ws, biases, strict=True)]
+    alone = [
+        ql.QuantLinear([w.pack(ql.pad_bias(b))], dtype, CPU)
+        for w, b in zip(ws, biases, strict=True)
+    ]
     for m in (1, 5, 20):
         assert torch.equal(fused(x[:m]), torch.cat([lin(x[:m]) for lin in alone], dim=1))
 
@@ -163,7 +185,9 @@ def test_torch_fallback_matches_kernel_reference():
     lin = ql.QuantLinear([w.pack()], torch.float32, CPU)
     lin._kernel = None  # what a failed build leaves
     x = torch.randn(3, 256)
-    assert torch.allclose(lin(x).double(), _reference(x, w.dequantize(), None), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(
+        lin(x).double(), _reference(x, w.dequantize(), None), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)

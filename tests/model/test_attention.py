@@ -116,23 +116,33 @@ def test_backend_matches_reference(name, block_size, heads, dtype):
 @pytest.mark.skipif(not HAVE_KERNEL, reason="C++ paged-attention kernel not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_backends_agree(dtype):
-    outs = [run_backend(name, make_step(7, 16, 6, 2, dtype), 16)[1] for name in ("sdpa", "paged_kernel")]
+    outs = [
+        run_backend(name, make_step(7, 16, 6, 2, dtype), 16)[1] for name in ("sdpa", "paged_kernel")
+    ]
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=TOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_decode_after_prompt_chunk_is_rejected(name):
-    """The ordering contract: decodes first. The SDPA backend relies on it (decodes are one slice)."""
+    """The ordering contract: decodes first. The SDPA backend relies on it (decodes are one
+    slice)."""
     step = make_step(0, 16, 6, 2, torch.float32)
     spans = step["spans"]
     decode, chunk = spans[3], spans[4]  # the last decode and the fresh prefill after it
     swapped = [
         SeqSpan(decode.query_start, chunk.num_new_tokens, 0, chunk.block_table),
-        SeqSpan(decode.query_start + chunk.num_new_tokens, 1, decode.num_computed_tokens, decode.block_table),
+        SeqSpan(
+            decode.query_start + chunk.num_new_tokens,
+            1,
+            decode.num_computed_tokens,
+            decode.block_table,
+        ),
     ]
     backend = select_attention_backend(CPU, torch.float32, 16, name=name)
     with pytest.raises(AssertionError, match="decode span 4 after a prompt chunk"):
-        backend.build_metadata(spans[:3] + swapped + spans[5:], step["slot_mapping"], step["positions"])
+        backend.build_metadata(
+            spans[:3] + swapped + spans[5:], step["slot_mapping"], step["positions"]
+        )
 
 
 def test_select_attention_backend():

@@ -33,9 +33,13 @@ class Harness(StaticBatch):
     def __init__(self, cfg, weights, dtype=torch.float32, num_blocks=256):
         dev = torch.device("cpu")
         self.model = LlamaForCausalLM(cfg, weights, dtype, dev, 2048)
-        spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, dtype)
-        super().__init__(ModelRunner(self.model, CacheEngine(spec, num_blocks, 0, dev), BLOCK_SIZE, dev),
-                         BLOCK_SIZE)
+        spec = KVCacheSpec(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, dtype
+        )
+        super().__init__(
+            ModelRunner(self.model, CacheEngine(spec, num_blocks, 0, dev), BLOCK_SIZE, dev),
+            BLOCK_SIZE,
+        )
 
     def new_seq(self, seq_id: int, prompt: list[int], max_len: int) -> StaticSeq:
         return super().new_seq(prompt, max_len)
@@ -64,7 +68,6 @@ def reference_greedy(hf_model, prompt_ids):
     return [hf_greedy(hf_model, p, 64) for p in prompt_ids]
 
 
-@pytest.mark.slow
 def test_prefill_logits_match_hf(harness, hf_model, default_tokenizer):
     torch.manual_seed(0)
     prompts = [torch.randint(100, 49000, (n,)).tolist() for n in (3, 17, 64, 130, 300)]
@@ -99,13 +102,15 @@ BF16_MAX_TOL = 1.0  # x s
 BF16_NEAR_TIE = 0.5
 
 
-@pytest.mark.slow
 def test_bf16_prefill_logits_match_hf_bf16(default_weights, hf_model_bf16, prompt_ids,
                                            default_tokenizer):
     cfg, weights = default_weights
     harness = Harness(cfg, weights, dtype=torch.bfloat16)
-    prompts = [*prompt_ids, default_tokenizer.encode(" ".join(PROMPTS) * 3),
-               torch.randint(100, 49000, (300,), generator=torch.Generator().manual_seed(0)).tolist()]
+    prompts = [
+        *prompt_ids,
+        default_tokenizer.encode(" ".join(PROMPTS) * 3),
+        torch.randint(100, 49000, (300,), generator=torch.Generator().manual_seed(0)).tolist(),
+    ]
     seqs = [harness.new_seq(i, p, len(p)) for i, p in enumerate(prompts)]
     ours = harness.logits(seqs, all_positions=True)  # one mixed batch, every position
     offset = 0
@@ -117,7 +122,9 @@ def test_bf16_prefill_logits_match_hf_bf16(default_weights, hf_model_bf16, promp
             scale = ref.std().item()
             diff = (got - ref).abs()
             what = f"prompt of {len(p)} tokens (logit std {scale:.2f})"
-            assert diff.mean().item() <= BF16_MEAN_TOL * scale, f"{what}: mean diff {diff.mean():.3f}"
+            assert diff.mean().item() <= BF16_MEAN_TOL * scale, (
+                f"{what}: mean diff {diff.mean():.3f}"
+            )
             assert diff.max().item() <= BF16_MAX_TOL * scale, f"{what}: max diff {diff.max():.3f}"
             top2 = ref.topk(2, dim=-1).values
             clear = (top2[:, 0] - top2[:, 1]) > BF16_NEAR_TIE
@@ -127,21 +134,21 @@ def test_bf16_prefill_logits_match_hf_bf16(default_weights, hf_model_bf16, promp
 
 def _assert_greedy_matches(hf_model, prompt_ids, expected, got):
     near_ties = [
-        r for p, e, g in zip(prompt_ids, expected, got, strict=True) if (r := check_greedy(hf_model, p, e, g))
+        r
+        for p, e, g in zip(prompt_ids, expected, got, strict=True)
+        if (r := check_greedy(hf_model, p, e, g))
     ]
     for r in near_ties:
         print(r)  # reported, not hidden
     assert len(near_ties) <= 1, f"more than one near-tie means a bug: {near_ties}"
 
 
-@pytest.mark.slow
 def test_greedy_alone_matches_hf(harness, hf_model, prompt_ids, reference_greedy):
     harness.next_block = 0
     got = [harness.greedy([p], 64)[0] for p in prompt_ids]
     _assert_greedy_matches(hf_model, prompt_ids, reference_greedy, got)
 
 
-@pytest.mark.slow
 def test_greedy_mixed_batch_matches_hf(harness, hf_model, prompt_ids, reference_greedy):
     harness.next_block = 0
     got = harness.greedy(prompt_ids, 64)

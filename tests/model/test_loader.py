@@ -49,7 +49,6 @@ def ours():
     return load_model(_default_gguf())
 
 
-@pytest.mark.slow
 def test_gguf_weights_match_hf(ours, hf_reference):
     config, weights = ours
     hf_state, _ = hf_reference
@@ -67,7 +66,6 @@ def test_gguf_weights_match_hf(ours, hf_reference):
     assert torch.equal(hf_state["lm_head.weight"], weights["model.embed_tokens.weight"])
 
 
-@pytest.mark.slow
 def test_gguf_config_matches_hf(ours, hf_reference):
     config, _ = ours
     _, hf = hf_reference

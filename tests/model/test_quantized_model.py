@@ -52,7 +52,9 @@ def test_default_model_keeps_its_gguf_types(model_bundle):
     assert model.embed.weight is model.lm_head.parts[0]  # tied: one packed copy serves both
 
 
-def test_quantized_greedy_equals_dequantized(model_bundle, dequantized_bundle, default_tokenizer, request):
+def test_quantized_greedy_equals_dequantized(
+    model_bundle, dequantized_bundle, default_tokenizer, request
+):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": default_tokenizer.encode(p)} for p in PROMPTS]
     quant = _llm(model_bundle).generate(prompts, params, use_tqdm=False)
@@ -63,7 +65,12 @@ def test_quantized_greedy_equals_dequantized(model_bundle, dequantized_bundle, d
             assert q.outputs[0].token_ids == d.outputs[0].token_ids
             assert q.outputs[0].logprobs == d.outputs[0].logprobs  # bit for bit
         else:
-            check_greedy(request.getfixturevalue("hf_model"), p["prompt_token_ids"], d.outputs[0].token_ids, q.outputs[0].token_ids)
+            check_greedy(
+                request.getfixturevalue("hf_model"),
+                p["prompt_token_ids"],
+                d.outputs[0].token_ids,
+                q.outputs[0].token_ids,
+            )
 
 
 @needs_quant_kernel

@@ -192,8 +192,8 @@ def test_bad_input_barrage_beside_victims_long(server, expected, case):
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "seed": 18446744073709551615,
                          "temperature": 0.8, "n": 2, "stream": True}),
 ])
-def test_the_issues_requests_beside_victims(server, expected, case):
-    """The inputs that once failed every request in flight (issue 16)."""
+def test_huge_top_k_and_seed_requests_beside_victims(server, expected, case):
+    """The inputs that once failed every request in flight."""
     _barrage(server, expected, case)
 
 

@@ -103,7 +103,9 @@ def sample_pairs() -> dict[tuple[int, int], int]:
 
 def expected_pairs() -> dict[tuple[int, int], float]:
     p0 = processed(3)
-    return {(a, b): NUM_REQUESTS * float(p0[a] * processed(a)[b]) for a in range(V) for b in range(V)}
+    return {
+        (a, b): NUM_REQUESTS * float(p0[a] * processed(a)[b]) for a in range(V) for b in range(V)
+    }
 
 
 def test_verification_preserves_the_target_distribution():

@@ -35,13 +35,15 @@ from tests.sampling.test_rejection_sampler import (
 
 NUM_REQUESTS = 4000
 K = 2
-DRAFT_TABLE = torch.tensor([  # the draft's logits by previous token: close to the target's, not equal
-    [0.4, 0.9, -0.5, 0.3, 0.2],
-    [0.5, -1.0, 1.2, 0.9, 1.0],
-    [0.3, 1.0, 0.0, -2.0, 1.0],
-    [0.2, 0.6, 0.4, 0.4, -1.0],
-    [1.0, 0.5, 0.2, -0.3, -0.7],
-])
+DRAFT_TABLE = torch.tensor(
+    [  # the draft's logits by previous token: close to the target's, not equal
+        [0.4, 0.9, -0.5, 0.3, 0.2],
+        [0.5, -1.0, 1.2, 0.9, 1.0],
+        [0.3, 1.0, 0.0, -2.0, 1.0],
+        [0.2, 0.6, 0.4, 0.4, -1.0],
+        [1.0, 0.5, 0.2, -0.3, -0.7],
+    ]
+)
 
 
 class BigramDraft(BigramModel):
@@ -52,7 +54,9 @@ class BigramDraft(BigramModel):
 def _runner() -> model_runner.ModelRunner:
     cpu = torch.device("cpu")
     spec = KVCacheSpec(1, 1, 8, 16, torch.float32)
-    no_attention = types.SimpleNamespace(build_metadata=lambda *args: None)  # toys attend to nothing
+    no_attention = types.SimpleNamespace(
+        build_metadata=lambda *args: None
+    )  # toys attend to nothing
     proposer = DraftModelProposer(BigramDraft(), CacheEngine(spec, NUM_REQUESTS, 0, cpu),
                                   no_attention, 16, K, max_model_len=64, device=cpu)
     return model_runner.ModelRunner(

@@ -85,7 +85,9 @@ def test_roofline_kv_cache_dtype_sizes_blocks_and_attention_bytes():
     assert bf16_kv.geometry.block_bytes(16) * 2 == fp32.geometry.block_bytes(16)
     decode = BatchShape(num_decode_tokens=1, num_context_tokens=4000, num_seqs=1,
                         num_attention_pairs=4000)
-    saved = 4000 * spec.kv_bytes_per_token("bfloat16") / (hw.memory_bandwidth * hw.memory_efficiency)
+    saved = (
+        4000 * spec.kv_bytes_per_token("bfloat16") / (hw.memory_bandwidth * hw.memory_efficiency)
+    )
     assert fp32.step_time(decode) - bf16_kv.step_time(decode) == pytest.approx(saved)
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         RooflineCostModel(spec, hw, "float32", kv_cache_dtype="fp8")

@@ -34,7 +34,9 @@ class CountingDraft:
 
 def _proposer(k=3):
     spec = KVCacheSpec(1, 1, 2, 4, torch.float32)
-    meta = types.SimpleNamespace(build_metadata=lambda spans, slots, positions: (spans, slots.tolist()))
+    meta = types.SimpleNamespace(
+        build_metadata=lambda spans, slots, positions: (spans, slots.tolist())
+    )
     return DraftModelProposer(CountingDraft(), CacheEngine(spec, 8, 8, CPU), meta, 4, k, 64, CPU)
 
 
@@ -90,7 +92,9 @@ def test_catch_up_then_drafts_with_scratch_past_the_table():
     assert [p for p, _ in prop.model.calls] == [[6, 7, 8], [9], [10]]
     assert prop.computed["a"] == 9
     # a table too short for the drafts: they spill into scratch blocks past id 8
-    batch.update(SchedulerOutput(scheduled_cached_reqs=[CachedRequestData("a", [0, 1, 4], [], False, 9)]))
+    batch.update(
+        SchedulerOutput(scheduled_cached_reqs=[CachedRequestData("a", [0, 1, 4], [], False, 9)])
+    )
     prop.model.calls.clear()
     prop.propose([DraftRequest(batch["a"], [2, 3])])
     slots = [s for _, (_, ss) in prop.model.calls for s in ss]

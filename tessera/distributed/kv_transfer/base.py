@@ -24,13 +24,13 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
 from tessera.config import KVTransferConfig
 from tessera.core.kv_connector import KVConnectorMetadata, RemotePrefill
 from tessera.core.runner_output import KVTransferStats
-from tessera.worker.cache_engine import CacheEngine
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,24 @@ _MAX_PULLS = 8  # concurrent pulls per consumer
 _MAX_GONE = 4096  # served or expired request ids remembered
 
 
+class KVCache(Protocol):
+    """What a connector needs of the worker's cache (tessera/worker/cache_engine.py's
+    CacheEngine): the device pool [2, num_layers, num_blocks, ...] and its device. A protocol, so
+    this layer does not import the worker above it."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def gpu_cache(self) -> torch.Tensor: ...
+
+
 class TransferError(RuntimeError):
     """A pull failed (peer gone, unknown request, wrong geometry, timeout)."""
 
 
 class KVConnectorWorker(ABC):
-    def __init__(self, config: KVTransferConfig, cache_engine: CacheEngine, engine_id: str) -> None:
+    def __init__(self, config: KVTransferConfig, cache_engine: KVCache, engine_id: str) -> None:
         self.config = config
         self.cache_engine = cache_engine
         self.engine_id = engine_id
@@ -190,15 +202,3 @@ class KVConnectorWorker(ABC):
                 self._stats.num_requests += 1
                 self._stats.num_bytes += data.numel() * data.element_size()
                 self._stats.transfer_seconds.append(time.perf_counter() - t0)
-
-
-def create_kv_connector_worker(config: KVTransferConfig, cache_engine: CacheEngine,
-                               engine_id: str) -> KVConnectorWorker:
-    """The worker half named by `kv_connector`."""
-    if config.kv_connector == "TcpConnector":
-        from tessera.distributed.kv_transfer.tcp_connector import TcpConnectorWorker
-
-        return TcpConnectorWorker(config, cache_engine, engine_id)
-    from tessera.distributed.kv_transfer.nixl_connector import NixlConnectorWorker
-
-    return NixlConnectorWorker(config, cache_engine, engine_id)

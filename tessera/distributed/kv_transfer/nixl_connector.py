@@ -29,13 +29,12 @@ import zmq
 
 from tessera.config import KVTransferConfig
 from tessera.core.kv_connector import RemotePrefill
-from tessera.distributed.kv_transfer.base import TransferError
+from tessera.distributed.kv_transfer.base import KVCache, TransferError
 from tessera.distributed.kv_transfer.tcp_connector import (
     _POLL_MS,
     TcpConnectorWorker,
     _dtype_name,
 )
-from tessera.worker.cache_engine import CacheEngine
 
 _MEM = "DRAM"
 
@@ -54,7 +53,7 @@ def _load_nixl():
 
 
 class NixlConnectorWorker(TcpConnectorWorker):
-    def __init__(self, config: KVTransferConfig, cache_engine: CacheEngine, engine_id: str) -> None:
+    def __init__(self, config: KVTransferConfig, cache_engine: KVCache, engine_id: str) -> None:
         nixl_agent, nixl_agent_config = _load_nixl()
         if cache_engine.device.type != "cpu":
             raise ValueError("kv_transfer_config: NixlConnector here moves DRAM only (device cpu)")

@@ -22,8 +22,7 @@ import zmq
 
 from tessera.config import KVTransferConfig
 from tessera.core.kv_connector import RemotePrefill
-from tessera.distributed.kv_transfer.base import KVConnectorWorker, TransferError
-from tessera.worker.cache_engine import CacheEngine
+from tessera.distributed.kv_transfer.base import KVCache, KVConnectorWorker, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class TcpConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: KVTransferConfig, cache_engine: CacheEngine, engine_id: str) -> None:
+    def __init__(self, config: KVTransferConfig, cache_engine: KVCache, engine_id: str) -> None:
         super().__init__(config, cache_engine, engine_id)
         self._ctx = zmq.Context()
         self._port = 0
@@ -145,7 +144,9 @@ class TcpConnectorWorker(KVConnectorWorker):
             # straight into the staging tensor: no intermediate copy of the payload
             size = sock.recv_into(data.view(-1).view(torch.uint8).numpy()) if data.numel() else 0
             if size != data.numel() * data.element_size():
-                raise TransferError(f"the payload has {size} bytes, not {data.numel() * data.element_size()}")
+                raise TransferError(
+                    f"the payload has {size} bytes, not {data.numel() * data.element_size()}"
+                )
             return data
         finally:
             sock.close(linger=0)

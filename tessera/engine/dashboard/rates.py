@@ -50,7 +50,9 @@ class RollingRates:
         start = now - self.window_s
         # keep one sample at or before the window's start, to difference against; one older
         # than two windows is from before a gap (no page was open): start afresh
-        while len(samples) > 1 and (samples[1][0] <= start or samples[0][0] < start - self.window_s):
+        while len(samples) > 1 and (
+            samples[1][0] <= start or samples[0][0] < start - self.window_s
+        ):
             samples.popleft()
         finished = self._finished
         while finished and finished[0][0] < start:

@@ -1,4 +1,5 @@
-"""Every error leaves the server in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Every error leaves the server in OpenAI's shape: `{"error": {"message", "type", "param",
+"code"}}`.
 
 Client mistakes are 4xx with a message that names the field (and the limit, where there is one).
 Only our own failures are 500, and those never show internal exception text (it goes to the

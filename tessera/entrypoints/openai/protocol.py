@@ -1,8 +1,10 @@
-"""Pydantic models of the OpenAI-compatible HTTP API (requests strict, responses as OpenAI sends them).
+"""Pydantic models of the OpenAI-compatible HTTP API (requests strict, responses as OpenAI sends
+them).
 
 Requests forbid unknown fields: a parameter we do not support is a 400 naming it, never silently
 ignored. Ranges live in `Field(...)` so the generated OpenAPI schema documents them (and the fuzz
-tests draw from it); checks that need the model (context length, vocabulary) are in the serving code.
+tests draw from it); checks that need the model (context length, vocabulary) are in the serving
+code.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ class _SamplingRequest(_Request):
     logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit")
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
-    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = (
+        None
+    )
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_*

@@ -99,9 +99,12 @@ class OpenAIServing:
             return limit - num_prompt_tokens
         if num_prompt_tokens + max_tokens > limit:
             raise bad_request(
-                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
+                f"this model's maximum context length is {limit} tokens, but "
+                f"{num_prompt_tokens + max_tokens} "
                 f"were requested ({num_prompt_tokens} in the prompt + {max_tokens} max_tokens); "
-                "shorten the prompt or lower max_tokens", "max_tokens")
+                "shorten the prompt or lower max_tokens",
+                "max_tokens",
+            )
         return max_tokens
 
     def check_logprobs(self, value: int | None, param: str) -> None:
@@ -128,7 +131,9 @@ class OpenAIServing:
         args["max_tokens"] = max_tokens
         args["structured_outputs"] = structured_outputs_of(req, self.tool_call_parser is not None)
         # a stream forwards what is new; a whole answer needs only the final output
-        args["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        args["output_kind"] = (
+            RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        )
         try:
             params = SamplingParams(**args)
             params.check_vocab(self.vocab_size)
