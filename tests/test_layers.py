@@ -23,19 +23,20 @@ LAYERS: list[tuple[str, ...]] = [
     ("worker",),
     ("model",),
     ("attention", "sampling", "distributed"),
-    ("kernels",),
+    ("kernels", "lora"),
 ]
 RANK = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 # The shared, torch-free vocabulary every part may import: request state, configs, outputs,
 # helpers, and the request's SamplingParams (with the structured-output spec it holds).
 VOCABULARY = {
     "tessera.config", "tessera.sequence", "tessera.utils", "tessera.outputs", "tessera.inputs",
-    "tessera.sampling.params", "tessera.sampling.structured_outputs",
+    "tessera.sampling.params", "tessera.sampling.structured_outputs", "tessera.pooling_params",
+    "tessera.lora.request",
 }
 # What `core` (torch-free, beside the layers) may import besides itself.
 CORE_MAY_IMPORT = VOCABULARY
 # The tokenizer wrapper (transformers) sits just above the vocabulary: any layer may use it.
-SHARED = VOCABULARY | {"tessera.tokenizer"}
+SHARED = VOCABULARY | {"tessera.tokenizer", "tessera.chat_templates"}
 # The simulator runs the real core on a virtual clock: it never loads a model or a runner.
 SIMULATOR_NEVER = ("worker", "model")
 

@@ -170,7 +170,7 @@ class UpdateFromOutput:
         assert pooled is not None, f"{seq.req_id}: prompt complete but the runner pooled nothing"
         self._output_of(group, touched).pooler_output = pooled
         group.first_token_time = group.last_token_time = now
-        seq.status = SequenceStatus.FINISHED_STOPPED
+        set_progress(seq, seq.num_computed_tokens, SequenceStatus.FINISHED_STOPPED)
         self._free_seq(seq)
         return True
 
