@@ -22,6 +22,8 @@ from collections.abc import Callable
 from tessera.bench import add_bench_parser
 from tessera.config import EngineArgs, flag_name
 from tessera.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tessera.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from tessera.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tessera.entrypoints.proxy import add_proxy_parser
 from tessera.simulator import add_simulate_parser
 
@@ -127,9 +129,13 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='allow tool_choice "auto": parse the model\'s own tool calls '
                              "(needs --tool-call-parser)")
-    server.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                        help="the model's tool-call format: hermes = <tool_call>{json}"
-                             "</tool_call> (Hermes 2 Pro/3, Qwen2.5, Qwen3)")
+    server.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                        help="the model's tool-call format (vLLM's names): hermes (Hermes, "
+                             "Qwen2.5, Qwen3), llama3_json (Llama 3.x), mistral, pythonic "
+                             "(Llama 3.2/4 pythonic), qwen3_xml (Qwen3-Coder)")
+    server.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="split <think>...</think> into reasoning_content: deepseek_r1 "
+                             "(DeepSeek-R1 and distills, QwQ) or qwen3")
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
 
@@ -203,7 +209,8 @@ def _serve(args: argparse.Namespace) -> int:
                api_key=args.api_key, log_level=args.log_level, chat_template=chat_template,
                uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
                log_requests=args.enable_log_requests, allowed_origins=origins,
-               root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
+               root_path=args.root_path, tool_call_parser=args.tool_call_parser,
+               reasoning_parser=args.reasoning_parser, sock=sock,
                max_request_body_bytes=args.max_request_body_bytes)
 
 

@@ -171,13 +171,16 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               sampling_defaults: dict | None = None, log_requests: bool = False,
               allowed_origins: list[str] | None = None, root_path: str = "",
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over `engine`. The app's lifespan starts and stops the engine thread.
 
     `chat_template` (a Jinja template's text) replaces the model's own; `sampling_defaults` (the
     model's generation config) fill what requests leave unset; `allowed_origins` turns on CORS
     for those origins ("*": any); `root_path` is the prefix a reverse proxy serves us under;
-    `tool_call_parser` (tessera/entrypoints/openai/tool_parsers.py) enables tool_choice "auto"."""
+    `tool_call_parser` (tessera/entrypoints/openai/tool_parsers/) enables tool_choice "auto";
+    `reasoning_parser` (tessera/entrypoints/openai/reasoning_parsers.py) splits out
+    reasoning_content."""
     if max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_request_body_bytes}")
     model_name = served_model_name or engine.model_name
@@ -185,7 +188,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     engine.on_finished.append(metrics.observe_finished)
     preprocessor = Preprocessor(engine.tokenizer, engine.max_model_len, engine.vocab_size)
     common = {"chat_template": chat_template, "sampling_defaults": sampling_defaults,
-              "log_requests": log_requests, "tool_call_parser": tool_call_parser}
+              "log_requests": log_requests, "tool_call_parser": tool_call_parser,
+              "reasoning_parser": reasoning_parser}
     completions = OpenAIServingCompletion(engine, model_name, preprocessor, **common)
     chat = OpenAIServingChat(engine, model_name, preprocessor, **common)
     tokens = OpenAIServingTokenization(engine, model_name, preprocessor, **common)

@@ -2,16 +2,16 @@
 
 Enable with `--enable-auto-tool-choice --tool-call-parser NAME`; the names are vLLM's:
 
-| name | models | the model writes |
-| --- | --- | --- |
-| `hermes` | Hermes 2 Pro / 3, Qwen2.5, Qwen3 | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` |
-| `llama3_json` | Llama 3.1 / 3.2 / 3.3 | `<|python_tag|>{"name": ..., "parameters": {...}}; {...}` |
-| `mistral` | Mistral 7B v0.3, Nemo, Small | `[TOOL_CALLS][{"name": ..., "arguments": {...}}]` |
-| `pythonic` | Llama 3.2 / 4 (pythonic templates) | `[get_weather(city="Paris"), get_time()]` |
-| `qwen3_xml` | Qwen3-Coder | `<tool_call><function=f><parameter=p>v</parameter></function></tool_call>` |
+- `hermes` (Hermes 2 Pro / 3, Qwen2.5, Qwen3):
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+- `llama3_json` (Llama 3.1 / 3.2 / 3.3): `<|python_tag|>{"name": ..., "parameters": {...}}; ...`
+- `mistral` (Mistral 7B v0.3, Nemo, Small): `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`
+- `pythonic` (Llama 3.2 / 4 pythonic templates): `[get_weather(city="Paris"), get_time()]`
+- `qwen3_xml` (Qwen3-Coder):
+  `<tool_call><function=f><parameter=p>v</parameter></function></tool_call>`
 
-Each parser reads whole outputs (`extract`) and streams (`feed`); see `base.py`. The Responses
-endpoint and the chat endpoint both get a parser from `get_tool_parser`.
+Each parser reads whole outputs (`extract`) and streams (`feed`); see `base.py`. Endpoints (chat,
+Responses) get a fresh one per choice from `get_tool_parser`.
 """
 
 from __future__ import annotations

@@ -110,6 +110,4 @@ class MistralToolParser(ToolParser):
                 if i >= len(text):
                     return not final
                 continue
-            if not final and BOT.startswith(text[k:]):
-                return True
-            return False
+            return bool(not final and BOT.startswith(text[k:]))

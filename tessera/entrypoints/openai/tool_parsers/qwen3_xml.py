@@ -150,7 +150,8 @@ def convert(value: str, schema: Any) -> Any:
             return int(text)
         if kind == "number":
             number = float(text)
-            return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+            written_as_int = number.is_integer() and not any(c in text for c in ".eE")
+            return int(number) if written_as_int else number
         if kind == "boolean":
             if text.lower() in ("true", "false"):
                 return text.lower() == "true"
