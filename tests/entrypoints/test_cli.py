@@ -34,13 +34,31 @@ def test_every_engine_field_is_a_documented_flag():
 def test_flags_parse_into_engine_args():
     args = _serve_args("--block-size", "32", "--max-num-batched-tokens", "4096",
                        "--preemption-mode", "swap", "--enable-chunked-prefill",
-                       "--kv-cache-space", "0.5", "--max-model-len", "512", "--dtype",
+                       "--no-enable-prefix-caching", "--kv-cache-space", "0.5", "--max-model-len", "512", "--dtype",
                        "bfloat16", "--port", "0", "--api-key", "k", "--served-model-name", "m")
     ea = engine_args_from(args)
     assert (ea.block_size, ea.max_num_batched_tokens, ea.preemption_mode) == (32, 4096, "swap")
     assert ea.enable_chunked_prefill and not ea.enable_prefix_caching
     assert (ea.kv_cache_space, ea.max_model_len, ea.dtype) == (0.5, 512, "bfloat16")
     assert (args.port, args.api_key, args.served_model_name) == (0, "k", "m")
+
+
+def test_chunked_prefill_and_prefix_caching_are_on_by_default_as_in_vllm_v1():
+    ea = engine_args_from(_serve_args())
+    assert ea.enable_chunked_prefill and ea.enable_prefix_caching
+    config = ea.create_engine_config(model_max_len=8192)
+    assert config.scheduler.enable_chunked_prefill and config.cache.enable_prefix_caching
+    assert config.scheduler.max_num_batched_tokens == 2048  # vLLM v1's server default
+    assert EngineArgs() == ea
+    off = engine_args_from(_serve_args("--no-enable-chunked-prefill",
+                                       "--no-enable-prefix-caching"))
+    assert not off.enable_chunked_prefill and not off.enable_prefix_caching
+    config = off.create_engine_config(model_max_len=8192)
+    assert not config.scheduler.enable_chunked_prefill and not config.cache.enable_prefix_caching
+    assert config.scheduler.max_num_batched_tokens == 2048  # max(max_model_len 2048, 2048)
+    config = EngineArgs(enable_chunked_prefill=False, max_model_len=4096).create_engine_config(
+        model_max_len=8192)
+    assert config.scheduler.max_num_batched_tokens == 4096  # a whole prompt fits
 
 
 @pytest.mark.parametrize("argv", [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from tiny_llama import save_tiny_llama
@@ -36,7 +37,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_model_path):
+def tiny(tmp_path_factory, default_model_path):
     from tessera.tokenizer import load_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-reasoning")
@@ -45,6 +46,12 @@ def server(tmp_path_factory, default_model_path):
     save_tiny_llama(str(path), num_kv_heads=2, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(str(path))
     (path / "template.jinja").write_text(TEMPLATE)
+    return path, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    path, tokenizer = tiny
     srv = ServerProcess("--model", str(path), "--max-model-len", "512", "--kv-cache-space",
                         "0.05", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                         "--reasoning-parser", "deepseek_r1", "--chat-template",
@@ -156,3 +163,20 @@ def test_chat_template_kwargs_reach_the_template(client):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, max_tokens=3, extra_body={"chat_template_kwargs": {"tools": []}})
     assert e.value.body["param"] == "chat_template_kwargs"
+    url = client.base_url.join("/tokenize")
+    message = [{"role": "user", "content": "Hi"}]
+    counts = [httpx.post(str(url), json={"messages": message, **kw}).json()["count"]
+              for kw in ({}, NO_THINKING)]
+    assert counts[1] > counts[0]
+
+
+def test_llm_chat_takes_chat_template_kwargs(tiny):
+    from tessera import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny[0]), max_model_len=128, kv_cache_space=0.05)
+    message = [{"role": "user", "content": "Hi"}]
+    outs = [llm.chat(message, SamplingParams(max_tokens=1), use_tqdm=False,
+                     chat_template=TEMPLATE, chat_template_kwargs=kw)[0]
+            for kw in (None, {"enable_thinking": False})]
+    assert tiny[1].decode(outs[1].prompt_token_ids).endswith("<think>\n\n</think>\n\n")
+    assert tiny[1].decode(outs[0].prompt_token_ids).endswith("assistant\n<think>\n")

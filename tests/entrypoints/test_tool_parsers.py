@@ -203,3 +203,17 @@ def test_malformed_output_streams_as_content_unless_a_call_had_begun(case, cuts)
 def split(text: str, cuts: list[int]) -> list[str]:
     bounds = [0, *sorted({c for c in cuts if c <= len(text)}), len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_required_grammar_allows_one_call_without_parallel_tool_calls(parallel):
+    from tessera.entrypoints.openai.protocol import ChatCompletionRequest
+    from tessera.entrypoints.openai.structured import tool_constraint
+
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+        "parallel_tool_calls": parallel,
+        "tools": [{"type": "function", "function": t} for t in TOOLS]})
+    schema = tool_constraint(req)["json"]
+    assert schema["minItems"] == 1
+    assert schema.get("maxItems") == (1 if parallel is False else None)
