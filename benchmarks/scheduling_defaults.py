@@ -64,6 +64,8 @@ def main() -> None:
         for name, llm in llms.items():
             results[name]["b1"].append(batch1_decode(llm))
             results[name]["w1"].append(w1(llm, prompts, out_lens))
+            print(f"{name}: W1 {results[name]['w1'][-1]:.1f}, batch-1 "
+                  f"{results[name]['b1'][-1]:.1f} output tok/s", flush=True)
     print(f"{'chunked prefill + prefix caching':<34}{'W1 output tok/s':>16}"
           f"{'batch-1 decode tok/s':>22}")
     for name, r in results.items():

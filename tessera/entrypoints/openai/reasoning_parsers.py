@@ -18,9 +18,11 @@ outputs, forced tool calls) must wait for `</think>` (see `StructuredOutputsPara
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
+from typing import Any, ClassVar
 
 from tessera.entrypoints.openai.tool_parsers.base import partial_suffix
+from tessera.sampling.params import SamplingParams
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -112,3 +114,15 @@ def get_reasoning_parser(name: str, prompt_tail: str = "") -> ReasoningParser:
         raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
                          f"got {name!r}")
     return REASONING_PARSERS[name](prompt_tail)
+
+
+def constrain_after_reasoning(params: SamplingParams, reasoning: ReasoningParser | None,
+                              tokenizer: Any) -> SamplingParams:
+    """`params` whose grammar (if any) starts after the model's `</think>` when it is expected
+    to reason first (vLLM's rule under --reasoning-parser); unchanged otherwise."""
+    so = params.structured_outputs
+    if so is None or reasoning is None or not reasoning.expects_reasoning():
+        return params
+    end_ids = tuple(tokenizer.encode(reasoning.end, add_special_tokens=False))
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(
+        so, reasoning_end_token_ids=end_ids))

@@ -9,7 +9,6 @@ the tool calls (a forced tool choice's JSON, or --tool-call-parser's format for 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,8 +33,8 @@ from tessera.entrypoints.openai.protocol import (
     dump_chunk,
 )
 from tessera.entrypoints.openai.reasoning_parsers import (
-    THINK_END,
     ReasoningParser,
+    constrain_after_reasoning,
     get_reasoning_parser,
 )
 from tessera.entrypoints.openai.serving_engine import (
@@ -58,7 +57,6 @@ from tessera.entrypoints.openai.structured import (
 )
 from tessera.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from tessera.outputs import CompletionOutput
-from tessera.sampling.params import SamplingParams
 from tessera.tokenizer import check_chat_template_kwargs
 
 # tokens of the prompt's end decoded to tell whether the template opened or closed a <think>
@@ -83,7 +81,7 @@ class OpenAIServingChat(OpenAIServing):
             req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         prompt_tail = (self.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:])
                        if self.reasoning_parser is not None else "")
-        params = self._after_reasoning(params, prompt_tail)
+        params = constrain_after_reasoning(params, self._reasoning(prompt_tail), self.tokenizer)
         await self.check_constraint(params, constraint_field(req))
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -122,17 +120,6 @@ class OpenAIServingChat(OpenAIServing):
         if self.reasoning_parser is None:
             return None
         return get_reasoning_parser(self.reasoning_parser, prompt_tail)
-
-    def _after_reasoning(self, params: SamplingParams, prompt_tail: str) -> SamplingParams:
-        """The request's grammar, starting after the model's `</think>` when it is expected to
-        reason first (vLLM's rule under --reasoning-parser)."""
-        reasoning = self._reasoning(prompt_tail)
-        so = params.structured_outputs
-        if so is None or reasoning is None or not reasoning.expects_reasoning():
-            return params
-        end_ids = tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
-        return dataclasses.replace(params, structured_outputs=dataclasses.replace(
-            so, reasoning_end_token_ids=end_ids))
 
     def _choice(self, req: ChatCompletionRequest, o: CompletionOutput,
                 prompt_tail: str) -> ChatChoice:
