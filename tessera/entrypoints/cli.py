@@ -136,6 +136,11 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                         help="split <think>...</think> into reasoning_content: deepseek_r1 "
                              "(DeepSeek-R1 and distills, QwQ) or qwen3")
+    server.add_argument("--disable-dashboard", action="store_true",
+                        help="do not serve the live view /dashboard (and /dashboard/events)")
+    server.add_argument("--dashboard-interval", type=int, default=250, metavar="MS",
+                        help="the fastest the dashboard samples the engine, in ms (at least "
+                             "10) (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
 
@@ -166,6 +171,8 @@ def _serve(args: argparse.Namespace) -> int:
         args.parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.enable_log_requests and args.disable_log_requests:
         args.parser.error("--enable-log-requests and --disable-log-requests contradict")
+    if args.dashboard_interval < 10:
+        args.parser.error(f"--dashboard-interval must be >= 10 (ms), got {args.dashboard_interval}")
     origins = args.allowed_origins
     if origins is not None and not (isinstance(origins, list)
                                     and all(isinstance(o, str) for o in origins)):
@@ -211,7 +218,9 @@ def _serve(args: argparse.Namespace) -> int:
                log_requests=args.enable_log_requests, allowed_origins=origins,
                root_path=args.root_path, tool_call_parser=args.tool_call_parser,
                reasoning_parser=args.reasoning_parser, sock=sock,
-               max_request_body_bytes=args.max_request_body_bytes)
+               max_request_body_bytes=args.max_request_body_bytes,
+               enable_dashboard=not args.disable_dashboard,
+               dashboard_interval_ms=args.dashboard_interval)
 
 
 def _serve_worker_node(args: argparse.Namespace) -> int:

@@ -55,10 +55,10 @@ def test_chunked_prefill_and_prefix_caching_are_on_by_default_as_in_vllm_v1():
     assert not off.enable_chunked_prefill and not off.enable_prefix_caching
     config = off.create_engine_config(model_max_len=8192)
     assert not config.scheduler.enable_chunked_prefill and not config.cache.enable_prefix_caching
-    assert config.scheduler.max_num_batched_tokens == 2048  # max(max_model_len 2048, 2048)
-    config = EngineArgs(enable_chunked_prefill=False, max_model_len=4096).create_engine_config(
+    assert config.scheduler.max_num_batched_tokens == 8192  # a whole prompt fits
+    config = EngineArgs(enable_chunked_prefill=False, max_model_len=1024).create_engine_config(
         model_max_len=8192)
-    assert config.scheduler.max_num_batched_tokens == 4096  # a whole prompt fits
+    assert config.scheduler.max_num_batched_tokens == 2048
 
 
 @pytest.mark.parametrize("argv", [
