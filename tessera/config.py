@@ -107,7 +107,7 @@ class CacheConfig:
     kv_cache_space: float = 1.0
     swap_space: float = 1.0
     num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # vLLM v1's default
     watermark: float = 0.01
     # --kv-cache-dtype (vLLM's CacheConfig.cache_dtype); EngineArgs resolves "auto" to the model
     # dtype, so engine code reads a concrete name (resolve_kv_cache_dtype for direct constructions)
@@ -144,7 +144,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 2048
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True  # vLLM v1's default
     preemption_mode: PreemptionMode | None = PreemptionMode.SWAP
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
@@ -477,6 +477,10 @@ class EngineConfig:
                              f"{self.parallel.tensor_parallel_size} yet: disaggregate TP=1 engines")
 
 
+# --max-num-batched-tokens under chunked prefill when not given: vLLM v1's OpenAI server default
+DEFAULT_CHUNKED_PREFILL_BUDGET = 2048
+
+
 def _arg(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -511,9 +515,8 @@ class EngineArgs:
     )
     block_size: int = _arg(16, "tokens per KV cache block")
     max_num_batched_tokens: int | None = _arg(
-        None,
-        "token budget of one engine step (default: max(max_model_len, 2048), or 512 with chunked "
-        "prefill)",
+        None, "token budget of one engine step (default: 2048 with chunked prefill, as vLLM v1's "
+              "server; without it max(max_model_len, 2048), so a whole prompt fits)"
     )
     max_num_seqs: int = _arg(256, "most sequences running at once")
     num_gpu_blocks_override: int | None = _arg(
@@ -533,10 +536,12 @@ class EngineArgs:
         "--swap-space is full), or drop the KV and recompute it",
         choices=["swap", "recompute"],
     )
+    # on by default, as in vLLM v1 (measured: benchmarks/scheduling_defaults.py)
     enable_chunked_prefill: bool = _arg(
-        False, "split long prompts to fill each step's token budget"
-    )
-    enable_prefix_caching: bool = _arg(False, "reuse KV blocks of shared prompt prefixes")
+        True, "split long prompts to fill each step's token budget, decodes first "
+              "(--no-enable-chunked-prefill: a prompt is prefilled whole)")
+    enable_prefix_caching: bool = _arg(
+        True, "reuse KV blocks of shared prompt prefixes (--no-enable-prefix-caching: off)")
     scheduling_policy: str = _arg("fcfs", "request order", choices=["fcfs", "priority"])
     speculative_config: dict | str | None = _arg(
         None,
@@ -598,7 +603,7 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             budget = self.max_num_batched_tokens
         elif self.enable_chunked_prefill:
-            budget = 512
+            budget = DEFAULT_CHUNKED_PREFILL_BUDGET
         else:
             budget = max(max_model_len, 2048)
         for name, enum_cls in (

@@ -89,21 +89,43 @@ def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+# arguments of HF's apply_chat_template: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_chat_template_kwargs(chat_template_kwargs: dict | None) -> None:
+    """ValueError naming chat_template_kwargs when it is not a dict of template variables."""
+    if chat_template_kwargs is None:
+        return
+    if not isinstance(chat_template_kwargs, dict):
+        raise ValueError("chat_template_kwargs must be an object of template variables")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: these are "
+                         "arguments of the template call, not template variables")
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerFast, messages: list[dict], *, tools: list[dict] | None = None,
     chat_template: str | None = None, add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
+    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered with the model's chat template (or `chat_template`),
     ending with the assistant's generation prompt unless told otherwise; or, with
     `continue_final_message`, ending inside the last (assistant) message so the model continues
-    it. ValueError if there is no chat template."""
+    it. `chat_template_kwargs` are extra template variables (Qwen3's `enable_thinking`).
+    ValueError if there is no chat template."""
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use a completion prompt instead")
+    check_chat_template_kwargs(chat_template_kwargs)
     ids = tokenizer.apply_chat_template(
         messages, tools=tools, chat_template=chat_template,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
         continue_final_message=continue_final_message, tokenize=True, return_dict=False,
+        **(chat_template_kwargs or {}),
     )
     if not isinstance(ids, list):  # a BatchEncoding, in some transformers versions
         ids = ids["input_ids"]

@@ -334,10 +334,12 @@ class LLMEngine:
         return runner_output, outputs
 
     # ---- helpers for front ends --------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], **options) -> list[int]:
+        """`options` go to `tessera.tokenizer.apply_chat_template` (tools, chat_template,
+        chat_template_kwargs, ...)."""
         from tessera.tokenizer import apply_chat_template
 
-        return apply_chat_template(self.tokenizer, messages)
+        return apply_chat_template(self.tokenizer, messages, **options)
 
     def get_metrics(self) -> dict[str, float]:
         """Current values keyed by the Prometheus names `/metrics` serves; a labelled sample is

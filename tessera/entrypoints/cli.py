@@ -19,6 +19,8 @@ from collections.abc import Callable
 from tessera.bench import add_bench_parser
 from tessera.engine.arg_utils import add_engine_args, engine_args_from
 from tessera.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tessera.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from tessera.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tessera.entrypoints.proxy import add_proxy_parser
 from tessera.simulator import add_simulate_parser
 
@@ -78,9 +80,13 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='allow tool_choice "auto": parse the model\'s own tool calls '
                              "(needs --tool-call-parser)")
-    server.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                        help="the model's tool-call format: hermes = <tool_call>{json}"
-                             "</tool_call> (Hermes 2 Pro/3, Qwen2.5, Qwen3)")
+    server.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                        help="the model's tool-call format (vLLM's names): hermes (Hermes, "
+                             "Qwen2.5, Qwen3), llama3_json (Llama 3.x), mistral, pythonic "
+                             "(Llama 3.2/4 pythonic), qwen3_xml (Qwen3-Coder)")
+    server.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="split <think>...</think> into reasoning_content: deepseek_r1 "
+                             "(DeepSeek-R1 and distills, QwQ) or qwen3")
     server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters to serve (with --enable-lora), each name=path or JSON "
                              '{"name": ..., "path": ..., "base_model_name": ...}; a request '
@@ -193,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=origins,
         root_path=args.root_path,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         sock=sock,
         max_request_body_bytes=args.max_request_body_bytes,
         enable_dashboard=not args.disable_dashboard,

@@ -103,12 +103,21 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the model's
-        chat template."""
+        chat template (or `chat_template`); `chat_template_kwargs` are extra template variables,
+        e.g. `{"enable_thinking": False}` for Qwen3."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, "tools": tools,
+                   "chat_template_kwargs": chat_template_kwargs}
         prompts = [
-            {"prompt_token_ids": self.llm_engine.apply_chat_template(conv)}
+            {"prompt_token_ids": self.llm_engine.apply_chat_template(conv, **options)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

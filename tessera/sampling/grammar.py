@@ -27,7 +27,8 @@ from tessera.kernels import token_mask
 from tessera.kernels.token_mask import apply_bitmask_, unpack_bitmask
 from tessera.sampling.structured_outputs import StructuredOutputsParams
 
-__all__ = ["DraftWalk", "GrammarBackend", "GrammarState", "apply_grammar_masks", "unpack_bitmask"]
+__all__ = ["DraftWalk", "GrammarBackend", "GrammarState", "ReasoningGate", "apply_grammar_masks",
+           "unpack_bitmask"]
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:94: " and sometimes a failed check
 _INTERNAL_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
@@ -99,7 +100,10 @@ class GrammarBackend:
 
     def matcher(self, params: StructuredOutputsParams, token_ids: list[int]) -> GrammarState:
         """A matcher for one sequence, advanced over the tokens it already generated."""
-        state = GrammarState(_xgrammar().GrammarMatcher(self.compile(params)))
+        matcher = _xgrammar().GrammarMatcher(self.compile(params))
+        if params.reasoning_end_token_ids:
+            matcher = ReasoningGate(matcher, params.reasoning_end_token_ids)
+        state = GrammarState(matcher)
         state.accept(token_ids)
         return state
 
@@ -122,6 +126,52 @@ class GrammarState:
         """Undo the last accepted tokens (rejected speculative drafts)."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
+
+
+class ReasoningGate:
+    """A matcher that starts after a reasoning model's end-of-thinking tokens (`</think>`).
+
+    Until they have been generated nothing is masked and tokens do not reach the grammar; from
+    the token after them on, it is the grammar's matcher. It has the matcher's interface
+    (accept_token, is_terminated, fill_next_token_bitmask, rollback), so speculative drafts and
+    replays after preemption go through it unchanged."""
+
+    def __init__(self, matcher: Any, end_token_ids: tuple[int, ...]) -> None:
+        self.matcher = matcher
+        self.end_token_ids = list(end_token_ids)
+        self.history: list[int] = []  # every token accepted, in order
+        self.open_at: int | None = None  # len(history) when the gate opened
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.open_at is not None:
+            if not self.matcher.accept_token(token_id):
+                return False
+            self.history.append(token_id)
+            return True
+        self.history.append(token_id)
+        n = len(self.end_token_ids)
+        if self.history[-n:] == self.end_token_ids:
+            self.open_at = len(self.history)
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.open_at is not None and self.matcher.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int) -> None:
+        if self.open_at is None:
+            bitmask[index].fill_(-1)  # thinking: every token allowed
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    def rollback(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        keep = len(self.history) - num_tokens
+        if self.open_at is not None:
+            self.matcher.rollback(len(self.history) - max(keep, self.open_at))
+            if keep < self.open_at:
+                self.open_at = None
+        del self.history[keep:]
 
 
 class DraftWalk:

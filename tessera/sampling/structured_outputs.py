@@ -23,6 +23,10 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # Not a constraint: the token ids that end a reasoning model's thinking (`</think>`). When
+    # set, the grammar applies only after them (the reasoning before is free text), as vLLM does
+    # under --reasoning-parser. The server sets it; it does not change the compiled grammar.
+    reasoning_end_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_fields = [name for name in ("json", "regex", "choice", "grammar")
@@ -61,6 +65,13 @@ class StructuredOutputsParams:
                                  f"most {MAX_CHOICES} are allowed")
             _check_length("structured_outputs.choice", "".join(self.choice))
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.reasoning_end_token_ids is not None:
+            if not self.reasoning_end_token_ids or not all(
+                    isinstance(t, int) and t >= 0 for t in self.reasoning_end_token_ids):
+                raise ValueError("structured_outputs.reasoning_end_token_ids must be a non-empty "
+                                 "list of token ids")
+            object.__setattr__(self, "reasoning_end_token_ids",
+                               tuple(self.reasoning_end_token_ids))
 
     @classmethod
     def from_dict(cls, value: Any) -> StructuredOutputsParams:

@@ -80,3 +80,30 @@ def test_compile_is_cached_and_errors_are_clean(backend):
     with pytest.raises(ValueError, match=r"^structured_outputs\.regex is invalid") as e:
         backend.compile(StructuredOutputsParams(regex="(["))
     assert ".cc" not in str(e.value) and "Check failed" not in str(e.value)
+
+
+def test_reasoning_gate_constrains_only_after_the_end_of_thinking(backend, default_tokenizer):
+    """--reasoning-parser: the grammar starts after `</think>`; before it nothing is masked."""
+    end = tuple(default_tokenizer.encode("</think>", add_special_tokens=False))
+    gated = StructuredOutputsParams(regex=r"[0-9]+", reasoning_end_token_ids=end)
+    plain = backend.matcher(StructuredOutputsParams(regex=r"[0-9]+"), [])
+    state = backend.matcher(gated, [])
+    thinking = default_tokenizer.encode("Let me think", add_special_tokens=False)
+    state.accept(thinking)  # words, which the digit grammar would refuse
+    logits = torch.randn(2, VOCAB)
+    masked = logits.clone()
+    apply_grammar_masks(masked, [state, plain], (default_tokenizer.eos_token_id,))
+    assert torch.equal(masked[0], logits[0])
+    assert not torch.equal(masked[1], logits[1])
+    state.accept(list(end))
+    assert torch.equal(allowed_reference(state), allowed_reference(plain))
+    with pytest.raises(AssertionError, match="violates"):
+        backend.matcher(gated, [*thinking, *end]).accept(thinking[:1])
+    # rollback across the opening closes the gate again; replay equals step by step
+    digits = default_tokenizer.encode("42", add_special_tokens=False)
+    state.accept(digits)
+    state.rollback(len(digits) + 1)
+    assert bool(allowed_reference(state).all())
+    state.accept([end[-1], *digits])
+    replayed = backend.matcher(gated, [*thinking, *end, *digits])
+    assert torch.equal(allowed_reference(state), allowed_reference(replayed))

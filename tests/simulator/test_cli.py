@@ -60,10 +60,10 @@ def test_bad_flags_name_themselves():
 
 def test_setting_flags_overlay_the_command():
     args = _parse(*ROOFLINE, "--max-num-seqs", "7")
-    overlaid = setting_args(args, " --enable-chunked-prefill --max-num-batched-tokens 512")
-    assert overlaid.enable_chunked_prefill and overlaid.max_num_batched_tokens == 512
+    overlaid = setting_args(args, " --no-enable-chunked-prefill --max-num-batched-tokens 512")
+    assert not overlaid.enable_chunked_prefill and overlaid.max_num_batched_tokens == 512
     assert overlaid.max_num_seqs == 7 and overlaid.kv_cache_space == 10
-    assert not args.enable_chunked_prefill  # the command's own flags untouched
+    assert args.enable_chunked_prefill  # the command's own flags untouched (on by default)
 
 
 def test_simulate_writes_bench_json_and_figures(tmp_path, capsys):

@@ -271,9 +271,10 @@ def test_engine_flags_round_trip_through_the_cli():
     from tessera.entrypoints.cli import build_parser, engine_args_from
     from tessera.simulator.serving import engine_flags
 
-    args = EngineArgs(dtype="bfloat16", enable_chunked_prefill=True, max_num_batched_tokens=256,
+    args = EngineArgs(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=256,
                       num_gpu_blocks_override=160, preemption_mode="recompute")
-    flags = engine_flags(args)
-    assert "--enable-chunked-prefill" in flags and "--model" not in flags
+    flags = engine_flags(args)  # chunked prefill is on by default: no flag for it
+    assert "--no-enable-prefix-caching" in flags and "--model" not in flags
+    assert not any("chunked" in f for f in flags)
     parsed = engine_args_from(build_parser().parse_args(["serve", *flags]))
     assert parsed == args

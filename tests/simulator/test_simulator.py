@@ -109,7 +109,7 @@ def test_prefix_caching_hits_shared_prompts():
     shared = list(range(1, 65))
     reqs = [SimRequest(shared + [1000 + k, 2000 + k], 4, 0.5 * k) for k in range(4)]
     on = _sim(FixedCost(per_token=0.001), enable_prefix_caching=True).run(reqs)
-    off = _sim(FixedCost(per_token=0.001)).run(reqs)
+    off = _sim(FixedCost(per_token=0.001), enable_prefix_caching=False).run(reqs)
     assert on.counters["prefix_cache_hits"] >= 3 * 64
     assert off.counters["prefix_cache_hits"] == 0
     ttft_on = [r.ttft for r in request_results(on)]

@@ -197,14 +197,17 @@ class ChatCompletionRequest(_SamplingRequest):
                                      description="at most the server's --max-logprobs (default 20)")
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted; calls are parsed as "
-                                                                "the model emits them")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one tool call (the grammar of tool_choice \"required\" "
+                          "allows one; a parsed \"auto\" output keeps its first)")
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
         None, description="accepted; the default model has no reasoning mode")
     # vLLM's chat extras
     chat_template: str | None = Field(None, description="a Jinja template replacing the model's")
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='extra variables for the chat template, e.g. {"enable_thinking": false}')
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -272,6 +275,8 @@ class DeltaToolCall(ToolCallOut):
 class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # --reasoning-parser: the model's thinking, apart from its answer (vLLM's field)
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -295,6 +300,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -367,6 +373,7 @@ class TokenizeChatRequest(_Request):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     return_token_strs: bool | None = False
 

@@ -188,7 +188,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               sampling_defaults: dict | None = None, log_requests: bool = False,
               allowed_origins: list[str] | None = None, root_path: str = "",
-              tool_call_parser: str | None = None, enable_dashboard: bool = True,
+              tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, enable_dashboard: bool = True,
               dashboard_interval_ms: int = DEFAULT_INTERVAL_MS,
               lora_modules: list[LoRAModulePath] | None = None,
               allow_runtime_lora_updating: bool = False) -> FastAPI:
@@ -197,10 +198,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     `chat_template` (a Jinja template's text) replaces the model's own; `sampling_defaults` (the
     model's generation config) fill what requests leave unset; `allowed_origins` turns on CORS
     for those origins ("*": any); `root_path` is the prefix a reverse proxy serves us under;
-    `tool_call_parser` (tessera/entrypoints/openai/tool_parsers.py) enables tool_choice "auto";
-    `enable_dashboard` serves /dashboard, sampled every `dashboard_interval_ms` at most;
-    `lora_modules` (--lora-modules) are served by name, and `allow_runtime_lora_updating` adds the
-    routes that load and unload adapters (both need an engine with --enable-lora)."""
+    `tool_call_parser` (tessera/entrypoints/openai/tool_parsers/) enables tool_choice "auto";
+    `reasoning_parser` (tessera/entrypoints/openai/reasoning_parsers.py) splits out
+    reasoning_content; `enable_dashboard` serves /dashboard, sampled every
+    `dashboard_interval_ms` at most; `lora_modules` (--lora-modules) are served by name, and
+    `allow_runtime_lora_updating` adds the routes that load and unload adapters (both need an
+    engine with --enable-lora)."""
     if max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_request_body_bytes}")
     if (lora_modules or allow_runtime_lora_updating) and not engine.lora_enabled:
@@ -214,7 +217,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     preprocessor = Preprocessor(engine.tokenizer, engine.max_model_len, engine.vocab_size)
     common = {"chat_template": chat_template, "sampling_defaults": sampling_defaults,
               "log_requests": log_requests, "tool_call_parser": tool_call_parser,
-              "models": serving_models}
+              "models": serving_models, "reasoning_parser": reasoning_parser}
     completions = OpenAIServingCompletion(engine, model_name, preprocessor, **common)
     chat = OpenAIServingChat(engine, model_name, preprocessor, **common)
     tokens = OpenAIServingTokenization(engine, model_name, preprocessor, **common)

@@ -1,12 +1,18 @@
 """`POST /v1/chat/completions`: messages go through the model's chat template (with the generation
 prompt) and become one engine request with `n` sequences. Streaming sends, per choice, a chunk with
-the assistant role, then content deltas, then an empty delta carrying finish_reason."""
+the assistant role, then content deltas, then an empty delta carrying finish_reason.
+
+Each choice's text goes through two optional readers, in this order: the reasoning parser
+(--reasoning-parser: `<think>...</think>` becomes `reasoning_content`), then, on what remains,
+the tool calls (a forced tool choice's JSON, or --tool-call-parser's format for "auto"). A grammar
+(structured outputs, forced tool calls) then starts after the reasoning, as the parser does."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,6 +32,11 @@ from tessera.entrypoints.openai.protocol import (
     UsageInfo,
     dump_chunk,
 )
+from tessera.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    constrain_after_reasoning,
+    get_reasoning_parser,
+)
 from tessera.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
     OpenAIServing,
@@ -37,7 +48,6 @@ from tessera.entrypoints.openai.serving_engine import (
     top_logprob,
 )
 from tessera.entrypoints.openai.structured import (
-    AutoToolCallStream,
     ToolCallStream,
     constraint_field,
     forces_tool_calls,
@@ -45,8 +55,12 @@ from tessera.entrypoints.openai.structured import (
     tool_calls_of,
     tool_finish_reason,
 )
-from tessera.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from tessera.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from tessera.outputs import CompletionOutput
+from tessera.tokenizer import check_chat_template_kwargs
+
+# tokens of the prompt's end decoded to tell whether the template opened or closed a <think>
+_PROMPT_TAIL_TOKENS = 8
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -65,20 +79,25 @@ class OpenAIServingChat(OpenAIServing):
                                              req.max_completion_tokens or req.max_tokens)
         params = self.sampling_params(
             req, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        prompt_tail = (self.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:])
+                       if self.reasoning_parser is not None else "")
+        params = constrain_after_reasoning(params, self._reasoning(prompt_tail), self.tokenizer)
         await self.check_constraint(params, constraint_field(req))
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             # started before the response: a refusal is still an HTTP error, not a 200 + event
             streams = await self.start(base_id, [token_ids], params, req.priority or 0, lora)
             return EngineStreamingResponse(
-                self._stream(req, raw_request, base_id, token_ids, streams), self.engine,
+                self._stream(req, raw_request, base_id, token_ids, streams, prompt_tail),
+                self.engine,
                 [f"{base_id}-0"])
         finals = await self.run_to_completion(raw_request, base_id, [token_ids], params,
                                               req.priority or 0, lora)
         if finals is None:
             return self.aborted_response()
         final = finals[0]
-        choices = [self._choice(req, o) for o in sorted(final.outputs, key=lambda o: o.index)]
+        choices = [self._choice(req, o, prompt_tail)
+                   for o in sorted(final.outputs, key=lambda o: o.index)]
         num_generated = sum(len(o.token_ids) for o in final.outputs)
         usage = UsageInfo(prompt_tokens=len(token_ids), completion_tokens=num_generated,
                           total_tokens=len(token_ids) + num_generated)
@@ -91,15 +110,33 @@ class OpenAIServingChat(OpenAIServing):
         return (self.tool_call_parser is not None and bool(req.tools)
                 and req.tool_choice in (None, "auto"))
 
-    def _choice(self, req: ChatCompletionRequest, o: CompletionOutput) -> ChatChoice:
+    def _tool_parser(self, req: ChatCompletionRequest) -> ToolParser:
+        assert self.tool_call_parser is not None and req.tools
+        return get_tool_parser(self.tool_call_parser,
+                               [t.function.model_dump(exclude_none=True) for t in req.tools],
+                               max_calls=1 if req.parallel_tool_calls is False else None)
+
+    def _reasoning(self, prompt_tail: str) -> ReasoningParser | None:
+        if self.reasoning_parser is None:
+            return None
+        return get_reasoning_parser(self.reasoning_parser, prompt_tail)
+
+    def _choice(self, req: ChatCompletionRequest, o: CompletionOutput,
+                prompt_tail: str) -> ChatChoice:
+        text: str | None = o.text
+        reasoning_content = None
+        reasoning = self._reasoning(prompt_tail)
+        if reasoning is not None:
+            reasoning_content, text = reasoning.extract(o.text)
         if self._parses_tools(req):
-            content, parsed = TOOL_PARSERS[self.tool_call_parser].extract(o.text)
+            content, parsed = self._tool_parser(req).extract(text or "")
             calls = parsed or None
             message = ChatMessageOut(content=content, tool_calls=parsed)
         else:
-            calls = tool_calls_of(req, o.text)
-            message = (ChatMessageOut(content=o.text) if calls is None
+            calls = tool_calls_of(req, text or "")
+            message = (ChatMessageOut(content=text) if calls is None
                        else ChatMessageOut(content=None, tool_calls=calls))
+        message.reasoning_content = reasoning_content
         return ChatChoice(index=o.index, message=message, logprobs=self._logprobs(req, o),
                           finish_reason=tool_finish_reason(req, o.finish_reason, calls),
                           stop_reason=o.stop_reason)
@@ -116,6 +153,10 @@ class OpenAIServingChat(OpenAIServing):
                 and "add_generation_prompt" in req.model_fields_set):
             raise bad_request("continue_final_message and add_generation_prompt cannot both "
                               "be true", "continue_final_message")
+        try:
+            check_chat_template_kwargs(req.chat_template_kwargs)
+        except ValueError as e:
+            raise bad_request(str(e), "chat_template_kwargs") from None
         conversation = [message_dict(m) for m in req.messages]
         tools = ([t.function.model_dump(exclude_none=True) for t in req.tools]
                  if req.tools and req.tool_choice != "none" else None)
@@ -123,7 +164,8 @@ class OpenAIServingChat(OpenAIServing):
             conversation, "chat_template" if req.chat_template else "messages", tools=tools,
             chat_template=req.chat_template or self.chat_template,
             add_generation_prompt=req.add_generation_prompt is not False,
-            continue_final_message=bool(req.continue_final_message))
+            continue_final_message=bool(req.continue_final_message),
+            chat_template_kwargs=req.chat_template_kwargs)
         if not token_ids:
             raise bad_request("messages render to an empty prompt", "messages")
         return token_ids
@@ -142,7 +184,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _stream(self, req: ChatCompletionRequest, raw_request: Request, base_id: str,
-                      token_ids: list[int], streams) -> AsyncIterator[str]:
+                      token_ids: list[int], streams, prompt_tail: str) -> AsyncIterator[str]:
         created = int(time.time())
         request_ids = [f"{base_id}-0"]
 
@@ -153,12 +195,13 @@ class OpenAIServingChat(OpenAIServing):
 
         done = [False] * req.n
         num_generated = 0
-        tool_streams = None
-        if forces_tool_calls(req):
-            tool_streams = [ToolCallStream(req) for _ in range(req.n)]
-        elif self._parses_tools(req):
-            tool_streams = [AutoToolCallStream(TOOL_PARSERS[self.tool_call_parser]())
-                            for _ in range(req.n)]
+        readers = None
+        if forces_tool_calls(req) or self._parses_tools(req) or self.reasoning_parser:
+            readers = [_ChoiceReader(self._reasoning(prompt_tail),
+                                     ToolCallStream(req) if forces_tool_calls(req)
+                                     else self._tool_parser(req) if self._parses_tools(req)
+                                     else None)
+                       for _ in range(req.n)]
         try:
             async with self.abort_on_disconnect(raw_request, request_ids):
                 yield chunk([ChatStreamChoice(index=j, delta=ChatDelta(role="assistant",
@@ -171,13 +214,19 @@ class OpenAIServingChat(OpenAIServing):
                             continue
                         num_generated += len(o.token_ids)
                         finish_reason = o.finish_reason
-                        if tool_streams is not None:
-                            delta = tool_streams[o.index].feed(o.text, o.finished)
-                            if delta is not None:
-                                yield chunk([ChatStreamChoice(index=o.index, delta=delta)])
+                        if readers is not None:
+                            reader = readers[o.index]
+                            logprobs = self._logprobs(req, o)
+                            for delta in reader.feed(o.text, o.finished):
+                                yield chunk([ChatStreamChoice(index=o.index, delta=delta,
+                                                              logprobs=logprobs)])
+                                logprobs = None
+                            if logprobs is not None and o.token_ids:  # text held back
+                                yield chunk([ChatStreamChoice(index=o.index, delta=ChatDelta(),
+                                                              logprobs=logprobs)])
                             if o.finished:
                                 finish_reason = tool_finish_reason(
-                                    req, o.finish_reason, tool_streams[o.index].calls)
+                                    req, o.finish_reason, reader.calls())
                         elif o.text or o.token_ids:
                             yield chunk([ChatStreamChoice(
                                 index=o.index, delta=ChatDelta(content=o.text),
@@ -195,3 +244,28 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             self.engine.abort(request_ids)
         yield "data: [DONE]\n\n"
+
+
+class _ChoiceReader:
+    """One streamed choice's text, read by the reasoning parser and then by the tool-call
+    reader (a forced tool choice's `ToolCallStream`, or a model-format `ToolParser`)."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: Any) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+
+    def feed(self, text: str, finished: bool) -> list[ChatDelta]:
+        deltas = []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text, finished)
+            if reasoning:
+                deltas.append(ChatDelta(reasoning_content=reasoning))
+        if self.tools is not None:
+            deltas += self.tools.feed(text, finished)
+        elif text:
+            deltas.append(ChatDelta(content=text))
+        return deltas
+
+    def calls(self):
+        """The calls sent (for finish_reason), or None."""
+        return (self.tools.calls or None) if self.tools is not None else None

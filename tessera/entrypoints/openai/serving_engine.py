@@ -39,7 +39,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
                  preprocessor: Preprocessor, chat_template: str | None = None,
                  sampling_defaults: dict | None = None, log_requests: bool = False,
-                 tool_call_parser: str | None = None, models: ServingModels | None = None) -> None:
+                 tool_call_parser: str | None = None, models: ServingModels | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         # the names requests may give as `model`: the base and any LoRA adapters
@@ -50,6 +51,8 @@ class OpenAIServing:
         self.log_requests = log_requests  # --enable-log-requests
         # --enable-auto-tool-choice --tool-call-parser NAME: tool_choice "auto" is parsed
         self.tool_call_parser = tool_call_parser
+        # --reasoning-parser NAME: <think>...</think> becomes reasoning_content (chat)
+        self.reasoning_parser = reasoning_parser
         self.tokenizer = engine.tokenizer
         self.preprocessor = preprocessor  # tokenizes off the event loop, after the cheap checks
         self.max_model_len = engine.max_model_len

@@ -30,7 +30,8 @@ class OpenAIServingTokenization(OpenAIServing):
                 _fields_set={"add_generation_prompt"} & req.model_fields_set,
                 messages=req.messages, tools=req.tools, tool_choice=None,
                 chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message)
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs)
             token_ids = await chat.render(as_chat)
         else:
             token_ids = await self.preprocessor.encode(req.prompt, "prompt",

@@ -87,7 +87,8 @@ def tool_constraint(req: ChatCompletionRequest, auto_tools: bool = False
             return None
         raise bad_request('tool_choice "auto" (the default with tools) needs a parser for the '
                           "model's own tool-call format: start the server with "
-                          "--enable-auto-tool-choice --tool-call-parser hermes, or send "
+                          "--enable-auto-tool-choice --tool-call-parser NAME (hermes, "
+                          "llama3_json, mistral, pythonic or qwen3_xml), or send "
                           'tool_choice "required" or a named function', "tool_choice")
     if isinstance(choice, NamedToolChoice):
         tool = next((t for t in req.tools if t.function.name == choice.function.name), None)
@@ -95,13 +96,17 @@ def tool_constraint(req: ChatCompletionRequest, auto_tools: bool = False
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in "
                               "tools", "tool_choice")
         return {"json": tool.function.parameters or _ANY_OBJECT}
-    # "required": at least one call, each to one of the tools with arguments matching it
+    # "required": at least one call, each to one of the tools with arguments matching it;
+    # exactly one under parallel_tool_calls: false
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [t.function.name]},
                              "parameters": t.function.parameters or _ANY_OBJECT},
               "required": ["name", "parameters"]} for t in req.tools]
-    return {"json": {"type": "array", "minItems": 1,
-                     "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}}
+    array: dict[str, Any] = {"type": "array", "minItems": 1,
+                             "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if req.parallel_tool_calls is False:
+        array["maxItems"] = 1
+    return {"json": array}
 
 
 def tool_calls_of(req: ChatCompletionRequest, text: str) -> list[ToolCallOut] | None:
@@ -155,13 +160,14 @@ class ToolCallStream:
         self.started = False
         self.calls: list[ToolCallOut] | None = None
 
-    def feed(self, new_text: str, finished: bool) -> ChatDelta | None:
+    def feed(self, new_text: str, finished: bool) -> list[ChatDelta]:
+        """The deltas to stream after `new_text` (often none)."""
         self.text += new_text
         if finished:
             self.calls = tool_calls_of(self.req, self.text)
         if self.named is not None:
             if not new_text and self.started:
-                return None
+                return []
             call = DeltaToolCall(index=0, function=FunctionCallOut(arguments=new_text))
             if not self.started:
                 self.started = True
@@ -169,13 +175,13 @@ class ToolCallStream:
                 call.function.name = self.named
             else:
                 call.id = call.type = None
-            return ChatDelta(tool_calls=[call])
+            return [ChatDelta(tool_calls=[call])]
         if not finished:
-            return None
+            return []
         if self.calls is None:  # cut short: what there is, as content
-            return ChatDelta(content=self.text) if self.text else None
-        return ChatDelta(tool_calls=[
-            DeltaToolCall(index=k, id=c.id, function=c.function) for k, c in enumerate(self.calls)])
+            return [ChatDelta(content=self.text)] if self.text else []
+        return [ChatDelta(tool_calls=[DeltaToolCall(index=k, id=c.id, function=c.function)
+                                      for k, c in enumerate(self.calls)])]
 
 
 def constraint_field(req: _SamplingRequest) -> str:
@@ -212,19 +218,3 @@ def _arguments(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-class AutoToolCallStream:
-    """`ToolCallStream`'s interface over a model-format parser (tool_choice "auto"): content
-    streams as it comes, each call once it is complete."""
-
-    def __init__(self, parser: Any) -> None:
-        self.parser = parser
-        self.calls: list[ToolCallOut] | None = None
-
-    def feed(self, new_text: str, finished: bool) -> ChatDelta | None:
-        delta = self.parser.feed(new_text, finished)
-        if delta is not None and delta.tool_calls:
-            self.calls = (self.calls or []) + [
-                ToolCallOut(id=c.id, function=c.function) for c in delta.tool_calls]
-        return delta
