@@ -235,8 +235,9 @@ def test_disconnect_mid_stream_frees_everything(server):
     ({"prompt": "hi", "temperature": 9}, 400, ["temperature"]),
     ({"prompt": "hi", "bad_words": ["x"]}, 400, ["unsupported parameter", "bad_words"]),
     ({"prompt": "hi", "logit_bias": {"1": 101}}, 400, ["logit_bias"]),
-    ({"prompt": "hello " * 2100}, 400, ["2048", "in the prompt"]),
-    ({"prompt": "hi", "max_tokens": 4000}, 400, ["2048", "4000"]),
+    # max_model_len: the default model's own limit, 8192
+    ({"prompt": "hello " * 8300}, 400, ["8192", "in the prompt"]),
+    ({"prompt": "hi", "max_tokens": 9000}, 400, ["8192", "9000"]),
     ({"prompt": [70000]}, 400, ["70000", "vocabulary"]),
     ({"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4"]),
 ])
