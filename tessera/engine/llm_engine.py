@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.engine.stats import EngineStats, StatsSnapshot
+from tessera.engine.step_log import ENV_VAR as STEP_LOG_ENV
 from tessera.engine.step_log import StepLog
 from tessera.engine.step_recovery import find_culprits
 from tessera.executor.abstract import Executor, ExecutorDeadError
@@ -84,15 +86,32 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.step_times = StepTimes()
-        self.step_log = StepLog.from_env()  # TESSERA_STEP_LOG: for the simulator's calibration
         self.stats = EngineStats(kv_transfer=config.kv_transfer is not None)
+        self.step_log: StepLog | None = None  # start_step_log: for the simulator's replay
+        if os.environ.get(STEP_LOG_ENV):
+            self.start_step_log(os.environ[STEP_LOG_ENV])
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, bundle=None) -> LLMEngine:
-        """Load the model named by `args` (or reuse a loaded `ModelBundle`) and build the engine."""
+    def from_engine_args(cls, args: EngineArgs, bundle=None,
+                         step_log: str | None = None) -> LLMEngine:
+        """Load the model named by `args` (or reuse a loaded `ModelBundle`) and build the engine;
+        with `step_log`, it logs every step there (`start_step_log`)."""
         from tessera.engine.loading import build_engine
 
-        return build_engine(cls, args, bundle)
+        engine = build_engine(cls, args, bundle)
+        if step_log is not None:
+            engine.start_step_log(step_log)
+        return engine
+
+    def start_step_log(self, path: str) -> None:
+        """Write the step log (tessera/engine/step_log.py: the format `tessera simulate
+        --replay` reads) to `path` from now on, replacing the file. Call it before the first
+        request: a replay needs every arrival."""
+        if self.step_log is not None:
+            self.step_log.close()
+        bm = self.scheduler.block_manager
+        self.step_log = StepLog(path, self.config, bm.num_gpu_blocks, bm.num_cpu_blocks,
+                                self.model_name, getattr(self.executor, "block_bytes", None))
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -128,6 +147,9 @@ class LLMEngine:
             prompt=text,
         )
         self.scheduler.add_seq_group(group)
+        if self.step_log is not None:
+            self.step_log.arrival(request_id, token_ids, params, priority,
+                                  self.clock() - arrival)
         self.output_processor.add_request(
             RequestState(request_id, text, token_ids, params, arrival_time=arrival)
         )
@@ -193,6 +215,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self.step_log is not None and ids:
+            self.step_log.abort(ids)
         self.stats.observe_aborted([rid for rid in ids if rid in self.output_processor.requests])
         self.scheduler.abort_seq_group(ids)
         self.output_processor.abort_requests(ids)
@@ -230,7 +254,8 @@ class LLMEngine:
         t3 = time.perf_counter()
         self.step_times.record(t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens)
         if self.step_log is not None and scheduler_output.total_num_scheduled_tokens:
-            self.step_log.record(scheduler_output, t0, t3, self.has_unfinished_requests())
+            self.step_log.step(scheduler_output, core_outputs, outputs, t0, t3,
+                               self.has_unfinished_requests())
         if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_pending_kv_transfers():
             time.sleep(_KV_POLL_SECONDS)  # only transfers in flight: poll, do not spin
         return outputs

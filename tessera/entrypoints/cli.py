@@ -130,6 +130,9 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                         help="the model's tool-call format: hermes = <tool_call>{json}"
                              "</tool_call> (Hermes 2 Pro/3, Qwen2.5, Qwen3)")
+    server.add_argument("--step-log", default=None, metavar="FILE",
+                        help="write every engine step and request arrival to FILE as JSON "
+                             "lines, for `tessera simulate --replay FILE` (docs/simulator.md)")
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
 
@@ -160,6 +163,9 @@ def _serve(args: argparse.Namespace) -> int:
         args.parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.enable_log_requests and args.disable_log_requests:
         args.parser.error("--enable-log-requests and --disable-log-requests contradict")
+    if args.step_log is not None and not os.path.isdir(os.path.dirname(
+            os.path.abspath(args.step_log))):
+        args.parser.error(f"--step-log {args.step_log}: its directory does not exist")
     origins = args.allowed_origins
     if origins is not None and not (isinstance(origins, list)
                                     and all(isinstance(o, str) for o in origins)):
@@ -189,7 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, interrupted)
     try:
-        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
+        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args), step_log=args.step_log)
     except ValueError as e:  # a bad flag combination, named by the config's validation
         sock.close()
         args.parser.error(str(e))
