@@ -11,8 +11,11 @@ clock whose steps take the logged times, held to the real schedule step by step.
 
 If the simulator is what it claims (the scheduler's own code, no re-implementation), the
 schedule comes out identical and every request's TTFT and end-to-end latency match the logged
-ones up to the gaps the log does not attribute to a step (the engine's wake-up after idling, the
-time between a step's end and the next one's start). The report says how far each request is
+ones. The clock takes two more logged delays besides the steps: the engine's wake-up after
+idling (`LoggedStepTimes.wake_time`) and the loop between a step's end and the next one's start
+(tokens are out at a step's end; the next step starts after the gap). What is left is the
+arrival jitter: a request the real engine took just before a step may, in floating point or
+after a divergence, land just after it. The report says how far each request is
 off (median and p99 of the relative error of TTFT, TPOT and E2E) and the first step whose
 scheduled requests, token counts or preemptions differ. After that step the logged times no
 longer belong to the simulated steps: the clock then goes on taking them in order, and, past
@@ -58,6 +61,7 @@ class LoggedStepTimes:
         self.trace = trace
         self._next = 0
         self._coefs = None
+        self.own_time = 0.0
         events = sorted([a.time for a in trace.arrivals] + [t for t, _ in trace.aborts])
         self.wakes = []
         previous_end = float("-inf")
@@ -72,8 +76,12 @@ class LoggedStepTimes:
         return self.wakes[self._next] if self._next < len(self.wakes) else 0.0
 
     def step_time(self, batch: BatchShape) -> float:
+        """The step's time: from its start to the next step's (or, before idling, its end).
+        `own_time` is the part up to its own end, when its tokens were out."""
         if self._next < len(self.seconds):
+            step = self.trace.steps[self._next]
             self._next += 1
+            self.own_time = step.end - step.start
             return self.seconds[self._next - 1]
         if self._coefs is None:
             from tessera.simulator.batch import batch_shape
@@ -83,7 +91,9 @@ class LoggedStepTimes:
             times = [max(s.seconds, 1e-6) for s in self.trace.steps]
             self._coefs = (fit_step_times(rows, times)[0] if len(rows) >= len(FEATURES)
                            else [statistics.median(times or [0.0])] + [0.0] * (len(FEATURES) - 1))
-        return float(sum(c * x for c, x in zip(self._coefs, features(batch), strict=True)))
+        self.own_time = float(sum(c * x for c, x in zip(self._coefs, features(batch),
+                                                        strict=True)))
+        return self.own_time
 
 
 class ReplayRunner(SyntheticRunner):
@@ -185,7 +195,9 @@ def replay(trace: Trace) -> ReplayOutcome:
                 continue
             idle = 0
             batch, runner_out = runner.execute(out)
+            start = clock.now
             clock.now += cost.step_time(batch)
+            done_at = start + cost.own_time  # its tokens; the rest is the loop until the next
             core_outputs = sched.update_from_output(out, runner_out)
             result.steps.append((sorted((r, n, c) for r, n, c in _reqs(out)),
                                  sorted(out.preempted_request_ids)))
@@ -197,7 +209,7 @@ def replay(trace: Trace) -> ReplayOutcome:
                     if delta.new_token_ids:
                         have[req_id] = have.get(req_id, 0) + len(delta.new_token_ids)
                         if delta.index == 0:
-                            result.first_token.setdefault(core.request_id, clock.now)
+                            result.first_token.setdefault(core.request_id, done_at)
                             result.num_tokens[core.request_id] = have[req_id]
                     if delta.finish_reason is not None:
                         done.add(req_id)
@@ -206,13 +218,13 @@ def replay(trace: Trace) -> ReplayOutcome:
                         stops.append((core.request_id, delta.index, ""))
                         done.add(req_id)
                 if core.finished:
-                    result.finished[core.request_id] = clock.now
+                    result.finished[core.request_id] = done_at
             if stops:
                 sched.finish_seqs(stops)
                 for request_id, _, _ in stops:
                     group = [r for r, (q, _) in streams.items() if q == request_id]
                     if all(r in done for r in group):
-                        result.finished.setdefault(request_id, clock.now)
+                        result.finished.setdefault(request_id, done_at)
     finally:
         gc.enable()
     result.wall_time_s = time.perf_counter() - start_wall

@@ -117,3 +117,46 @@ def test_simulate_replay_refuses_what_it_would_ignore(logs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "--replay", str(bad)])
     assert "not a step log" in capsys.readouterr().err
+
+
+@pytest.mark.heavy  # a server and a simulate subprocess: ~30 s on 2 shared cores
+def test_a_served_trace_replays_from_the_command_line(tiny_model, tmp_path):
+    """`tessera serve --step-log F` (a real uvicorn subprocess) with requests sent while others
+    run, then `tessera simulate --replay F` as a subprocess: the same schedule, every request
+    within the tolerance."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+
+    from tests.entrypoints.conftest import ServerProcess
+
+    log, result = tmp_path / "served.jsonl", tmp_path / "replay.json"
+    server = ServerProcess("--model", tiny_model, "--step-log", str(log), "--block-size", "4",
+                           "--max-model-len", "64", "--num-gpu-blocks-override", "20",
+                           "--preemption-mode", "recompute")
+    try:
+        def send(k: int) -> None:
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "prompt": PROMPTS[k], "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(len(PROMPTS))]
+        for t in threads:  # staggered: requests arrive while others run
+            t.start()
+            time.sleep(0.03)
+        for t in threads:
+            t.join()
+    finally:
+        server.stop()
+    done = subprocess.run([sys.executable, "-m", "tessera.entrypoints.cli", "simulate",
+                           "--replay", str(log), "--result-file", str(result)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "schedules: identical, step by step" in done.stdout, done.stdout
+    data = json.loads(result.read_text())
+    assert data["num_requests"] == len(PROMPTS)
+    assert data["num_preemptions"]["real"] == data["num_preemptions"]["simulated"]
+    assert data["misses"] == {"ttft": [], "e2el": []}, done.stdout
