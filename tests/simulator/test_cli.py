@@ -180,7 +180,7 @@ def test_serving_runs_alternate_with_grid_passes(tiny_llama, tmp_path, monkeypat
     def server_run(flags, samples, rate, seed, log_dir=None, label="server", step_log=None):
         order.append("serve")
         with open(step_log, "w") as f:  # two decode steps of 20 ms, the second before idle
-            f.write("\n".join(step_log_lines([([[1, 9]], 0.02), ([[1, 10]], 0.0222)])) + "\n")
+            f.write("\n".join(step_log_lines([([[1, 9]], 0.02), ([[1, 10]], 0.02 / 0.9)])) + "\n")
         ttft = next(ttfts)
         return {"mean_tpot_ms": 20.0, "median_tpot_ms": 20.0, "mean_ttft_ms": ttft,
                 "median_ttft_ms": ttft, "mean_e2el_ms": 500.0, "output_throughput": 10.0,
