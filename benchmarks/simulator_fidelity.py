@@ -144,6 +144,8 @@ def main() -> None:
                         help="requests of each probe trace (serving overhead)")
     parser.add_argument("--grid", default="small", help="the probes' grid of batch shapes")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per shape a probe")
+    parser.add_argument("--model", default=None,
+                        help="the model on both sides (default: the default model)")
     parser.add_argument("--dtype", default="bfloat16",
                         help="--dtype on both sides (float32 on a CPU without AVX-512)")
     parser.add_argument("--load", type=float, default=0.5,
@@ -157,7 +159,8 @@ def main() -> None:
     t0 = time.perf_counter()
     work = tempfile.mkdtemp(prefix="tessera-fidelity-")
     common = f"--dtype {args.dtype}"
-    grid = GridProbe(EngineArgs(dtype=args.dtype), args.grid, args.repeats)
+    model_flag = f"--model {shlex.quote(args.model)} " if args.model else ""
+    grid = GridProbe(EngineArgs(model=args.model, dtype=args.dtype), args.grid, args.repeats)
     passes = [grid.time_pass()]
     runner0 = os.path.join(work, "profile-probe0.json")
     with open(runner0, "w", encoding="utf-8") as f:
@@ -177,7 +180,7 @@ def main() -> None:
                                         "--profile", runner0, "--quiet"])
         samples = load_samples(ns)
         log = os.path.join(work, f"{name}.steps.jsonl")
-        phases = serve_setting(flags, [(probe_samples, probe_rate, 1), (samples, rates[name],
+        phases = serve_setting(model_flag + flags, [(probe_samples, probe_rate, 1), (samples, rates[name],
                                         ns.seed), (probe_samples, probe_rate, 1)],
                                log, work, name)
         passes.append(grid.time_pass())
