@@ -184,7 +184,8 @@ def replay(trace: Trace) -> ReplayOutcome:
                 clock.now += cost.wake_time()
                 continue
             out = sched.schedule()
-            if not out.total_num_scheduled_tokens:
+            if not out.total_num_scheduled_tokens:  # not logged: no clock, no comparison
+                sched.update_from_output(out, runner.execute(out)[1])
                 idle += 1  # nothing could run: only an arrival or an abort can change that
                 if nxt < len(events):
                     clock.now = max(clock.now, events[nxt][0])

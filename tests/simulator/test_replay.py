@@ -84,6 +84,38 @@ def test_a_replayed_run_has_the_real_schedule_step_by_step(logs, name):
         assert report["relative_error"][key]["p99"] < 0.05
 
 
+def test_aborts_refusals_and_n_above_one_replay_too(tiny_model, tmp_path):
+    """A request refused as too long, one aborted mid-run, one with n = 2 (forked children),
+    and a late arrival after the engine idled: the replay still has the real schedule."""
+    llm = _llm(tiny_model, preemption_mode="recompute")
+    engine = llm.llm_engine
+    log = str(tmp_path / "events.jsonl")
+    engine.start_step_log(log)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("long", {"prompt_token_ids": list(range(3, 80))}, greedy)
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, greedy)
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, greedy)
+    engine.add_request("two", {"prompt_token_ids": PROMPTS[2]}, SamplingParams(
+        n=2, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("late", {"prompt_token_ids": PROMPTS[3]}, greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    trace = read_trace(log)
+    assert [t for t, _ in trace.aborts] and "1_two" in trace.final_lengths()
+    outcome = replay(trace)
+    assert outcome.steps == [s.schedule() for s in trace.steps]
+    report = compare(trace, outcome)
+    assert report["first_divergence"] is None
+    assert report["misses"] == {"ttft": [], "e2el": []}
+    assert {r["request_id"] for r in report["requests"]} == {"a", "two", "late"}
+
+
 def test_a_divergence_is_found_and_named(logs):
     """Three fewer KV blocks: the scheduler admits and preempts otherwise, and the report says
     where."""
