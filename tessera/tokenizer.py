@@ -18,6 +18,8 @@ import time
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from tessera.chat_templates import FALLBACK_CHAT_TEMPLATES
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,9 +34,10 @@ def cache_root() -> str:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerFast | None:
+def load_tokenizer(path: str, architecture: str | None = None) -> PreTrainedTokenizerFast | None:
     """The fast tokenizer (with chat template) of a `.gguf` file or an HF directory; None for an
-    HF directory that ships no tokenizer at all (such a model takes token-id prompts only)."""
+    HF directory that ships no tokenizer at all (such a model takes token-id prompts only).
+    Without a template in the file, the `architecture`'s known one serves (chat_templates.py)."""
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.isfile(path) and path.endswith(".gguf"):
         tokenizer = _load_gguf_tokenizer(path)
@@ -47,6 +50,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast | None:
         raise ValueError(f"no tokenizer at {path!r}: expected a .gguf file or an HF directory")
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"{path}: no fast tokenizer (tokenizer.json) found")
+    if tokenizer.chat_template is None and architecture in FALLBACK_CHAT_TEMPLATES:
+        logger.info("%s has no chat template: using %s's", path, architecture)
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATES[architecture]
     if tokenizer.chat_template is None:
         logger.warning("%s: the model has no chat template; chat requests will be refused", path)
     return tokenizer

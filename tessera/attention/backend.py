@@ -26,50 +26,17 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tessera.attention.spans import SeqSpan, check_spans, is_decode
+from tessera.attention.windowed import WindowedAttention
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "SeqSpan", "check_spans", "is_decode",
+           "select_attention_backend", "write_kv"]
+
 logger = logging.getLogger(__name__)
-
-
-def is_decode(num_new_tokens: int, num_computed_tokens: int) -> bool:
-    """A decode: one new token after a cached context. The runner puts these first in the batch."""
-    return num_new_tokens == 1 and num_computed_tokens > 0
-
-
-@dataclass
-class SeqSpan:
-    """What the runner knows about one scheduled sequence in this step."""
-
-    query_start: int  # first row of this sequence in the flat batch
-    num_new_tokens: int  # rows [query_start, query_start + num_new_tokens)
-    num_computed_tokens: int  # tokens cached before this step = position of its first new token
-    block_table: list[int]  # blocks holding the context and the new tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return is_decode(self.num_new_tokens, self.num_computed_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        """Context length after this step: what its last new token attends to."""
-        return self.num_computed_tokens + self.num_new_tokens
-
-
-def check_spans(spans: list[SeqSpan], num_tokens: int) -> int:
-    """Assert the ordering contract (decodes first, contiguous rows covering the batch); returns the
-    number of decodes."""
-    num_decodes = 0
-    while num_decodes < len(spans) and spans[num_decodes].is_decode:
-        num_decodes += 1
-    row = 0
-    for i, span in enumerate(spans):
-        assert span.query_start == row, f"span {i} starts at row {span.query_start}, expected {row}"
-        assert i < num_decodes or not span.is_decode, f"decode span {i} after a prompt chunk"
-        row += span.num_new_tokens
-    assert row == num_tokens, f"spans cover {row} rows of {num_tokens}"
-    return num_decodes
 
 
 def write_kv(
@@ -88,9 +55,17 @@ def write_kv(
 
 @dataclass
 class AttentionMetadata(ABC):
-    """One step's attention inputs, built by a backend and shared by every layer."""
+    """One step's attention inputs, built by a backend and shared by every layer.
+
+    `spans` and `block_size` serve the layers the backend's own path does not cover (a sliding
+    window, soft-capped scores: tessera/attention/windowed.py), planned once per step and window."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    spans: list[SeqSpan] = field(default_factory=list, kw_only=True)
+    block_size: int = field(default=16, kw_only=True)
+    _windowed: dict[int | None, WindowedAttention] = field(
+        default_factory=dict, kw_only=True, repr=False
+    )
 
     def forward(
         self,
@@ -101,13 +76,35 @@ class AttentionMetadata(ABC):
         v_cache: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write the new K/V into the cache, then attend every query to its sequence's context
-        (its cached tokens and the new ones up to itself). Returns out."""
+        (its cached tokens and the new ones up to itself; only the last `window` of them with a
+        sliding window; scores soft-capped as tanh(s / softcap) * softcap). Returns out."""
         write_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if out is None:
             out = torch.empty_like(q)
+        if window is not None or softcap is not None:
+            return self.attend_windowed(q, k_cache, v_cache, scale, out, window, softcap)
         return self.attend(q, k, v, k_cache, v_cache, scale, out)
+
+    def attend_windowed(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Attention over each query's window (tessera/attention/windowed.py); K/V are cached."""
+        plan = self._windowed.get(window)
+        if plan is None:
+            plan = WindowedAttention(self.spans, self.block_size, window, q.device)
+            self._windowed[window] = plan
+        return plan.attend(q, k_cache, v_cache, scale, softcap, out)
 
     @abstractmethod
     def attend(

@@ -34,8 +34,13 @@ class PagedKernelMetadata(AttentionMetadata):
         v_cache: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """The new K/V are stored by the attention kernel's own call, not by write_kv first."""
+        """The new K/V are stored by the attention kernel's own call, not by write_kv first
+        (windowed and soft-capped layers: the base class's path)."""
+        if window is not None or softcap is not None:
+            return super().forward(q, k, v, k_cache, v_cache, scale, out, window, softcap)
         return paged_attention(
             q, k_cache, v_cache, self.token_block_tables, self.token_seq_lens, scale, out=out,
             new_kv=(k, v, self.slot_mapping),
@@ -86,4 +91,6 @@ class PagedKernelBackend(AttentionBackend):
             slot_mapping=slot_mapping,
             token_block_tables=seq_tables.index_select(0, of_token),
             token_seq_lens=lens,
+            spans=spans,
+            block_size=bs,
         )

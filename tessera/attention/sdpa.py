@@ -119,6 +119,8 @@ class SdpaBackend(AttentionBackend):
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,
             prefills=[self._prefill_span(s) for s in spans[num_decodes:]],
+            spans=spans,
+            block_size=self.block_size,
         )
         if num_decodes:
             meta.decode_block_tables, meta.decode_mask = self._decode_tables(spans[:num_decodes])

@@ -17,6 +17,17 @@ runs out mid-prompt); decoding appends one block at a time. A sequence verifying
 (speculative decoding, `seq.spec_token_ids`) gets lookahead slots for them too; the slots of
 rejected drafts stay in its table and are written again by its next tokens (nothing reads a slot
 at or past `num_computed_tokens`).
+
+Sliding window (`sliding_window` set when every layer of the model attends to a window): a query
+at position p reads keys (p - window, p] only, so once a sequence's next position has moved a
+whole block past a block's last token, no layer will read that block again. `release_out_of_window`
+drops such blocks while the request runs (back to the free list, or, with prefix caching, to the
+evictable cached blocks, where other requests can still hit them) and leaves `NULL_BLOCK` in their
+table entries, so positions still index the table. Nothing reads a `NULL_BLOCK`: the attention
+path of windowed layers gathers only the window's blocks (tessera/attention/windowed.py).
+
+    window 20, block_size 16, next position 41:  keys 22..41 are visible
+    block table      [ NULL ,    3     ,    12    ]    block 0 (tokens 0..15) released
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ from tessera.utils import cdiv
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
 _SWAPPED = SequenceStatus.SWAPPED
+
+# A released table entry (sliding window): keeps positions aligned, holds no block.
+NULL_BLOCK = -1
 
 
 class AllocStatus(enum.Enum):
@@ -47,12 +61,17 @@ class BlockManager:
         num_cpu_blocks: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_released_blocks = 0  # released by the sliding window, in all
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -217,7 +236,8 @@ class BlockManager:
         """The child shares all of the parent's blocks (ref counts go up)."""
         table = list(self._tables[parent_seq.seq_id])
         for block in table:
-            self.gpu.incref(block)
+            if block != NULL_BLOCK:
+                self.gpu.incref(block)
         self._tables[child_seq.seq_id] = table
         if self.prefix_cache is not None:
             self.prefix_cache.fork(parent_seq, child_seq)
@@ -230,18 +250,20 @@ class BlockManager:
             # tail first: with prefix caching the prompt's head becomes the most recently used,
             # so it is evicted last (it is the part other requests are likeliest to share)
             for block in reversed(table):
-                self.gpu.decref(block)
+                if block != NULL_BLOCK:
+                    self.gpu.decref(block)
         cpu_table = self._cpu_tables.pop(sid, None)
         if cpu_table is not None:
             for block in reversed(cpu_table):
-                self.cpu.decref(block)
+                if block != NULL_BLOCK:
+                    self.cpu.decref(block)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(seq)
 
     # swap
 
     def _distinct(self, tables: list[list[int]]) -> int:
-        return len({b for t in tables for b in t})
+        return len({b for t in tables for b in t if b != NULL_BLOCK})
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         tables = [self._tables[s.seq_id] for s in group.seqs if s.status is _RUNNING]
@@ -291,6 +313,9 @@ class BlockManager:
             table = src_tables.pop(seq.seq_id)
             new_table = []
             for block in table:
+                if block == NULL_BLOCK:
+                    new_table.append(NULL_BLOCK)
+                    continue
                 if block in mapping:
                     dst.incref(mapping[block])
                 else:
@@ -298,7 +323,8 @@ class BlockManager:
                 new_table.append(mapping[block])
             dst_tables[seq.seq_id] = new_table
             for block in reversed(table):
-                src.decref(block)
+                if block != NULL_BLOCK:
+                    src.decref(block)
         return mapping
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
@@ -307,6 +333,29 @@ class BlockManager:
             table = self._tables.get(seq.seq_id)
             if table is not None:
                 self.prefix_cache.register(seq, table)
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Sliding window: release the sequence's leading blocks that no query from its next
+        position on can see (their last token is at or before next - window). Returns how many.
+        Offer them to the prefix cache first (`cache_computed_blocks`) to keep them reusable."""
+        window = self.sliding_window
+        table = self._tables.get(seq.seq_id)
+        if window is None or table is None:
+            return 0
+        first_visible = seq.num_computed_tokens - window + 1
+        released = 0
+        for i in range(min(first_visible // self.block_size, len(table))):
+            block = table[i]
+            if block != NULL_BLOCK:
+                table[i] = NULL_BLOCK
+                self.gpu.decref(block)
+                released += 1
+        self.num_released_blocks += released
+        return released
+
+    def num_live_blocks(self, seq: Sequence) -> int:
+        """Device blocks the sequence's table holds (released entries excluded)."""
+        return sum(b != NULL_BLOCK for b in self._tables.get(seq.seq_id, ()))
 
     # queries
 
@@ -339,7 +388,8 @@ class BlockManager:
             refs: dict[int, int] = {}
             for table in tables.values():
                 for block in table:
-                    refs[block] = refs.get(block, 0) + 1
+                    if block != NULL_BLOCK:
+                        refs[block] = refs.get(block, 0) + 1
             pool.check_integrity(refs, name)
         both = self._tables.keys() & self._cpu_tables.keys()
         if both:

@@ -23,8 +23,10 @@ the cache engine owns the tensors.
 from __future__ import annotations
 
 import logging
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import repeat
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,19 @@ class BlockPool:
 
     def is_hashed(self, block: int) -> bool:
         return self._block_hash[block] is not None
+
+    def block_states(self) -> bytes:
+        """One byte per block for a live view (tessera/engine/dashboard): bit 0 set when the
+        block is used (ref count > 0), bit 1 when it holds a prefix-cached hash; so 0 free,
+        1 used, 2 cached and evictable, 3 used and cached. Built when sampled, never kept up to
+        date on the hot path: each bit is one pass in C (`map` into `bytes`) and the two are
+        added as big integers, where one byte never carries into the next."""
+        used = bytes(map(bool, self.ref_counts))
+        if not self.enable_caching:
+            return used
+        hashed = bytes(map(operator.is_not, self._block_hash, repeat(None)))
+        total = int.from_bytes(used, "little") + 2 * int.from_bytes(hashed, "little")
+        return total.to_bytes(self.num_blocks, "little")
 
     def check_integrity(self, refs: dict[int, int], name: str) -> None:
         """`refs`: block id -> number of block tables holding it. Raises AssertionError on any

@@ -88,6 +88,8 @@ class PrefixCache:
             return
         hashes = self._seq_hashes(seq, full)
         for i in range(start, full):
+            if table[i] < 0:  # released by the sliding window (block_manager.NULL_BLOCK)
+                continue
             parent = hashes[i - 1] if i else None
             self.pool.register(table[i], hashes[i], parent, self._block_tokens(seq, i))
         self._num_cached[seq.seq_id] = full

@@ -91,6 +91,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             num_cpu_blocks=num_cpu_blocks,
             watermark=cache_config.watermark,
             enable_prefix_caching=cache_config.enable_prefix_caching,
+            sliding_window=cache_config.sliding_window,
         )
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)

@@ -115,6 +115,7 @@ class UpdateFromOutput:
                 self.num_prompt_tokens_total += min(num_new, num_prompt - start)
             if caching:
                 self.block_manager.cache_computed_blocks(seq)
+            self.block_manager.release_out_of_window(seq)
             if prompt_logprobs and req_id in prompt_logprobs:
                 self._output_of(group, touched).prompt_logprobs = prompt_logprobs[req_id]
             if not tokens:

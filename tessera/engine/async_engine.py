@@ -106,6 +106,12 @@ class AsyncLLMEngine:
         self._in_engine: set[str] = set()  # engine-thread side only
         self._metrics: dict[str, float] = dict(engine.get_metrics())
         self._stats: StatsSnapshot = engine.get_stats()
+        # the live view (/dashboard): the event loop asks, the engine thread answers between
+        # steps with a sample handed to `on_dashboard` on the event loop
+        self.on_dashboard: Any = None
+        self._dashboard_wanted = False
+        self._dashboard_min_interval_s = 0.0
+        self._dashboard_last = -float("inf")  # time.monotonic() of the last sample
         # vLLM's periodic "Avg prompt throughput ..." line, while there is work
         self.stat_logger = StatLogger()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -151,6 +157,22 @@ class AsyncLLMEngine:
     def get_stats(self) -> StatsSnapshot:
         """The engine's histograms and labelled counters as of the last step (a copy)."""
         return self._stats
+
+    def set_dashboard_active(self, active: bool) -> None:
+        """While True the engine records each step's batch for the live view (a page is open)."""
+        recorder = getattr(self.engine, "dashboard", None)
+        if recorder is not None:
+            if active and not recorder.active:
+                recorder.reset()  # deque and set swaps: safe beside the engine thread
+            recorder.active = active  # one bool the engine thread reads per step
+
+    def request_dashboard_snapshot(self, min_interval_s: float = 0.0) -> None:
+        """Ask for one sample: the engine thread builds it after its current step (at once when
+        idle), but not sooner than `min_interval_s` after the previous one, and calls
+        `on_dashboard(sample)` on the event loop. Requests before it answers are one request."""
+        self._dashboard_min_interval_s = min_interval_s
+        self._dashboard_wanted = True
+        self._wake.set()
 
     async def add_request(
         self,
@@ -346,6 +368,22 @@ class AsyncLLMEngine:
         self._metrics = dict(self.engine.get_metrics())
         self._stats = self.engine.get_stats()
         self.stat_logger.maybe_log(self._metrics, self.engine.has_unfinished_requests())
+        if self._dashboard_wanted:
+            self._publish_dashboard()
+
+    def _publish_dashboard(self) -> None:
+        now = time.monotonic()
+        if now - self._dashboard_last < self._dashboard_min_interval_s:
+            return  # too soon: a later step (or the next request's wake-up) answers it
+        self._dashboard_wanted = False
+        self._dashboard_last = now
+        build = getattr(self.engine, "get_dashboard_snapshot", None)
+        listener = self.on_dashboard
+        if build is None or listener is None or self._loop is None:
+            return
+        sample = build()
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(listener, sample)
 
     def _drain_commands(self) -> bool:
         """Apply queued adds and aborts; False once asked to stop."""

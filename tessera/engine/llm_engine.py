@@ -19,6 +19,7 @@ from tessera.core.kv_connector import PullConnectorScheduler, check_kv_transfer_
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
+from tessera.engine.dashboard.snapshot import DashboardRecorder
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.engine.stats import EngineStats, StatsSnapshot
 from tessera.engine.step_log import ENV_VAR as STEP_LOG_ENV
@@ -90,6 +91,8 @@ class LLMEngine:
         self.step_log: StepLog | None = None  # start_step_log: for the simulator's replay
         if os.environ.get(STEP_LOG_ENV):
             self.start_step_log(os.environ[STEP_LOG_ENV])
+        # the live view (/dashboard): records steps only while a page is open
+        self.dashboard = DashboardRecorder(self.scheduler, model_name)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, bundle=None,
@@ -241,6 +244,8 @@ class LLMEngine:
         except Exception as e:
             runner_output, failed = self._recover(scheduler_output, e)
         t2 = time.perf_counter()
+        watched = self.dashboard.active
+        accepted = self.scheduler.num_spec_accepted_tokens_total if watched else 0
         if runner_output.kv_transfer_stats is not None:
             self.stats.observe_kv_transfers(runner_output.kv_transfer_stats.transfer_seconds)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -256,6 +261,10 @@ class LLMEngine:
         if self.step_log is not None and scheduler_output.total_num_scheduled_tokens:
             self.step_log.step(scheduler_output, core_outputs, outputs, t0, t3,
                                self.has_unfinished_requests())
+        if watched:
+            end = self.clock()
+            self.dashboard.record_step(scheduler_output, end - (t3 - t0), end,
+                                       self.scheduler.num_spec_accepted_tokens_total - accepted)
         if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_pending_kv_transfers():
             time.sleep(_KV_POLL_SECONDS)  # only transfers in flight: poll, do not spin
         return outputs
@@ -337,6 +346,10 @@ class LLMEngine:
     def get_stats(self) -> StatsSnapshot:
         """The histograms and labelled counters only the loop sees (see tessera/engine/stats.py)."""
         return self.stats.snapshot()
+
+    def get_dashboard_snapshot(self) -> dict:
+        """One sample of the live view (tessera/engine/dashboard/snapshot.py); engine thread only."""
+        return self.dashboard.snapshot(self.clock())
 
     def check_health(self) -> None:
         """Raises `ExecutorDeadError` once a worker process is gone (for idle front ends)."""

@@ -55,7 +55,7 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
         None, stored_dtype)
     arch, weights = load_model(path, weight_quantization(
         early.model.quantization, early.model.dtype, early.device.device))
-    config = args.create_engine_config(arch.max_position_embeddings, stored_dtype)
+    config = args.create_engine_config(arch.max_position_embeddings, stored_dtype, arch.uniform_window)
     torch.set_num_threads(default_num_threads())
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
@@ -63,7 +63,7 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     del weights  # the model holds its own (packed) copies; the file's blocks go now
     release_free_memory()  # and their pages, which the heap would otherwise keep resident
     return ModelBundle(
-        path, arch, model, load_tokenizer(path), config.model.dtype, config.device.device,
+        path, arch, model, load_tokenizer(path, arch.architecture), config.model.dtype, config.device.device,
         config.model.max_model_len, config.model.quantization, stored_dtype,
     )
 
@@ -105,7 +105,8 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     start = time.perf_counter()
     bundle = bundle or load_bundle(args)
     arch, path = bundle.arch, bundle.path
-    config = args.create_engine_config(arch.max_position_embeddings, bundle.checkpoint_dtype)
+    config = args.create_engine_config(
+        arch.max_position_embeddings, bundle.checkpoint_dtype, arch.uniform_window)
     loaded = (bundle.dtype, bundle.device, bundle.quantization)
     if (config.model.dtype, config.device.device, config.model.quantization) != loaded or (
         config.model.max_model_len > bundle.max_positions

@@ -37,12 +37,12 @@ def build_tp_engine(engine_cls, args: EngineArgs):
     arch = read_model_config(path)
     n = parallel.tensor_parallel_size
     check_shardable(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, n)
-    config = args.create_engine_config(arch.max_position_embeddings)
+    config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window)
     plan = ShardPlan.for_arch(arch, 0, n)
     # --kv-cache-space and --swap-space are per rank, as vLLM's memory fraction is per device
     spec = kv_cache_spec(arch, config, plan.num_local_kv_heads)
     num_gpu_blocks, num_cpu_blocks = size_kv_pools(config, spec)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, arch.architecture)
     eos = tuple(arch.eos_token_ids)
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)

@@ -133,6 +133,11 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--step-log", default=None, metavar="FILE",
                         help="write every engine step and request arrival to FILE as JSON "
                              "lines, for `tessera simulate --replay FILE` (docs/simulator.md)")
+    server.add_argument("--disable-dashboard", action="store_true",
+                        help="do not serve the live view /dashboard (and /dashboard/events)")
+    server.add_argument("--dashboard-interval", type=int, default=250, metavar="MS",
+                        help="the fastest the dashboard samples the engine, in ms (at least "
+                             "10) (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=_serve, parser=p)
 
@@ -166,6 +171,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.step_log is not None and not os.path.isdir(os.path.dirname(
             os.path.abspath(args.step_log))):
         args.parser.error(f"--step-log {args.step_log}: its directory does not exist")
+    if args.dashboard_interval < 10:
+        args.parser.error(f"--dashboard-interval must be >= 10 (ms), got {args.dashboard_interval}")
     origins = args.allowed_origins
     if origins is not None and not (isinstance(origins, list)
                                     and all(isinstance(o, str) for o in origins)):
@@ -210,7 +217,9 @@ def _serve(args: argparse.Namespace) -> int:
                uvicorn_log_level=args.uvicorn_log_level, sampling_defaults=sampling_defaults,
                log_requests=args.enable_log_requests, allowed_origins=origins,
                root_path=args.root_path, tool_call_parser=args.tool_call_parser, sock=sock,
-               max_request_body_bytes=args.max_request_body_bytes)
+               max_request_body_bytes=args.max_request_body_bytes,
+               enable_dashboard=not args.disable_dashboard,
+               dashboard_interval_ms=args.dashboard_interval)
 
 
 def _serve_worker_node(args: argparse.Namespace) -> int:

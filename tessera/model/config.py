@@ -8,18 +8,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.model.registry import supported_architectures
+from tessera.model.registry import ArchTraits, supported_architectures, traits
 
 SUPPORTED_ARCHITECTURES = tuple(supported_architectures())  # the registry is their home
 
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shape and numerics of a Llama-family decoder, in Hugging Face's vocabulary.
+    """Shape and numerics of a decoder, in Hugging Face's vocabulary (the field names of its
+    `config.json`). What is fixed by family (norm style, activation, q/k norm) is `traits`.
 
     `rope_scaling` is None or HF's dict form, e.g. `{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}` or
-    `{"rope_type": "linear", "factor": 2.0}`. `attention_bias` is True for Qwen2 (bias on q/k/v).
+    `{"rope_type": "linear", "factor": 2.0}`; "yarn", "longrope" and "dynamic" too.
+    `attention_bias` is True for Qwen2 (bias on q/k/v).
+
+    Sliding windows: `layer_types` names each layer "sliding_attention" or "full_attention" (HF's
+    words); empty means every layer uses `sliding_window` if it is set (Mistral), else none. A
+    query at position p attends to keys at positions (p - sliding_window, p].
     """
 
     architecture: str
@@ -38,6 +44,17 @@ class ModelArchConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3: the local (sliding) layers' own RoPE base; None = rope_theta
+    rope_local_base_freq: float | None = None
+    # Gemma: attention scale query_pre_attn_scalar**-0.5 instead of head_dim**-0.5
+    query_pre_attn_scalar: float | None = None
+    # Gemma 2: tanh soft-capping of attention scores and of the final logits
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Phi-4-mini: RoPE rotates only this fraction of each head
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -64,6 +81,57 @@ class ModelArchConfig:
             )
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ValueError(f"model config: rope_scaling lacks 'rope_type': {self.rope_scaling}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model config: sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"model config: layer_types has {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
+            if unknown:
+                raise ValueError(f"model config: layer_types {sorted(unknown)} are not supported")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("model config: layer_types has sliding layers but no sliding_window")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
+            raise ValueError(
+                f"model config: partial_rotary_factor {self.partial_rotary_factor} does not give "
+                f"an even number of rotary dims of head_dim {self.head_dim}"
+            )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"model config: {name} must be > 0, got {value}")
+
+    @property
+    def traits(self) -> ArchTraits:
+        """What the family changes in the decoder (tessera/model/registry.py)."""
+        return traits(self.architecture)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer (keys (p - window, p] for a query at p), None for
+        full attention."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.sliding_window
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has the same one (its KV blocks can be released behind
+        the window), else None."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -84,9 +152,14 @@ class ModelArchConfig:
                 names.append(f"{p}self_attn.{proj}.weight")
                 if self.attention_bias:
                     names.append(f"{p}self_attn.{proj}.bias")
+            if self.traits.qk_norm:
+                names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
             names.append(f"{p}self_attn.o_proj.weight")
             names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
             names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+            if self.traits.gemma_norms:
+                names += [f"{p}pre_feedforward_layernorm.weight",
+                          f"{p}post_feedforward_layernorm.weight"]
         names.append("model.norm.weight")
         if not self.tie_word_embeddings:
             names.append("lm_head.weight")
@@ -109,6 +182,8 @@ class ModelArchConfig:
                 "gate_proj": (f, h),
                 "up_proj": (f, h),
                 "down_proj": (h, f),
+                "q_norm": (self.head_dim, None),
+                "k_norm": (self.head_dim, None),
             }.get(leaf, (h, None))
             shapes[name] = (out,) if is_bias or inp is None else (out, inp)
         return shapes

@@ -15,8 +15,10 @@ rather than metadata; `llama3_rope_scaling_from_factors` recovers HF's `rope_sca
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import re
 
 import gguf
@@ -26,7 +28,7 @@ import torch
 from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import KERNEL_FORMATS, QuantizedTensor
-from tessera.model.registry import GGUF_ARCHITECTURES, has_qkv_bias
+from tessera.model.registry import GGUF_ARCHITECTURES, has_qkv_bias, traits
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,16 @@ _LAYER_NAME_MAP = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP there, and
+# post_attention_norm the one on the attention output (HF's post_attention_layernorm)
+_GEMMA_LAYER_NAME_MAP = {
+    **_LAYER_NAME_MAP,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Types the reader already hands back as plain numpy dtypes that `dequantize` does not cover.
@@ -69,16 +81,17 @@ def load_gguf(
     than one whole tensor is ever held."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of none, gguf, got {quantization!r}")
-    reader = gguf.GGUFReader(path, "r")
+    reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_of(reader, path, tensors)
     _, permuted = GGUF_ARCHITECTURES[_field(reader, "general.architecture")]
+    gemma = config.traits.gemma_norms
 
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for gguf_name, tensor in tensors.items():
         if gguf_name == "rope_freqs.weight":
             continue  # read into the config
-        name = _hf_name(gguf_name)
+        name = _hf_name(gguf_name, gemma)
         if name is None:
             logger.warning("%s: ignoring tensor %s", path, gguf_name)
             continue
@@ -86,6 +99,9 @@ def load_gguf(
             continue
         keep = quantization == "gguf" and _kernel_serves(tensor)
         array = _keep_quantized(tensor) if keep else dequantize_tensor(tensor)
+        if gemma and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norms as (1 + w); HF's weights are w
+            array = np.asarray(array) - 1.0
         if permuted and (".q_proj." in name or ".k_proj." in name):
             num_heads = (
                 config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
@@ -102,8 +118,21 @@ def load_gguf(
 
 def read_gguf_config(path: str) -> ModelArchConfig:
     """The architecture alone (metadata and tensor shapes; no weight is read)."""
-    reader = gguf.GGUFReader(path, "r")
+    reader = _open(path)
     return _config_of(reader, path, {t.name: t for t in reader.tensors})
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path, "r")
+
+
+def _open(path: str) -> gguf.GGUFReader:
+    """A reader of the file, parsed once per process: gguf parses every vocabulary entry in
+    Python (seconds for Gemma's 262k tokens), and loading reads the config more than once. The
+    reader maps the file read-only; the weights are copied out of it."""
+    st = os.stat(path)
+    return _open_cached(os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
 def _config_of(reader: gguf.GGUFReader, path: str, tensors: dict) -> ModelArchConfig:
@@ -151,11 +180,11 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, gemma: bool = False) -> str | None:
     m = _LAYER_RE.fullmatch(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        hf = _LAYER_NAME_MAP.get(part)
+        hf = (_GEMMA_LAYER_NAME_MAP if gemma else _LAYER_NAME_MAP).get(part)
         return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     hf = _NAME_MAP.get(base)
@@ -204,6 +233,26 @@ def _read_config(
 
     # The embedding's rows are the model's vocabulary (it may be padded past the token list).
     vocab_size = int(shapes["token_embd.weight"][0])
+    num_layers = int(key("block_count"))
+    family = traits(architecture)
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    layer_types: tuple[str, ...] = ()
+    local_theta = None
+    if family.gemma_norms:
+        # Gemma's chat turns end with <end_of_turn>, which the GGUF does not list as EOS
+        end_of_turn = _token_id(reader, "<end_of_turn>")
+        if end_of_turn is not None and end_of_turn not in eos_ids:
+            eos_ids.append(end_of_turn)
+        if window is not None:
+            # llama.cpp's fixed patterns: Gemma 2 alternates local and global layers from a
+            # local one; Gemma 3 has five local layers to one global, with a local base of 10k
+            if arch == "gemma2":
+                layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                    for i in range(num_layers))
+            else:
+                layer_types = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                                    for i in range(num_layers))
+                local_theta = 10000.0
     return ModelArchConfig(
         architecture=architecture,
         vocab_size=vocab_size,
@@ -221,7 +270,30 @@ def _read_config(
         attention_bias=has_qkv_bias(architecture),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
+        sliding_window=None if window is None else int(window),
+        layer_types=layer_types,
+        rope_local_base_freq=local_theta,
+        query_pre_attn_scalar=float(head_dim) if family.gemma_norms else None,
+        attn_logit_softcapping=_optional_float(reader, f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=_optional_float(reader, f"{arch}.final_logit_softcapping"),
     )
+
+
+def _optional_float(reader: gguf.GGUFReader, key: str) -> float | None:
+    value = _field(reader, key)
+    return None if value is None else float(value)
+
+
+def _token_id(reader: gguf.GGUFReader, text: str) -> int | None:
+    """The id of a token by its text in the GGUF's vocabulary, None if absent."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return None
+    target = text.encode()
+    for i, part in enumerate(field.data):
+        if bytes(field.parts[part]) == target:
+            return i
+    return None
 
 
 def _rope_scaling(

@@ -17,12 +17,7 @@ from safetensors import safe_open
 
 from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
-from tessera.model.registry import (
-    HF_ALIASES,
-    has_qkv_bias,
-    hf_architecture,
-    supported_architectures,
-)
+from tessera.model.registry import hf_architecture, supported_architectures, traits
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +36,11 @@ def load_hf_dir(
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
+                    for part, t in _split_fused(config, name, f.get_tensor(name)).items():
+                        weights[part] = (t if plan is None else plan.shard(part, t)).to(
+                            torch.float32).contiguous()
+                    continue
                 if name not in expected:
                     if name != "lm_head.weight":  # a tied checkpoint may still store a copy
                         logger.warning("%s: ignoring tensor %s", path, name)
@@ -54,6 +54,20 @@ def load_hf_dir(
                     tensor = sl[start:stop] if dim == 0 else sl[:, start:stop]
                 weights[name] = tensor.to(torch.float32).contiguous()
     return config, weights
+
+
+def _split_fused(config: ModelArchConfig, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q|k|v as `qkv_proj` and gate|up as `gate_up_proj`: the model fuses them
+    again itself, but the sharding plan and the shape checks speak of the parts."""
+    prefix = name.rsplit(".", 2)[0]
+    if name.endswith(".qkv_proj.weight"):
+        q, k, v = t.split([config.q_size, config.kv_size, config.kv_size])
+        stem = prefix.removesuffix(".qkv_proj")
+        return {f"{stem}.q_proj.weight": q, f"{stem}.k_proj.weight": k,
+                f"{stem}.v_proj.weight": v}
+    gate, up = t.split([config.intermediate_size, config.intermediate_size])
+    stem = prefix.removesuffix(".gate_up_proj")
+    return {f"{stem}.gate_proj.weight": gate, f"{stem}.up_proj.weight": up}
 
 
 def read_hf_dir_config(path: str) -> ModelArchConfig:
@@ -77,7 +91,8 @@ def _keys(file: str) -> list[str]:
 
 
 def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
-    """`ModelArchConfig` from an HF directory's config.json (transformers v4 or v5 layout)."""
+    """`ModelArchConfig` from an HF directory's config.json (transformers v4 or v5 layout).
+    A field the engine cannot honour is refused here, by name."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     archs = cfg.get("architectures") or []
@@ -85,31 +100,26 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
     if hf_arch is None:
         raise ValueError(
             f"{path}: architectures {archs} are not supported; supported: "
-            f"{', '.join(supported_architectures())} "
-            f"(and {', '.join(HF_ALIASES)} without sliding window)"
+            f"{', '.join(supported_architectures())}"
         )
     architecture = hf_architecture(hf_arch)
     assert architecture is not None
-    sliding = cfg.get("sliding_window")
+    family = traits(architecture)
+    num_layers = int(cfg["num_hidden_layers"])
     max_pos = int(cfg.get("max_position_embeddings", 2048))
-    uses_sliding = cfg.get("use_sliding_window", hf_arch == "MistralForCausalLM")
-    if uses_sliding and sliding is not None and sliding < max_pos:
-        raise ValueError(f"{path}: sliding-window attention ({sliding}) is not supported")
+    rope_theta, rope_scaling, local_theta, partial = _rope_of(cfg, path, max_pos)
+    sliding, layer_types = _windows_of(cfg, architecture, num_layers)
 
-    # transformers v5 writes rope_parameters {rope_theta, rope_type, ...}; v4 rope_theta and
-    # rope_scaling.
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if cfg.get("rope_scaling"):
-        rope.update(cfg["rope_scaling"])
-    if "type" in rope:  # older spelling
-        rope.setdefault("rope_type", rope.pop("type"))
-    rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
-
-    if not has_qkv_bias(architecture) and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise ValueError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    if not family.qkv_bias and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ValueError(f"{path}: attention_bias/mlp_bias is not supported for {architecture}")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or family.activation
+    if _ACTIVATIONS.get(act) != family.activation:
+        raise ValueError(
+            f"{path}: hidden_act {act!r} is not supported for {architecture} "
+            f"(it uses {family.activation})"
+        )
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{path}: use_bidirectional_attention is not supported (causal only)")
 
     num_heads = int(cfg["num_attention_heads"])
     tie = cfg.get("tie_word_embeddings")
@@ -143,7 +153,95 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(tie),
-        attention_bias=has_qkv_bias(architecture),
+        attention_bias=family.qkv_bias,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos_ids),
+        sliding_window=sliding,
+        layer_types=layer_types,
+        rope_local_base_freq=local_theta,
+        query_pre_attn_scalar=_positive(cfg, "query_pre_attn_scalar") if family.gemma_norms else None,
+        attn_logit_softcapping=_positive(cfg, "attn_logit_softcapping"),
+        final_logit_softcapping=_positive(cfg, "final_logit_softcapping"),
+        partial_rotary_factor=partial,
     )
+
+
+# HF's activation names -> the gate the family computes
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "gelu_tanh": "gelu_pytorch_tanh",
+}
+# RoPE types the engine computes (tessera/model/layers.py rope_inv_freq); "su" is longrope's
+# older name
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
+def _positive(cfg: dict, name: str) -> float | None:
+    value = cfg.get(name)
+    return None if value is None else float(value)
+
+
+def _rope_of(cfg: dict, path: str, max_pos: int) -> tuple[float, dict | None, float | None, float]:
+    """(rope_theta, rope_scaling, the local layers' theta, partial_rotary_factor). transformers v5
+    writes `rope_parameters` ({rope_theta, rope_type, ...}, or one such dict per layer type for
+    Gemma 3); v4 wrote rope_theta and rope_scaling (and Gemma 3 rope_local_base_freq)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    local_theta = cfg.get("rope_local_base_freq")
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{path}: rope_parameters.sliding_attention: only default RoPE "
+                             f"is supported on local layers, got {local.get('rope_type')!r}")
+        local_theta = local.get("rope_theta", local_theta)
+        params = dict(params.get("full_attention") or {})
+    rope_theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if cfg.get("rope_scaling"):
+        params.update(cfg["rope_scaling"])
+    if "type" in params:  # older spelling
+        params.setdefault("rope_type", params.pop("type"))
+    if params.get("rope_type") == "su":
+        params["rope_type"] = "longrope"
+    kind = params.get("rope_type", "default")
+    if kind not in _ROPE_TYPES:
+        raise ValueError(
+            f"{path}: rope_scaling type {kind!r} is not supported; supported: "
+            f"{', '.join(_ROPE_TYPES)}"
+        )
+    if kind in ("yarn", "longrope", "dynamic"):
+        # Phi-3 keeps the pre-training length at the top level of config.json
+        params.setdefault(
+            "original_max_position_embeddings",
+            cfg.get("original_max_position_embeddings", max_pos),
+        )
+        params.setdefault("max_position_embeddings", max_pos)
+    scaling = params if kind != "default" else None
+    return rope_theta, scaling, None if local_theta is None else float(local_theta), partial
+
+
+def _windows_of(cfg: dict, architecture: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as `ModelArchConfig` reads them: Gemma's interleaved local
+    layers, Mistral's window on every layer, Qwen's `use_sliding_window` (off by default)."""
+    window = cfg.get("sliding_window")
+    types = tuple(cfg.get("layer_types") or ())
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not cfg.get("use_sliding_window"):
+            return None, ()
+        if not types:  # HF: layers from max_window_layers on use the window
+            first = int(cfg.get("max_window_layers", num_layers))
+            types = tuple("sliding_attention" if i >= first else "full_attention"
+                          for i in range(num_layers))
+    elif architecture == "Gemma2ForCausalLM" and not types:
+        types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                      for i in range(num_layers))
+    elif architecture == "Gemma3ForCausalLM" and not types:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                      for i in range(num_layers))
+    if window is None:
+        return None, ()
+    if types and "sliding_attention" not in types:
+        return None, ()
+    return int(window), types

@@ -152,6 +152,14 @@ class RMSNorm:
         return self(residual)
 
 
+class GeluTanhAndMul:
+    """[n, 2I] (gate | up) -> gelu_tanh(gate) * up: Gemma's GeGLU (HF's gelu_pytorch_tanh)."""
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class SiluAndMul:
     """[n, 2I] (gate | up) -> silu(gate) * up, the MLP activation, fused on CPU."""
 
@@ -165,18 +173,23 @@ class SiluAndMul:
         return F.silu(gate) * up
 
 
-def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with Llama-3 ("llama3") or linear scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if not rope_scaling:
-        return inv_freq.float()
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq.float()
-    factor = float(rope_scaling["factor"])
+def rope_inv_freq(
+    head_dim: int, theta: float, rope_scaling: dict | None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] of the RoPE types whose frequencies do not depend on the
+    position (default, linear, llama3, yarn; and longrope's short factors), and the factor HF
+    multiplies into cos and sin (yarn's and longrope's "attention factor", else 1). `head_dim`
+    here is the rotary dims (partial_rotary_factor applied)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    kind = (rope_scaling or {}).get("rope_type", "default")
+    if kind in ("default", "dynamic"):  # dynamic: the default below its original length
+        return inv_freq.float(), 1.0
+    assert rope_scaling is not None
     if kind == "linear":
-        return (inv_freq / factor).float()
+        return (inv_freq / float(rope_scaling["factor"])).float(), 1.0
     if kind == "llama3":
+        factor = float(rope_scaling["factor"])
         low = float(rope_scaling.get("low_freq_factor", 1.0))
         high = float(rope_scaling.get("high_freq_factor", 4.0))
         old_len = float(rope_scaling["original_max_position_embeddings"])
@@ -185,13 +198,75 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> tor
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    if kind == "yarn":
+        return _yarn(head_dim, theta, rope_scaling)
+    if kind == "longrope":
+        return _longrope(head_dim, theta, rope_scaling, long=False)
+    raise ValueError(
+        f"unsupported rope_scaling type {kind!r} "
+        "(supported: default, linear, llama3, yarn, longrope, dynamic)"
+    )
+
+
+def _yarn(dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp between the
+    dims that rotate beta_fast and beta_slow times over the original length (HF's formulas, in
+    float32 as HF computes them)."""
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None:
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention = _yarn_mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _longrope(dim: int, theta: float, scaling: dict, long: bool) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency divisors, `short_factor` within the original length and
+    `long_factor` beyond it; cos and sin scaled by sqrt(1 + ln(factor) / ln(original))."""
+    orig = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or float(scaling["max_position_embeddings"]) / orig
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * theta**exponents), float(attention)
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables [max_positions, head_dim] in HF's rotate-half layout (sin stored
-    with its first half negated, see `apply_rope`)."""
+    """cos/sin of each token's position [num_tokens, head_dim] in HF's rotate-half layout (sin
+    with its first half negated, see `apply_rope`), computed per step from the positions: no
+    table of max_positions rows (a 131k-token Gemma 3 context would hold 256 MiB of them).
+
+    Positions past a RoPE's original length: "longrope" switches to its long factors and
+    "dynamic" raises the base, per token (HF decides once for a whole forward by its longest
+    sequence, which would make a token's rotation depend on its batch). Within the original
+    length both equal HF exactly. `rotary_dim` < head_dim: only the first dims rotate (Phi-4)."""
 
     def __init__(
         self,
@@ -201,22 +276,57 @@ class RotaryEmbedding:
         rope_scaling: dict | None,
         dtype: torch.dtype,
         device: torch.device,
+        rotary_dim: int | None = None,
     ):
-        inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        # rotate_half(x) * sin == cat(x2, x1) * (sin with its first half negated): saves an op
-        half = head_dim // 2
-        sin = emb.sin()
-        self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype=dtype, device=device)
         self.head_dim = head_dim
-        self._fused = fused_ops_for(device, dtype)
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self.theta = theta
+        self.scaling = rope_scaling or {}
+        self.kind = self.scaling.get("rope_type", "default")
+        inv_freq, self.attention_factor = rope_inv_freq(self.rotary_dim, theta, rope_scaling)
+        self.inv_freq = inv_freq.to(device)
+        self.long_inv_freq: torch.Tensor | None = None
+        if self.kind == "longrope":
+            self.long_inv_freq = _longrope(self.rotary_dim, theta, self.scaling, long=True)[0].to(
+                device
+            )
+        self.dtype = dtype
+        self.device = device
+        fused = fused_ops_for(device, dtype)
+        self._fused = fused if self.rotary_dim == head_dim else None
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each token: [num_tokens, head_dim] each. Once per step, shared by all layers."""
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        """cos, sin for each token: [num_tokens, rotary_dim] each. Once per step, shared by every
+        layer that uses this RoPE."""
+        pos = positions.to(torch.float32)
+        inv = self._inv_freq_at(positions)  # [D/2] or [n, D/2]
+        freqs = torch.outer(pos, inv) if inv.dim() == 1 else pos.unsqueeze(1) * inv  # [n, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        # rotate_half(x) * sin == cat(x2, x1) * (sin with its first half negated): saves an op
+        half = self.rotary_dim // 2
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def _inv_freq_at(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.kind == "longrope":
+            assert self.long_inv_freq is not None
+            orig = int(self.scaling["original_max_position_embeddings"])
+            beyond = (positions >= orig).unsqueeze(1)  # sequence length p + 1 > orig
+            return torch.where(beyond, self.long_inv_freq, self.inv_freq)
+        if self.kind == "dynamic" and positions.numel() and int(positions.max()) >= int(
+            self.scaling["max_position_embeddings"]
+        ):
+            # HF: base * (factor * L / max_pos - (factor - 1)) ** (dim / (dim - 2)), L = p + 1
+            dim, factor = self.rotary_dim, float(self.scaling["factor"])
+            max_pos = float(self.scaling["max_position_embeddings"])
+            length = (positions.to(torch.float64) + 1).clamp(min=max_pos)
+            base = self.theta * (factor * length / max_pos - (factor - 1)) ** (dim / (dim - 2))
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim
+            return (1.0 / base.unsqueeze(1) ** exponents).float().to(positions.device)
+        return self.inv_freq
 
     def apply_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
         """Rotate the first `num_heads` heads of each row of qkv [n, width] in place (q and k are
@@ -226,7 +336,8 @@ class RotaryEmbedding:
             return
         n = qkv.shape[0]
         heads = qkv[:, : num_heads * self.head_dim].view(n, num_heads, self.head_dim)
-        heads.copy_(apply_rope(heads, cos.unsqueeze(1), sin.unsqueeze(1)))
+        rot = heads[..., : self.rotary_dim]
+        rot.copy_(apply_rope(rot, cos.unsqueeze(1), sin.unsqueeze(1)))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

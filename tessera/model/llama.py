@@ -1,5 +1,14 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2 with q/k/v bias)
-over a flat batch of tokens and a paged KV cache.
+"""The decoder every supported family shares (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 2/3,
+Phi-3) over a flat batch of tokens and a paged KV cache. A family is Llama plus the differences
+its `ArchTraits` (tessera/model/registry.py) and its config name:
+
+    Qwen2       bias on q/k/v
+    Qwen3       RMSNorm over each head of q and k before RoPE
+    Mistral     a sliding window on every layer
+    Gemma 2/3   (1 + w) norms, norms after attention and after the MLP, GeGLU, embeddings scaled
+                by sqrt(hidden), query_pre_attn_scalar; local (sliding) and global layers, with
+                their own RoPE base in Gemma 3; soft-capped scores and logits in Gemma 2
+    Phi-3       fused checkpoint tensors (split at load), LongRoPE, partial rotary dims
 
 Plain tensors and small callables rather than nn.Modules: the forward is a fixed loop over layers
 and the per-op dispatch overhead is what bounds batch-1 decode on CPU.
@@ -21,6 +30,7 @@ from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.layers import (
     Embedding,
+    GeluTanhAndMul,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
@@ -50,6 +60,14 @@ class LlamaLayer:
         def linear(names: list[str], bias: torch.Tensor | None = None):
             return make_linear([get(n) for n in names], bias, dtype, device)
 
+        family = cfg.traits
+
+        def norm(name: str) -> RMSNorm:
+            w = dense(name)
+            if family.gemma_norms:  # Gemma scales by (1 + w), the sum taken in float32
+                w = (1.0 + w.float()).to(dtype)
+            return RMSNorm(w, cfg.rms_norm_eps)
+
         attn = "self_attn"
         qkv_bias = None
         if cfg.attention_bias:
@@ -59,14 +77,26 @@ class LlamaLayer:
         self.wo = linear([f"{attn}.o_proj.weight"])
         self.w13 = linear(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
         self.w2 = linear(["mlp.down_proj.weight"])
-        self.input_norm = RMSNorm(dense("input_layernorm.weight"), cfg.rms_norm_eps)
-        self.post_attn_norm = RMSNorm(dense("post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        self.act = SiluAndMul(device, dtype)
+        self.input_norm = norm("input_layernorm.weight")
+        self.post_attn_norm = norm("post_attention_layernorm.weight")
+        # Gemma's sandwich: post_attn_norm normalises the attention output; these two wrap the MLP
+        self.pre_mlp_norm = self.post_mlp_norm = None
+        if family.gemma_norms:
+            self.pre_mlp_norm = norm("pre_feedforward_layernorm.weight")
+            self.post_mlp_norm = norm("post_feedforward_layernorm.weight")
+        self.q_norm = self.k_norm = None
+        if family.qk_norm:
+            self.q_norm = norm(f"{attn}.q_norm.weight")
+            self.k_norm = norm(f"{attn}.k_norm.weight")
+        self.act = (SiluAndMul(device, dtype) if family.activation == "silu"
+                    else GeluTanhAndMul())
         self.tp = tp
         self.num_heads = cfg.num_attention_heads if tp is None else tp.plan.num_local_heads
         self.num_kv_heads = cfg.num_key_value_heads if tp is None else tp.plan.num_local_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
+        self.window = cfg.layer_window(int(prefix.rsplit(".", 1)[1]))
         self.q_size = self.num_heads * self.head_dim
         self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
 
@@ -74,7 +104,7 @@ class LlamaLayer:
         self,
         h: torch.Tensor,  # [num_tokens, hidden]
         pending: torch.Tensor | None,  # [num_tokens, hidden] the previous layer's MLP output
-        rope: RotaryEmbedding,
+        rope: RotaryEmbedding,  # this layer's (Gemma 3's local layers have their own)
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
@@ -87,19 +117,36 @@ class LlamaLayer:
         n = h.shape[0]
         x = self.input_norm(h) if pending is None else self.input_norm.add_and_norm(h, pending)
         qkv = self.wqkv(x)  # [n, (H + 2 * KVH) * D]
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads_(qkv, n)
         rope.apply_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k are adjacent
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.qk_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
-        attn = meta.forward(q, k, v, k_cache, v_cache, self.scale)  # [n, H, D]
+        attn = meta.forward(q, k, v, k_cache, v_cache, self.scale,
+                            window=self.window, softcap=self.softcap)  # [n, H, D]
         o = self.wo(attn.view(n, -1))
         if self.tp is not None:  # row-parallel: each rank holds a partial sum
             self.tp.all_reduce_(o)
-        x = self.post_attn_norm.add_and_norm(h, o)
+        if self.pre_mlp_norm is None:
+            x = self.post_attn_norm.add_and_norm(h, o)
+        else:  # Gemma: h += norm(o); x = norm(h)
+            x = self.pre_mlp_norm.add_and_norm(h, self.post_attn_norm(o))
         down = self.w2(self.act(self.w13(x)))
         if self.tp is not None:
             self.tp.all_reduce_(down)
+        if self.post_mlp_norm is not None:
+            down = self.post_mlp_norm(down)
         return h, down
+
+    def _norm_heads_(self, qkv: torch.Tensor, n: int) -> None:
+        """Qwen3 / Gemma 3: RMSNorm over each head of q and of k (in place, before RoPE)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        d = self.head_dim
+        q = qkv[:, : self.q_size].reshape(n * self.num_heads, d)
+        k = qkv[:, self.q_size : self.qk_size].reshape(n * self.num_kv_heads, d)
+        qkv[:, : self.q_size] = self.q_norm(q).view(n, -1)
+        qkv[:, self.q_size : self.qk_size] = self.k_norm(k).view(n, -1)
 
 
 class LlamaForCausalLM:
@@ -130,7 +177,15 @@ class LlamaForCausalLM:
         ]
         norm = w["model.norm.weight"]
         assert isinstance(norm, torch.Tensor)
+        if cfg.traits.gemma_norms:
+            norm = (1.0 + norm.float()).to(dtype)
         self.norm = RMSNorm(norm, cfg.rms_norm_eps)
+        # Gemma: embeddings times sqrt(hidden), the factor rounded to the compute dtype as in HF
+        self.embed_scale = (
+            torch.tensor(cfg.hidden_size**0.5, dtype=dtype).item()
+            if cfg.traits.gemma_norms else None
+        )
+        self.final_softcap = cfg.final_logit_softcapping
         embed = w["model.embed_tokens.weight"]  # [vocab, hidden]
         head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head = make_linear([head], None, dtype, device)
@@ -142,8 +197,16 @@ class LlamaForCausalLM:
         else:
             self.embed = Embedding(embed, dtype)
         self.rope = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device,
+            rotary_dim=cfg.rotary_dim,
         )
+        # Gemma 3's local layers: their own base, no scaling
+        self.local_rope: RotaryEmbedding | None = None
+        if cfg.rope_local_base_freq is not None and any(cfg.layer_windows):
+            self.local_rope = RotaryEmbedding(
+                cfg.head_dim, max_positions, cfg.rope_local_base_freq, None, dtype, device,
+                rotary_dim=cfg.rotary_dim,
+            )
 
     def weight_bytes(self) -> dict[str, int]:
         """Resident bytes of weights by kind: "linear" (streamed once per step: every layer's
@@ -164,10 +227,18 @@ class LlamaForCausalLM:
         """Final hidden states [num_tokens, hidden] (normed); logits are computed separately, only
         where the runner samples."""
         h = self.embed(input_ids) if self.tp is None else self._embed_vocab_parallel(input_ids)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         cos, sin = self.rope.lookup(positions)  # once per step, shared by every layer
+        local = None
+        if self.local_rope is not None:
+            local = (self.local_rope, *self.local_rope.lookup(positions))
         pending = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h, pending = layer(h, pending, self.rope, cos, sin, k_cache, v_cache, meta)
+            if local is not None and layer.window is not None:
+                h, pending = layer(h, pending, *local, k_cache, v_cache, meta)
+            else:
+                h, pending = layer(h, pending, self.rope, cos, sin, k_cache, v_cache, meta)
         return self.norm(h) if pending is None else self.norm.add_and_norm(h, pending)
 
     def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -185,7 +256,14 @@ class LlamaForCausalLM:
         """[n, hidden] -> float32 logits [n, vocab]. Tensor-parallel: a collective every rank
         calls; the gathered logits come back on rank 0 only (None elsewhere)."""
         logits = self.lm_head(hidden).float()
-        return logits if self.tp is None else self.tp.gather_vocab(logits)
+        if self.tp is not None:
+            gathered = self.tp.gather_vocab(logits)
+            if gathered is None:
+                return None
+            logits = gathered
+        if self.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
 
 def _to_part(w: QuantizedTensor, dtype: torch.dtype, device: torch.device):

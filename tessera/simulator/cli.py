@@ -91,6 +91,9 @@ def add_simulate_parser(subparsers) -> None:
                      help="latency CDF figure (as bench serve's); with --sweep, the sweep figure")
     out.add_argument("--timeline-file", default=None,
                      help="figure of queue lengths, KV usage and batch size over time")
+    out.add_argument("--dashboard-file", default=None, metavar="HTML",
+                     help="write the live dashboard's view of the run as one self-contained "
+                          "page that replays it (slider, play/pause)")
     out.add_argument("--label", default=None, help="a name stored in the result's config")
     out.add_argument("--quiet", action="store_true", help="do not print the result table")
     p.set_defaults(func=simulate_main, parser=p)
@@ -159,7 +162,8 @@ def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, in
     from tessera.entrypoints.cli import engine_args_from
 
     engine_args = dataclasses.replace(engine_args_from(args), dtype=cost_model.dtype, device="meta")
-    config = engine_args.create_engine_config(cost_model.max_model_len)
+    config = engine_args.create_engine_config(
+        cost_model.max_model_len, sliding_window=getattr(cost_model, "sliding_window", None))
     block_bytes = cost_model.geometry.block_bytes(config.cache.block_size)
     num_gpu = config.cache.num_gpu_blocks_override or int(config.cache.kv_cache_space * GiB) // block_bytes
     num_cpu = int(config.cache.swap_space * GiB) // block_bytes
@@ -219,8 +223,9 @@ def run_point(args: argparse.Namespace, samples, request_rate: float,
                         max_concurrency=args.max_concurrency,
                         acceptance=acceptance_model(args, config))
     requests = sim_requests(samples, request_rate, args.burstiness, args.seed)
+    frames = _dashboard_frames(args, sim, cost_model)
     if isinstance(sim, Simulator):
-        outcome = sim.run(requests, probe=probe_request(requests))
+        outcome = sim.run(requests, probe=probe_request(requests), observer=frames)
     else:
         outcome = sim.run(requests)
     described = {
@@ -230,7 +235,30 @@ def run_point(args: argparse.Namespace, samples, request_rate: float,
         "num_gpu_blocks": num_gpu, "num_cpu_blocks": num_cpu,
         "engine": _engine_json(config),
     }
+    if frames is not None:
+        from tessera.simulator.dashboard import write_dashboard
+
+        write_dashboard(args.dashboard_file, frames.finish(), interval_s=frames.interval_s,
+                        title=f"{described['cost_model']}: {args.dataset}, rate "
+                              f"{described['request_rate']}")
     return simulation_json(outcome, described, parse_goodput(args.goodput), include_requests)
+
+
+def _dashboard_frames(args: argparse.Namespace, sim, cost_model):
+    """The dashboard's frame recorder when --dashboard-file asks for one (simulator/dashboard.py)."""
+    if not getattr(args, "dashboard_file", None):
+        return None
+    from tessera.simulator.dashboard import DashboardFrames
+    from tessera.simulator.simulator import Simulator
+
+    if not isinstance(sim, Simulator):
+        raise ValueError("--dashboard-file shows one engine; a simulated P/D pair "
+                         "(--kv-transfer-config) has two")
+    d = cost_model.describe()
+    name = d.get("model_config") or d.get("model") or d["cost_model"]
+    if d.get("hardware"):
+        name = f"{name} on {d['hardware']}"
+    return DashboardFrames(sim.scheduler, model_name=str(name))
 
 
 def acceptance_model(args: argparse.Namespace, config: EngineConfig):
@@ -328,6 +356,9 @@ def simulate_main(args: argparse.Namespace) -> int:
             raise ValueError("no samples (did the dataset filter drop them all?)")
         if args.sweep:
             from tessera.bench.sweep import plot_sweep
+
+            if args.dashboard_file:
+                raise ValueError("--dashboard-file shows one run, not a --sweep")
 
             data = run_sweep(args, samples)
             if args.result_file:

@@ -58,6 +58,7 @@ class RooflineCostModel(CostModel):
         # one device's share (all of it at n = 1): KV geometry, FLOPs and bytes per rank
         self.geometry = KVGeometry(model.num_layers, kv_heads, model.head_dim, DTYPE_BYTES[kv_dtype])
         self.max_model_len = model.max_position_embeddings
+        self.sliding_window = model.sliding_window
         self._flops = hardware.flops(dtype) * hardware.compute_efficiency * n  # n devices
         self._bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
         self._weight_bytes = model.weight_bytes_per_step(dtype) / n

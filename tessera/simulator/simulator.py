@@ -21,13 +21,22 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tessera.config import EngineConfig
+from tessera.core.core_output import EngineCoreOutput
 from tessera.core.scheduler import Scheduler
+from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.params import SamplingParams
 from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 from tessera.simulator.batch import AcceptanceModel, SyntheticRunner
 from tessera.simulator.cost_model import CostModel
+
+
+class StepObserver(Protocol):
+    def on_step(self, out: SchedulerOutput, core_outputs: list[EngineCoreOutput], start: float,
+                end: float) -> None:
+        """After `update_from_output`: the step ran from `start` to `end` (virtual seconds)."""
 
 
 class VirtualClock:
@@ -98,10 +107,11 @@ class Simulator:
         self.max_concurrency = max_concurrency
 
     def run(self, requests: list[SimRequest], record_timeline: bool = True,
-            probe: SimRequest | None = None) -> SimOutcome:
+            probe: SimRequest | None = None, observer: StepObserver | None = None) -> SimOutcome:
         """Simulate until every request is done. With `probe`, first run that one request alone
         to its end and start the arrivals after it, as bench serve sends its test request
-        before the trace (on a prefix workload it warms the prefix cache).
+        before the trace (on a prefix workload it warms the prefix cache). `observer` sees
+        every step of the trace (not the probe's), e.g. the dashboard's frames.
 
         The cyclic garbage collector is paused meanwhile (and the requests frozen out of its
         way, as the engine does after start-up): its full collections walk every live request
@@ -115,7 +125,7 @@ class Simulator:
                 start = self._run_probe(probe)
                 requests = [dataclasses.replace(r, arrival_time=r.arrival_time + start)
                             for r in requests]
-            return self._run(requests, record_timeline)
+            return self._run(requests, record_timeline, observer)
         finally:
             gc.enable()
             gc.unfreeze()
@@ -136,7 +146,8 @@ class Simulator:
             sched.update_from_output(out, runner_out)
         return clock.now
 
-    def _run(self, requests: list[SimRequest], record_timeline: bool) -> SimOutcome:
+    def _run(self, requests: list[SimRequest], record_timeline: bool,
+             observer: StepObserver | None = None) -> SimOutcome:
         start_wall = time.perf_counter()
         order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_time)
         records = [RequestRecord(len(r.prompt_token_ids)) for r in requests]
@@ -182,6 +193,8 @@ class Simulator:
             t = clock.now = t + dt
             core_outputs = sched.update_from_output(out, runner_out)
             num_steps += 1
+            if observer is not None:
+                observer.on_step(out, core_outputs, t - dt, t)
             for core in core_outputs:
                 rec = by_id[core.request_id]
                 for delta in core.seqs:

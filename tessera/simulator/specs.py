@@ -86,6 +86,9 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     torch_dtype: str | None = None  # the checkpoint's dtype, which `--dtype auto` simulates
+    # the window every layer attends within (Mistral): the scheduler releases the blocks behind
+    # it, as the engine does; None with no window or with local and global layers mixed
+    sliding_window: int | None = None
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -131,6 +134,18 @@ def _stored_dtype(config: dict) -> str | None:
     return stored if stored in DTYPE_BYTES else None
 
 
+def _uniform_window(config: dict) -> int | None:
+    """config.json's sliding window when every layer uses it (no `layer_types`, or all
+    "sliding_attention"; Qwen's only with use_sliding_window)."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return None
+    types = config.get("layer_types") or []
+    if any(t != "sliding_attention" for t in types):
+        return None
+    return int(window)
+
+
 def load_model_config(name_or_path: str) -> ModelSpec:
     """`--model-config`: a shipped name (Llama-3-8B, ...), a config.json path or a directory
     holding one."""
@@ -161,6 +176,7 @@ def load_model_config(name_or_path: str) -> ModelSpec:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             torch_dtype=_stored_dtype(config),
+            sliding_window=_uniform_window(config),
         )
     except KeyError as e:
         raise ValueError(f"--model-config {name_or_path}: config.json lacks {e.args[0]!r}") from None

@@ -194,7 +194,7 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
 
     args = init.engine_args
     arch = read_model_config(init.model_path)
-    config = args.create_engine_config(arch.max_position_embeddings)
+    config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window)
     plan = ShardPlan.for_arch(arch, rank, world_size)
     tp = TensorParallelGroup(plan, device)
     quantization = weight_quantization(config.model.quantization, config.model.dtype,
@@ -211,8 +211,8 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
     if rank == 0:  # the only rank that samples: structured outputs need the tokenizer there
         from tessera.tokenizer import load_tokenizer
 
-        grammar_backend = GrammarBackend(load_tokenizer(init.model_path), arch.vocab_size,
-                                         init.eos_token_ids)
+        tokenizer = load_tokenizer(init.model_path, arch.architecture)
+        grammar_backend = GrammarBackend(tokenizer, arch.vocab_size, init.eos_token_ids)
     runner = ModelRunner(model, cache_engine, config.cache.block_size, device,
                          eos_token_ids=init.eos_token_ids, speculative_config=config.speculative,
                          grammar_backend=grammar_backend, is_driver=rank == 0)

@@ -57,6 +57,7 @@ def make_scheduler(
     watermark: float = 0.0,
     eos_token_ids: tuple[int, ...] = (),
     kv_connector=None,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     sched_cfg = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
@@ -67,7 +68,8 @@ def make_scheduler(
         scheduling_policy=SchedulingPolicy.PRIORITY if priority else SchedulingPolicy.FCFS,
     )
     cache_cfg = CacheConfig(
-        block_size=block_size, enable_prefix_caching=prefix, watermark=watermark
+        block_size=block_size, enable_prefix_caching=prefix, watermark=watermark,
+        sliding_window=sliding_window,
     )
     clock = itertools.count()
     return Scheduler(sched_cfg, cache_cfg, num_gpu_blocks, num_cpu_blocks,

@@ -2,7 +2,8 @@
 `run_server()` serves it with uvicorn until SIGINT/SIGTERM.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when stream=true), /tokenize,
-/detokenize, /health, /version, /metrics, and the OpenAPI docs (/docs, /redoc, /openapi.json).
+/detokenize, /health, /version, /metrics, the OpenAPI docs (/docs, /redoc, /openapi.json), and
+the live view /dashboard with its event stream /dashboard/events (openai/dashboard.py).
 
 With an API key, every route wants `Authorization: Bearer KEY` (the docs too: the schema maps
 the whole API, so it is no more public than the API), except `OPEN_ROUTES`:
@@ -11,7 +12,8 @@ the whole API, so it is no more public than the API), except `OPEN_ROUTES`:
 - /metrics: Prometheus scrapers, likewise; it holds aggregate counters and histograms only (no
   prompt, no output, no request id);
 - /version: the package version, for the same tooling.
-Any other path without the key is a 401 (even an unknown one: no route list leaks).
+Any other path without the key is a 401 (even an unknown one: no route list leaks). The two
+dashboard routes also take it as `?api_key=KEY`: a browser cannot add a header to a page it opens.
 
 Bodies: a request body over `max_request_body_bytes` (--max-request-body-bytes) is a 413 before
 any of it is parsed; a declared Content-Length over the limit is refused before the body is read.
@@ -39,6 +41,11 @@ from fastapi.responses import JSONResponse, Response
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.engine.metrics import CONTENT_TYPE, ServerMetrics
 from tessera.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tessera.entrypoints.openai.dashboard import (
+    DEFAULT_INTERVAL_MS,
+    add_dashboard_routes,
+    query_key_matches,
+)
 from tessera.entrypoints.openai.errors import error_body, install_error_handlers
 from tessera.entrypoints.openai.preprocess import Preprocessor
 from tessera.entrypoints.openai.protocol import (
@@ -88,7 +95,8 @@ class _ApiKeyMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not (hmac.compare_digest(given, self.expected)
+                    or query_key_matches(scope, self.expected)):
                 await _send_error(send, 401, "invalid or missing API key (send "
                                   "'Authorization: Bearer <key>')", "invalid_api_key",
                                   ((b"www-authenticate", b"Bearer"),))
@@ -171,13 +179,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               sampling_defaults: dict | None = None, log_requests: bool = False,
               allowed_origins: list[str] | None = None, root_path: str = "",
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, enable_dashboard: bool = True,
+              dashboard_interval_ms: int = DEFAULT_INTERVAL_MS) -> FastAPI:
     """The FastAPI app over `engine`. The app's lifespan starts and stops the engine thread.
 
     `chat_template` (a Jinja template's text) replaces the model's own; `sampling_defaults` (the
     model's generation config) fill what requests leave unset; `allowed_origins` turns on CORS
     for those origins ("*": any); `root_path` is the prefix a reverse proxy serves us under;
-    `tool_call_parser` (tessera/entrypoints/openai/tool_parsers.py) enables tool_choice "auto"."""
+    `tool_call_parser` (tessera/entrypoints/openai/tool_parsers.py) enables tool_choice "auto";
+    `enable_dashboard` serves /dashboard, sampled every `dashboard_interval_ms` at most."""
     if max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_request_body_bytes}")
     model_name = served_model_name or engine.model_name
@@ -248,6 +258,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     async def detokenize(body: DetokenizeRequest) -> Response:
         return await tokens.detokenize(body)
 
+    if enable_dashboard:
+        add_dashboard_routes(app, engine, dashboard_interval_ms)
     return app
 
 
