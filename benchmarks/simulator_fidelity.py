@@ -27,7 +27,8 @@ swap; the same with recompute; prefix caching on a shared-prefix trace):
    TPOT, with the drift beside it. No target.
 
 Each trace is sent at `--load` (0.5) of its capacity as the first probe's runner-only profile
-simulates it at rate inf. Default: 32 requests a setting, 6 to 9 minutes here. Timing on a
+simulates it at rate inf. Default: 32 requests a setting; the default and chunked settings took
+~40 s each here, and a run with other processes on the same cores took 25 minutes. Timing on a
 2-core machine: run it under the exclusive lock and nothing else.
 """
 
