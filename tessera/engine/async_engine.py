@@ -124,11 +124,13 @@ class AsyncLLMEngine:
         self._accepting = False
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any) -> AsyncLLMEngine:
+    def from_engine_args(cls, engine_args: Any, step_log: str | None = None) -> AsyncLLMEngine:
+        """Build the `LLMEngine` on its thread; with `step_log`, it writes its step log there
+        (tessera/engine/step_log.py)."""
         from tessera.engine.llm_engine import LLMEngine
 
         thread = EngineThread()
-        return cls(thread.call(LLMEngine.from_engine_args, engine_args), thread)
+        return cls(thread.call(LLMEngine.from_engine_args, engine_args, None, step_log), thread)
 
     # -- event-loop side --------------------------------------------------------------------
 

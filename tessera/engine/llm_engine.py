@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from tessera.engine.dashboard.snapshot import DashboardRecorder
 from tessera.engine.lora_registry import LoRARegistry
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.engine.stats import EngineStats, StatsSnapshot
+from tessera.engine.step_log import ENV_VAR as STEP_LOG_ENV
 from tessera.engine.step_log import StepLog
 from tessera.engine.step_recovery import find_culprits
 from tessera.executor.abstract import Executor, ExecutorDeadError
@@ -93,17 +95,34 @@ class LLMEngine:
         self.loras = LoRARegistry(config.lora, model_arch)
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.step_times = StepTimes()
-        self.step_log = StepLog.from_env()  # TESSERA_STEP_LOG: for the simulator's calibration
         self.stats = EngineStats(kv_transfer=config.kv_transfer is not None)
+        self.step_log: StepLog | None = None  # start_step_log: for the simulator's replay
+        if os.environ.get(STEP_LOG_ENV):
+            self.start_step_log(os.environ[STEP_LOG_ENV])
         # the live view (/dashboard): records steps only while a page is open
         self.dashboard = DashboardRecorder(self.scheduler, model_name)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, bundle=None) -> LLMEngine:
-        """Load the model named by `args` (or reuse a loaded `ModelBundle`) and build the engine."""
+    def from_engine_args(cls, args: EngineArgs, bundle=None,
+                         step_log: str | None = None) -> LLMEngine:
+        """Load the model named by `args` (or reuse a loaded `ModelBundle`) and build the engine;
+        with `step_log`, it logs every step there (`start_step_log`)."""
         from tessera.engine.loading import build_engine
 
-        return build_engine(cls, args, bundle)
+        engine = build_engine(cls, args, bundle)
+        if step_log is not None:
+            engine.start_step_log(step_log)
+        return engine
+
+    def start_step_log(self, path: str) -> None:
+        """Write the step log (tessera/engine/step_log.py: the format `tessera simulate
+        --replay` reads) to `path` from now on, replacing the file. Call it before the first
+        request: a replay needs every arrival."""
+        if self.step_log is not None:
+            self.step_log.close()
+        bm = self.scheduler.block_manager
+        self.step_log = StepLog(path, self.config, bm.num_gpu_blocks, bm.num_cpu_blocks,
+                                self.model_name, getattr(self.executor, "block_bytes", None))
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -149,6 +168,9 @@ class LLMEngine:
             lora_request=lora_request,
         )
         self.scheduler.add_seq_group(group)
+        if self.step_log is not None:
+            self.step_log.arrival(request_id, token_ids, params, priority,
+                                  self.clock() - arrival)
         self.output_processor.add_request(
             RequestState(request_id, text, token_ids, params, arrival_time=arrival)
         )
@@ -235,6 +257,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self.step_log is not None and ids:
+            self.step_log.abort(ids)
         self.stats.observe_aborted([rid for rid in ids if rid in self.output_processor.requests])
         self.scheduler.abort_seq_group(ids)
         self.output_processor.abort_requests(ids)
@@ -273,7 +297,8 @@ class LLMEngine:
             t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens
         )
         if self.step_log is not None and scheduler_output.total_num_scheduled_tokens:
-            self.step_log.record(scheduler_output, t0, t3, self.has_unfinished_requests())
+            self.step_log.step(scheduler_output, core_outputs, outputs, t0, t3,
+                               self.has_unfinished_requests())
         if watched:
             end = self.clock()
             self.dashboard.record_step(scheduler_output, end - (t3 - t0), end,

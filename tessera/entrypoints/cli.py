@@ -94,6 +94,9 @@ def _add_serve(subparsers) -> None:
     server.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                              "(with --enable-lora)")
+    server.add_argument("--step-log", default=None, metavar="FILE",
+                        help="write every engine step and request arrival to FILE as JSON "
+                             "lines, for `tessera simulate --replay FILE` (docs/simulator.md)")
     server.add_argument("--disable-dashboard", action="store_true",
                         help="do not serve the live view /dashboard (and /dashboard/events)")
     server.add_argument("--dashboard-interval", type=int, default=250, metavar="MS",
@@ -130,6 +133,9 @@ def _serve(args: argparse.Namespace) -> int:
         args.parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.enable_log_requests and args.disable_log_requests:
         args.parser.error("--enable-log-requests and --disable-log-requests contradict")
+    if args.step_log is not None and not os.path.isdir(os.path.dirname(
+            os.path.abspath(args.step_log))):
+        args.parser.error(f"--step-log {args.step_log}: its directory does not exist")
     if args.dashboard_interval < 10:
         args.parser.error(f"--dashboard-interval must be >= 10 (ms), got {args.dashboard_interval}")
     origins = args.allowed_origins
@@ -165,7 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, interrupted)
     try:
-        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
+        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args), step_log=args.step_log)
     except ValueError as e:  # a bad flag combination, named by the config's validation
         sock.close()
         args.parser.error(str(e))

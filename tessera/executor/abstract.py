@@ -22,6 +22,8 @@ class Executor(ABC):
     # KV pool sizes the workers allocated (every worker the same), read once by the scheduler
     num_gpu_blocks: int
     num_cpu_blocks: int
+    # bytes of one KV block on one worker, where the executor knows it (the step log records it)
+    block_bytes: int | None = None
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

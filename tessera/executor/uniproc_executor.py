@@ -14,6 +14,7 @@ class UniProcExecutor(Executor):
         self.runner = runner
         self.num_gpu_blocks = runner.cache_engine.num_gpu_blocks
         self.num_cpu_blocks = runner.cache_engine.num_cpu_blocks
+        self.block_bytes = runner.cache_engine.spec.block_bytes
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

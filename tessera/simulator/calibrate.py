@@ -159,6 +159,84 @@ def time_swap(cache_engine, num_blocks: int, repeats: int) -> float:
     return best / (2 * n * cache_engine.spec.block_bytes)
 
 
+class GridProbe:
+    """The real runner, loaded once, timed over a grid of shapes in passes, and the profile fitted
+    to any set of passes. `calibrate` fits one to all of its passes; the fidelity benchmark
+    (benchmarks/simulator_fidelity.py) times a pass between real runs and prices each run with
+    the passes on either side of it."""
+
+    def __init__(self, args: EngineArgs, grid: str = "default", repeats: int = 3,
+                 bundle=None) -> None:
+        from tessera.engine.llm_engine import LLMEngine
+        from tessera.engine.loading import build_engine, load_bundle
+
+        self.grid, self.repeats = grid, repeats
+        shapes = grid_shapes(grid)
+        self.bundle = bundle or load_bundle(args)
+        self.engine = build_engine(LLMEngine, args, self.bundle)
+        self.runner = self.engine.executor.runner
+        self.spec = self.runner.cache_engine.spec
+        self.driver = _Driver(self.runner, self.spec.block_size, self.bundle.arch.vocab_size,
+                              self.runner.cache_engine.num_gpu_blocks)
+        self.shapes = [s for s in shapes if self.driver.fits(s, repeats)]
+        for shape in shapes:
+            if shape not in self.shapes:
+                logger.info("skipping %s: more KV than --kv-cache-space holds", shape)
+        self.batches: dict[Shape, BatchShape] = {}
+
+    def time_pass(self) -> dict[Shape, list[float]]:
+        """One pass over the grid: each shape's timed steps (seconds)."""
+        times = {}
+        for shape in self.shapes:
+            self.batches[shape], times[shape] = self.driver.time_shape(shape, self.repeats)
+        return times
+
+    def profile(self, passes: list[dict[Shape, list[float]]]) -> dict:
+        """The profile fitted to `passes` (a shape's time: the median of its timed steps in all
+        of them), with the swap rate timed now."""
+        import torch
+
+        rows, measured, points = [], [], []
+        for shape in self.shapes:
+            batch = self.batches[shape]
+            seconds = statistics.median(t for p in passes for t in p[shape])
+            rows.append(features(batch))
+            measured.append(seconds)
+            points.append({"shape": shape.__dict__, "batch": {
+                k: getattr(batch, k) for k in BatchShape.__dataclass_fields__},
+                "seconds": seconds})
+            logger.debug("%s: %.1f ms", shape, seconds * 1e3)
+        coefs, fit = fit_step_times(rows, measured)
+        for point, row in zip(points, rows, strict=True):
+            point["fitted_seconds"] = float(np.dot(coefs, row))
+        spec, config = self.spec, self.engine.config
+        elem = torch.tensor([], dtype=spec.dtype).element_size()
+        return {
+            "kind": "tessera-simulator-profile",
+            "model": self.bundle.path,
+            "dtype": config.model.dtype,
+            "device": config.device.device,
+            "block_size": spec.block_size,
+            "max_position_embeddings": self.bundle.arch.max_position_embeddings,
+            "kv_geometry": {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+                            "head_dim": spec.head_dim, "elem_size": elem},
+            "features": [name for name, _ in FEATURES],
+            "coefficients": {name: float(c) for (name, _), c in zip(FEATURES, coefs,
+                                                                     strict=True)},
+            "swap_s_per_byte": time_swap(self.runner.cache_engine, 256, self.repeats),
+            "fit": {**fit, "grid": self.grid, "repeats": self.repeats, "rounds": len(passes)},
+            "machine": {"platform": platform.platform(), "processor": platform.processor()},
+            # the link a disaggregated consumer pulls KV over, measured on this machine
+            # (benchmarks/disagg.py; its source is in the spec)
+            "kv_link": load_hardware(MACHINE_SPEC).kv_link,
+            "grid": points,
+        }
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        del self.engine, self.runner, self.driver
+
+
 def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
               output: str | None = None, bundle=None, serving_requests: int = 0,
               rounds: int = 2, serving_runs: int = 1,
@@ -172,76 +250,25 @@ def calibrate(args: EngineArgs, grid: str = "default", repeats: int = 3,
 
     Why passes, and why interleaved: this machine's speed drifts by 10-20% over minutes (other
     tenants of the host). Shapes timed one after the other in a single pass each saw one moment
-    of it, and one slow moment bent the fit (15% RMS error in one calibration, 4.6% in the one
-    before). The serving rates absorb any difference between the grid's minutes and the
-    server's (4.5 and 1.7 ms per sequence per step in two calibrations of one day); interleaving
-    makes both sides sample the same minutes (it did not remove that spread: 3.4 ms in the next
-    one, docs/simulator.md)."""
-    from tessera.engine.llm_engine import LLMEngine
-    from tessera.engine.loading import build_engine, load_bundle
+    of it, and one slow moment bent the fit. Interleaving the serving runs with the passes makes
+    the grid and the server sample the same minutes."""
     from tessera.simulator.serving import ServingRuns
 
-    shapes = grid_shapes(grid)
-    bundle = bundle or load_bundle(args)
-    engine = build_engine(LLMEngine, args, bundle)
-    runner = engine.executor.runner
-    spec = runner.cache_engine.spec
-    driver = _Driver(runner, spec.block_size, bundle.arch.vocab_size,
-                     runner.cache_engine.num_gpu_blocks)
-    rows, measured, points = [], [], []
     start = time.perf_counter()
-    fitting = [s for s in shapes if driver.fits(s, repeats)]
-    for shape in shapes:
-        if shape not in fitting:
-            logger.info("skipping %s: more KV than --kv-cache-space holds", shape)
-    steps: dict[Shape, list[float]] = {shape: [] for shape in fitting}
-    batches: dict[Shape, BatchShape] = {}
+    probe = GridProbe(args, grid, repeats, bundle)
     serving = (ServingRuns(args, serving_requests, serving_request_rate)
                if serving_requests > 0 else None)
+    passes = []
     # each round: a pass over the grid, then one real-server run of the calibration trace, so
     # the grid's medians and the serving runs' median see the machine over the same minutes
     for r in range(max(rounds, serving_runs if serving else 0)):
         if r < rounds:
-            for shape in fitting:
-                batches[shape], times = driver.time_shape(shape, repeats)
-                steps[shape] += times
+            passes.append(probe.time_pass())
         if serving is not None and r < serving_runs:
             serving.run()
-    for shape in fitting:
-        batch, seconds = batches[shape], statistics.median(steps[shape])
-        rows.append(features(batch))
-        measured.append(seconds)
-        points.append({"shape": shape.__dict__, "batch": {
-            k: getattr(batch, k) for k in BatchShape.__dataclass_fields__}, "seconds": seconds})
-        logger.info("%s: %.1f ms", shape, seconds * 1e3)
-    coefs, fit = fit_step_times(rows, measured)
-    for point, row in zip(points, rows, strict=True):
-        point["fitted_seconds"] = float(np.dot(coefs, row))
-    import torch
-
-    elem = torch.tensor([], dtype=spec.dtype).element_size()
-    profile = {
-        "kind": "tessera-simulator-profile",
-        "model": bundle.path,
-        "dtype": engine.config.model.dtype,
-        "device": engine.config.device.device,
-        "block_size": spec.block_size,
-        "max_position_embeddings": bundle.arch.max_position_embeddings,
-        "kv_geometry": {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
-                        "head_dim": spec.head_dim, "elem_size": elem},
-        "features": [name for name, _ in FEATURES],
-        "coefficients": {name: float(c) for (name, _), c in zip(FEATURES, coefs, strict=True)},
-        "swap_s_per_byte": time_swap(runner.cache_engine, 256, repeats),
-        "fit": {**fit, "grid": grid, "repeats": repeats, "rounds": rounds,
-                "calibration_seconds": time.perf_counter() - start},
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
-        # the link a disaggregated consumer pulls KV over, measured on this machine
-        # (benchmarks/disagg.py; its source is in the spec)
-        "kv_link": load_hardware(MACHINE_SPEC).kv_link,
-        "grid": points,
-    }
-    engine.shutdown()
-    del engine, runner, driver
+    profile = probe.profile(passes)
+    profile["fit"]["calibration_seconds"] = time.perf_counter() - start
+    probe.close()
     if serving is not None:
         profile.update(serving.fit(profile))
     if output:

@@ -70,6 +70,12 @@ def add_simulate_parser(subparsers) -> None:
     c.add_argument("--spec-proposal-rate", type=float, default=1.0, metavar="RATE",
                    help="with --speculative-config: the fraction of decode steps for which the "
                         "proposer finds drafts (default: %(default)s)")
+    r = p.add_argument_group("replay")
+    r.add_argument("--replay", default=None, metavar="FILE",
+                   help="replay a step log (`tessera serve --step-log FILE`) through the real "
+                        "scheduler with the logged step times; report each request's TTFT, "
+                        "TPOT and E2E against the real ones and the first step where the "
+                        "schedules diverge (takes only --result-file and --quiet)")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep", action="store_true",
                    help="run every --settings x --request-rates point; write the sweep JSON "
@@ -338,6 +344,10 @@ def simulate_main(args: argparse.Namespace) -> int:
     from tessera.bench.report import format_table, plot_cdfs, save_json
 
     parser = args.parser
+    if args.replay is not None:
+        from tessera.simulator.replay import replay_main
+
+        return replay_main(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if not math.isinf(args.request_rate) and args.request_rate <= 0:

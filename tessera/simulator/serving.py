@@ -16,7 +16,7 @@ Behind `tessera serve` a request also costs time outside the runner, of two kind
   the same machine parses them. Three non-negative rates model it: seconds per step
   (`serving_s_per_step`), per scheduled sequence (`serving_s_per_seq`) and per prefill token
   (`serving_s_per_prefill_token`). They are fitted to the real server's own steps: the
-  calibration runs it with the engine's step log on (`TESSERA_STEP_LOG`,
+  calibration runs it with the engine's step log on (`--step-log`,
   tessera/engine/step_log.py), prices each logged step with the runner-only profile, and fits
   the rates to the difference from the real step interval (start to next start), by
   non-negative least squares on the absolute error (seconds). Why not on relative error, as
@@ -85,14 +85,14 @@ def real_server_metrics(flags: list[str], samples, rate: float, seed: int,
     from tessera.bench.config import BenchConfig
     from tessera.bench.serve import load_bench_tokenizer, run_bench
     from tessera.bench.sweep import ServerProcess, free_port, scrape_counters
-    from tessera.engine.step_log import ENV_VAR as STEP_LOG_ENV
 
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "tessera.entrypoints.cli", "serve", "--port", str(port), *flags]
+    if step_log is not None:
+        argv += ["--step-log", step_log]
     log_dir = log_dir or tempfile.mkdtemp(prefix="tessera-serving-")
-    env = None if step_log is None else {**os.environ, STEP_LOG_ENV: step_log}
-    with ServerProcess(argv, base_url, os.path.join(log_dir, f"{label}.log"), 600.0, env=env):
+    with ServerProcess(argv, base_url, os.path.join(log_dir, f"{label}.log"), 600.0):
         cfg = BenchConfig(base_url=base_url, request_rate=rate, seed=seed, ignore_eos=True,
                           disable_tqdm=True)
         metrics = run_bench(cfg, samples, load_bench_tokenizer(None), quiet=True)["metrics"]

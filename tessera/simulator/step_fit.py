@@ -5,7 +5,6 @@ the fit is in seconds."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from tessera.simulator.batch import BatchShape, batch_shape
 from tessera.simulator.cost_model import SERVING_FEATURES, ProfiledCostModel, features
@@ -20,21 +19,17 @@ class LoggedStep:
     seconds: float
 
 
-def read_step_log(path: str, block_bytes: int) -> list[LoggedStep]:
-    """The non-empty steps of a step log (tessera/engine/step_log.py). A step's time runs from
-    its start to the next step's start while the engine stayed busy (what the simulator's clock
-    advances by), and to its own end when the engine went idle after it."""
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    steps = []
-    for i, rec in enumerate(records):
-        if not rec["reqs"]:
-            continue
-        nxt = records[i + 1] if i + 1 < len(records) else None
-        end = nxt["start"] if rec["busy"] and nxt is not None else rec["end"]
-        shape = batch_shape(((n, c) for n, c in rec["reqs"]), rec["swap_blocks"] * block_bytes)
-        steps.append(LoggedStep(shape, end - rec["start"]))
-    return steps
+def read_step_log(path: str, block_bytes: int | None = None) -> list[LoggedStep]:
+    """The steps of a step log (tessera/engine/step_log.py), each priced as the simulator's
+    clock advances (tessera/simulator/trace.py: start to the next start while the engine stayed
+    busy, to its own end before idling). `block_bytes`: of one KV block, for the swap bytes
+    (default: the log's own)."""
+    from tessera.simulator.trace import read_trace
+
+    trace = read_trace(path)
+    size = trace.block_bytes if block_bytes is None else block_bytes
+    return [LoggedStep(batch_shape(((n, c) for _, n, c in s.reqs), s.swap_blocks * size),
+                       s.seconds) for s in trace.steps]
 
 
 def step_kind(batch: BatchShape) -> str:

@@ -230,9 +230,11 @@ def test_n_that_could_outgrow_the_cache_is_refused_when_added():
     assert len(run(engine)["ok"].outputs) == 4
 
 
-def test_step_log_records_each_step_for_the_simulator(tmp_path, monkeypatch):
-    """TESSERA_STEP_LOG: one line per step with each request's (new, computed) tokens, and the
-    engine's busy flag false only after the last step."""
+def test_step_log_records_the_trace_and_each_step(tmp_path, monkeypatch):
+    """The step log (tessera/engine/step_log.py; TESSERA_STEP_LOG turns it on for any engine):
+    a header with the configs, each arrival with its prompt ids, one line per step with each
+    stream's (req_id, new, computed) tokens, the tokens it gained and where it finished, the
+    engine's busy flag false only after the last step, and aborts."""
     import json
 
     log = tmp_path / "steps.jsonl"
@@ -240,9 +242,25 @@ def test_step_log_records_each_step_for_the_simulator(tmp_path, monkeypatch):
     engine = make_engine()
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
     run(engine)
+    engine.add_request("b", [9, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    engine.abort_request("b")
     engine.shutdown()
-    steps = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [s["reqs"] for s in steps] == [[[4, 0]], [[1, 4]], [[1, 5]]]
-    assert [s["busy"] for s in steps] == [True, True, False]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    header, arrival = records[0], records[1]
+    assert header["type"] == "header" and header["version"] == 1
+    assert header["num_gpu_blocks"] == engine.scheduler.block_manager.num_gpu_blocks
+    assert header["scheduler"]["max_model_len"] == 128 and header["cache"]["block_size"] == 4
+    assert arrival["type"] == "arrival" and arrival["request_id"] == "a"
+    assert arrival["prompt_token_ids"] == [5, 6, 7, 8] and arrival["max_tokens"] == 3
+    assert arrival["arrival_time"] <= arrival["time"]
+    steps = [r for r in records if r["type"] == "step"]
+    assert [s["reqs"] for s in steps] == [[["a", 4, 0]], [["a", 1, 4]], [["a", 1, 5]],
+                                          [["b", 2, 0]]]
+    assert [s["busy"] for s in steps] == [True, True, False, True]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert all(len(s["tokens"]["a"]) == 1 for s in steps[:3])
+    assert [s["finished"] for s in steps] == [{}, {}, {"a": 3}, {}]
     assert all(s["start"] <= s["end"] for s in steps)
     assert steps[0]["end"] <= steps[1]["start"]
+    assert records[-1]["type"] == "abort" and records[-1]["request_ids"] == ["b"]

@@ -25,3 +25,26 @@ class FixedCost(CostModel):
 
     def swap_time(self, batch: BatchShape) -> float:
         return batch.swap_bytes * self.per_swap_byte
+
+
+def step_log_lines(steps, start: float = 100.0) -> list[str]:
+    """A step log (tessera/engine/step_log.py) of (reqs, seconds) steps, `reqs` as
+    [new, computed] pairs, run back to back from `start`; each step ends at 90% of its time and
+    the last one leaves the engine idle. No arrivals: enough for step pricing, not a replay."""
+    import json
+
+    from tessera.engine.step_log import FORMAT, FORMAT_VERSION
+
+    lines = [json.dumps({"type": "header", "format": FORMAT, "version": FORMAT_VERSION,
+                         "model": "fake", "num_gpu_blocks": 64, "num_cpu_blocks": 0,
+                         "block_bytes": 64, "scheduler": {}, "cache": {}})]
+    t = start
+    for i, (reqs, seconds) in enumerate(steps):
+        lines.append(json.dumps({
+            "type": "step", "step": i, "start": t, "end": t + 0.9 * seconds,
+            "busy": i < len(steps) - 1, "num_seqs": len(reqs),
+            "num_tokens": sum(n for n, _ in reqs),
+            "reqs": [[f"r{k}", n, c] for k, (n, c) in enumerate(reqs)], "preempted": [],
+            "ignored": [], "swap_out": 0, "swap_in": 0, "tokens": {}, "finished": {}}))
+        t += seconds
+    return lines

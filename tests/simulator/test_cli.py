@@ -12,6 +12,7 @@ from tessera.config import PreemptionMode
 from tessera.entrypoints.cli import build_parser, main
 from tessera.simulator.cli import engine_setup, make_cost_model, setting_args
 from tessera.simulator.simulator import Simulator
+from tests.simulator.sim_fakes import step_log_lines
 
 ROOFLINE = ["--dtype", "bfloat16", "--kv-cache-space", "10"]
 TINY_RANDOM = ["--dataset", "random", "--num-prompts", "12", "--random-input-len", "48",
@@ -179,10 +180,7 @@ def test_serving_runs_alternate_with_grid_passes(tiny_llama, tmp_path, monkeypat
     def server_run(flags, samples, rate, seed, log_dir=None, label="server", step_log=None):
         order.append("serve")
         with open(step_log, "w") as f:  # two decode steps of 20 ms, the second before idle
-            f.write(json.dumps({"start": 1.0, "end": 1.01, "busy": True, "reqs": [[1, 9]],
-                                "swap_blocks": 0}) + "\n")
-            f.write(json.dumps({"start": 1.02, "end": 1.04, "busy": False, "reqs": [[1, 10]],
-                                "swap_blocks": 0}) + "\n")
+            f.write("\n".join(step_log_lines([([[1, 9]], 0.02), ([[1, 10]], 0.02 / 0.9)])) + "\n")
         ttft = next(ttfts)
         return {"mean_tpot_ms": 20.0, "median_tpot_ms": 20.0, "mean_ttft_ms": ttft,
                 "median_ttft_ms": ttft, "mean_e2el_ms": 500.0, "output_throughput": 10.0,

@@ -205,21 +205,16 @@ def test_spec_decode_seam_needs_an_acceptance_model():
 def _write_step_log(path, steps):
     """A step log as the engine writes it (tessera/engine/step_log.py) for (reqs, seconds) steps
     run back to back; the last one leaves the engine idle."""
-    import json
+    from tests.simulator.sim_fakes import step_log_lines
 
-    t, lines = 100.0, []
-    for i, (reqs, seconds) in enumerate(steps):
-        lines.append(json.dumps({"start": t, "end": t + 0.9 * seconds, "busy": i < len(steps) - 1,
-                                 "reqs": reqs, "swap_blocks": 0}))
-        t += seconds
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(step_log_lines(steps)) + "\n")
 
 
 def test_step_log_intervals_run_start_to_start_while_busy(tmp_path):
     from tessera.simulator.step_fit import read_step_log
 
     log = tmp_path / "steps.jsonl"
-    _write_step_log(log, [([[8, 0]], 0.2), ([], 0.01), ([[1, 8], [5, 0]], 0.1), ([[1, 9]], 0.05)])
+    _write_step_log(log, [([[8, 0]], 0.2), ([[1, 8], [5, 0]], 0.1), ([[1, 9]], 0.05)])
     steps = read_step_log(str(log), block_bytes=64)
     assert [round(s.seconds, 6) for s in steps] == [0.2, 0.1, 0.045]  # the idle one: to its end
     assert steps[1].batch == BatchShape(num_prefill_tokens=5, num_decode_tokens=1,
