@@ -139,8 +139,8 @@ def test_simulate_replay_prints_and_writes_the_report(logs, tmp_path, capsys):
 
 def test_simulate_replay_refuses_what_it_would_ignore(logs, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["simulate", "--replay", logs["swap"], "--enable-chunked-prefill"])
-    assert "--enable-chunked-prefill cannot be combined with it" in capsys.readouterr().err
+        main(["simulate", "--replay", logs["swap"], "--no-enable-chunked-prefill"])
+    assert "enable-chunked-prefill cannot be combined with it" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["simulate", "--replay", logs["swap"], "--request-rate", "3"])
     assert "--request-rate cannot be combined" in capsys.readouterr().err
