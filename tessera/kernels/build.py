@@ -87,6 +87,8 @@ _BASE_CFLAGS = ("-O3", "-fopenmp")
 CFLAGS = (*_BASE_CFLAGS, *_ISA_CFLAGS["avx512"])  # the flags of an AVX-512 build
 LDFLAGS = ("-fopenmp",)
 _BUILD_SECONDS = "30-90"
+# the vector layer every avx2/portable path is written on (its choice is argued there)
+VEC_HEADER = Path(__file__).with_name("kernel_vec.h")
 _DONE = "key.json"
 
 _built: dict[tuple[str, str], ModuleType | None] = {}
