@@ -36,6 +36,9 @@ def flag_name(name: str) -> str:
 
 # vLLM's --dtype spellings; "auto" is the checkpoint's own dtype (tessera/model/checkpoint_dtype.py)
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "half", "float16")
+# --quantization: see ModelConfig.quantization; docs/cpu_kernels.md says which runs where
+QUANTIZATION_CHOICES = ("none", "gguf", "gguf_int8")
+QUANTIZATION_DEFAULT = "gguf_int8"
 RESOLVED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
@@ -65,16 +68,18 @@ class ModelConfig:
     seed: int = 0
     # most alternatives per token a request may ask for (logprobs, prompt_logprobs, top_logprobs)
     max_logprobs: int = 20
-    # "gguf": a GGUF's weights stay in their quantized blocks where a kernel serves the type
-    # (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), dequantized elsewhere; "none": all dequantized at load
-    quantization: str = "gguf"
+    # "gguf_int8": a GGUF's weights stay in their blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and
+    # run on integer dot products against activations quantized per row to Q8 blocks; "gguf":
+    # the blocks with exact float products (Q5_K dequantized); "none": all dequantized at load
+    quantization: str = QUANTIZATION_DEFAULT
 
     def __post_init__(self) -> None:
         if self.dtype not in RESOLVED_DTYPES:
             raise ValueError(f"--dtype must resolve to one of {', '.join(RESOLVED_DTYPES)}, "
                              f"got {self.dtype!r}")
-        if self.quantization not in ("none", "gguf"):
-            raise ValueError(f"--quantization must be none or gguf, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.max_logprobs < 0:
@@ -421,10 +426,12 @@ class EngineArgs:
         choices=list(DTYPE_CHOICES),
     )
     quantization: str = _arg(
-        "gguf",
-        "gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as they are and run "
-        "them with the quantized kernels, dequantizing other types; none: dequantize all at load",
-        choices=["none", "gguf"],
+        QUANTIZATION_DEFAULT,
+        "gguf_int8: keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and run "
+        "integer dot products against activations quantized per row to 8-bit blocks (llama.cpp's "
+        "form); gguf: the same blocks with exact float products (Q5_K dequantized); none: "
+        "dequantize all at load",
+        choices=list(QUANTIZATION_CHOICES),
     )
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda:0")
     seed: int = _arg(0, "seed for sampling requests that do not give their own")

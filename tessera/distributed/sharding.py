@@ -148,7 +148,7 @@ def shard_quantized(w: QuantizedTensor, dim: int, start: int, stop: int, name: s
     off the block grid is dequantized (float32 tensor)."""
     if dim == 0:
         data = np.ascontiguousarray(w.data[start:stop]).copy()
-        return QuantizedTensor(w.qtype, data, torch.Size([stop - start, w.shape[1]]))
+        return w.with_data(data, torch.Size([stop - start, w.shape[1]]))
     block, type_size = gguf.GGML_QUANT_SIZES[w.qtype]
     n, k = w.shape
     if start % block or stop % block:
@@ -157,4 +157,4 @@ def shard_quantized(w: QuantizedTensor, dim: int, start: int, stop: int, name: s
         return w.dequantize()[:, start:stop].contiguous().clone()
     blocks = np.ascontiguousarray(w.data).reshape(n, k // block, type_size)
     data = np.ascontiguousarray(blocks[:, start // block : stop // block]).reshape(n, -1).copy()
-    return QuantizedTensor(w.qtype, data, torch.Size([n, stop - start]))
+    return w.with_data(data, torch.Size([n, stop - start]))

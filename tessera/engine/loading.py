@@ -42,7 +42,7 @@ class ModelBundle:
     dtype: str
     device: str
     max_positions: int
-    quantization: str = "gguf"
+    quantization: str = "gguf_int8"
     checkpoint_dtype: str | None = None  # what `--dtype auto` resolves to for this model
 
 
