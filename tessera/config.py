@@ -350,8 +350,14 @@ class ParallelConfig:
     distributed_init_method: str | None = None
     nnodes: int = 1
     node_rank: int = 0
+    # threads of this node's compute (torch and the C++ kernels), shared by its ranks; None: every
+    # core the process may run on (os.sched_getaffinity: a taskset or cgroup is respected)
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        n = self.num_threads
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"--num-threads must be an integer >= 1, got {n!r}")
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
@@ -370,6 +376,11 @@ class ParallelConfig:
         if nnodes > 1 and method is None and not os.environ.get("MASTER_ADDR"):
             raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT (or "
                              "MASTER_ADDR/MASTER_PORT in the environment), the same on every node")
+
+    @property
+    def threads_per_node(self) -> int:
+        """--num-threads, else the cores this process may run on."""
+        return self.num_threads if self.num_threads is not None else default_num_threads()
 
     @property
     def ranks_per_node(self) -> int:
@@ -434,6 +445,12 @@ class EngineArgs:
         choices=list(QUANTIZATION_CHOICES),
     )
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda:0")
+    num_threads: int | None = _arg(
+        None,
+        "CPU threads for the model's compute (torch and the C++ kernels), split evenly between "
+        "this node's tensor-parallel ranks; default: every core this process may run on "
+        "(os.sched_getaffinity, so taskset and cgroup limits are respected)",
+    )
     seed: int = _arg(0, "seed for sampling requests that do not give their own")
     max_model_len: int | None = _arg(
         None, "longest prompt + output in tokens (default: the model's limit, at most 2048)"
@@ -552,7 +569,7 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_init_method=self.distributed_init_method,
-            nnodes=self.nnodes, node_rank=self.node_rank,
+            nnodes=self.nnodes, node_rank=self.node_rank, num_threads=self.num_threads,
         )
 
     @classmethod
@@ -561,4 +578,5 @@ class EngineArgs:
 
 
 def default_num_threads() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's core count)."""
     return max(1, len(os.sched_getaffinity(0)))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.config import EngineArgs, default_num_threads
+from tessera.config import EngineArgs
 from tessera.core.admission import check_cache_holds_max_model_len
 from tessera.engine.malloc_tuning import release_free_memory
 from tessera.executor.uniproc_executor import UniProcExecutor
@@ -56,7 +56,7 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     arch, weights = load_model(path, weight_quantization(
         early.model.quantization, early.model.dtype, early.device.device))
     config = args.create_engine_config(arch.max_position_embeddings, stored_dtype)
-    torch.set_num_threads(default_num_threads())
+    torch.set_num_threads(config.parallel.threads_per_node)
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
     model = model_cls(arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len)
