@@ -53,10 +53,10 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     stored_dtype = checkpoint_dtype(path)
     early = dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config(
         None, stored_dtype)
+    torch.set_num_threads(early.parallel.threads_per_node)  # --num-threads; packing uses them too
     arch, weights = load_model(path, weight_quantization(
         early.model.quantization, early.model.dtype, early.device.device))
     config = args.create_engine_config(arch.max_position_embeddings, stored_dtype)
-    torch.set_num_threads(config.parallel.threads_per_node)
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
     model = model_cls(arch, weights, getattr(torch, config.model.dtype), device, config.model.max_model_len)
