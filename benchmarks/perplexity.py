@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20480)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--quantization", default="none,gguf,gguf_int8")
+    ap.add_argument("--cache-dir", default=None,
+                    help="keep each setting's scores here and reuse them (a rerun adds settings)")
     args = ap.parse_args()
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path)
@@ -75,9 +78,18 @@ def main() -> None:
           f"({len(windows) * (args.window - 1)} scored), threads={torch.get_num_threads()}")
     results = {}
     for q in args.quantization.split(","):
+        cached = None
+        if args.cache_dir:
+            os.makedirs(args.cache_dir, exist_ok=True)
+            cached = os.path.join(args.cache_dir, f"{q}-{len(ids)}-{args.window}.pt")
+            if os.path.exists(cached):
+                results[q] = torch.load(cached)
+                continue
         t = time.perf_counter()
         results[q] = score(path, q, windows)
         print(f"  {q}: {time.perf_counter() - t:.0f} s", flush=True)
+        if cached:
+            torch.save(results[q], cached)
     ref_nll, ref_top = results.get("none", next(iter(results.values())))
     print(f"{'quantization':<14}{'perplexity':>11}{'vs none':>9}{'argmax = none':>15}")
     for q, (nll, top) in results.items():
