@@ -71,6 +71,7 @@ def make_llm(model_bundle):
 
     def make(**engine_args):
         engine_args.setdefault("max_model_len", 1024)
+        engine_args.setdefault("quantization", model_bundle.quantization)
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args), bundle=model_bundle)
         return LLM.from_engine(engine)
 
