@@ -22,11 +22,13 @@ Peers:
   here with transformers when it does not exist yet). vLLM gets our settings: max_num_seqs,
   max_num_batched_tokens, max_model_len, `VLLM_CPU_KVCACHE_SPACE` = `--kv-cache-space`, OpenMP
   bound to the cores this process may use, prefix caching off (ours is off by default);
-- hf (`--hf-batch N`): HF transformers static batching of N on the same GGUF.
+- hf (`--hf-batch N`): HF transformers static batching of N on the same GGUF;
+- llama.cpp (`--llama-cpp`): a separate comparison, batch-1 decode and 512-token prefill against
+  llama-bench's tg128 and pp512 on the same GGUF, per TESSERA_CPU_ISA (benchmarks/llamacpp_peer.py).
 
 vLLM runs the dequantized weights (an HF checkpoint has no Q4_1); Tessera runs the GGUF as its
-default does (`--quantization gguf`; `none` dequantizes too). The greedy tokens are the same
-either way (the quantized kernels reproduce the dequantized matmuls' tokens).
+default does (`--quantization gguf`: exact products, which reproduce the dequantized matmuls'
+tokens; `gguf_int8`: integer products on 8-bit activations; `none` dequantizes).
 """
 
 from __future__ import annotations
@@ -111,7 +113,19 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="do not LD_PRELOAD tcmalloc and Intel OpenMP into vLLM (its CPU docs' setup)",
     )
     ap.add_argument("--hf-batch", type=int, default=0, help="also HF static batching at this size")
-    ap.add_argument("--quantization", default="gguf", choices=["gguf", "none"], help="Tessera's")
+    ap.add_argument("--quantization", default="gguf", choices=["gguf", "gguf_int8", "none"],
+                    help="Tessera's")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="instead of the offline workload: llama.cpp's llama-bench (pp512, tg128) "
+                         "against Tessera's 512-token prefill and batch-1 decode on the same GGUF "
+                         "(benchmarks/llamacpp_peer.py; builds llama.cpp once, ~10 min)")
+    ap.add_argument("--llama-cpp-build-dir", default=None, help="where llama.cpp is (to be) built")
+    ap.add_argument("--llama-cpp-model", action="append", default=None,
+                    help="GGUF for --llama-cpp (repeatable; default: the default model)")
+    ap.add_argument("--isa", default="avx512,avx2",
+                    help="with --llama-cpp: TESSERA_CPU_ISA values to measure, comma list")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="with --llama-cpp: threads of both engines")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -333,6 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_args(argv)
     # a SIGTERM (timeout, kill) unwinds like an exception, so the baseline worktree is removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.llama_cpp:
+        import llamacpp_peer  # benchmarks/llamacpp_peer.py
+
+        llama_argv = ["--isa", args.isa, "--quantization", args.quantization,
+                      "--threads", str(args.threads)]
+        for model in args.llama_cpp_model or []:
+            llama_argv += ["--model", model]
+        if args.llama_cpp_build_dir:
+            llama_argv += ["--build-dir", args.llama_cpp_build_dir]
+        if args.result_file:
+            llama_argv += ["--result-file", args.result_file]
+        return llamacpp_peer.main(llama_argv)
     if args.vllm_python:
         args.vllm_model = ensure_hf_model(args.vllm_model)
     _, out_lens = build_workload(args.workload, args.num_requests)

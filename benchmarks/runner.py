@@ -197,7 +197,7 @@ def compare_quantization(batches, ctx, steps, prefill_len, rounds: int = 3) -> N
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--quantization", default="gguf", choices=["none", "gguf"])
+    ap.add_argument("--quantization", default="gguf", choices=["none", "gguf", "gguf_int8"])
     ap.add_argument("--compare-quantization", action="store_true")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=256)

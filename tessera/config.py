@@ -36,6 +36,12 @@ def flag_name(name: str) -> str:
 
 # vLLM's --dtype spellings; "auto" is the checkpoint's own dtype (tessera/model/checkpoint_dtype.py)
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "half", "float16")
+# --quantization: see ModelConfig.quantization; docs/cpu_kernels.md says which runs where
+QUANTIZATION_CHOICES = ("none", "gguf", "gguf_int8")
+# gguf (exact products) stays the default until the integer path meets its accuracy bar: greedy
+# W1 equal to the dequantized fp32 model on >= 90% of requests (measured: 34/64) and perplexity
+# within 1% (docs/cpu_kernels.md)
+QUANTIZATION_DEFAULT = "gguf"
 RESOLVED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
@@ -67,16 +73,18 @@ class ModelConfig:
     seed: int = 0
     # most alternatives per token a request may ask for (logprobs, prompt_logprobs, top_logprobs)
     max_logprobs: int = 20
-    # "gguf": a GGUF's weights stay in their quantized blocks where a kernel serves the type
-    # (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), dequantized elsewhere; "none": all dequantized at load
-    quantization: str = "gguf"
+    # "gguf_int8": a GGUF's weights stay in their blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and
+    # run on integer dot products against activations quantized per row to Q8 blocks; "gguf":
+    # the blocks with exact float products (Q5_K dequantized); "none": all dequantized at load
+    quantization: str = QUANTIZATION_DEFAULT
 
     def __post_init__(self) -> None:
         if self.dtype not in RESOLVED_DTYPES:
             raise ValueError(f"--dtype must resolve to one of {', '.join(RESOLVED_DTYPES)}, "
                              f"got {self.dtype!r}")
-        if self.quantization not in ("none", "gguf"):
-            raise ValueError(f"--quantization must be none or gguf, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.max_logprobs < 0:
@@ -355,8 +363,14 @@ class ParallelConfig:
     distributed_init_method: str | None = None
     nnodes: int = 1
     node_rank: int = 0
+    # threads of this node's compute (torch and the C++ kernels), shared by its ranks; None: every
+    # core the process may run on (os.sched_getaffinity: a taskset or cgroup is respected)
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        n = self.num_threads
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"--num-threads must be an integer >= 1, got {n!r}")
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
@@ -375,6 +389,11 @@ class ParallelConfig:
         if nnodes > 1 and method is None and not os.environ.get("MASTER_ADDR"):
             raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT (or "
                              "MASTER_ADDR/MASTER_PORT in the environment), the same on every node")
+
+    @property
+    def threads_per_node(self) -> int:
+        """--num-threads, else the cores this process may run on."""
+        return self.num_threads if self.num_threads is not None else default_num_threads()
 
     @property
     def ranks_per_node(self) -> int:
@@ -502,12 +521,20 @@ class EngineArgs:
         choices=list(DTYPE_CHOICES),
     )
     quantization: str = _arg(
-        "gguf",
-        "gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as they are and run "
-        "them with the quantized kernels, dequantizing other types; none: dequantize all at load",
-        choices=["none", "gguf"],
+        QUANTIZATION_DEFAULT,
+        "gguf (default): keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and run "
+        "exact float products on them; gguf_int8: the same blocks (and Q5_K) against activations "
+        "quantized per row to 8-bit blocks, integer dot products (llama.cpp's form); none: "
+        "dequantize all at load",
+        choices=list(QUANTIZATION_CHOICES),
     )
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda:0")
+    num_threads: int | None = _arg(
+        None,
+        "CPU threads for the model's compute (torch and the C++ kernels), split evenly between "
+        "this node's tensor-parallel ranks; default: every core this process may run on "
+        "(os.sched_getaffinity, so taskset and cgroup limits are respected)",
+    )
     seed: int = _arg(0, "seed for sampling requests that do not give their own")
     max_model_len: int | None = _arg(
         None, "longest prompt + output in tokens (default: the model's own limit, "
@@ -674,6 +701,7 @@ class EngineArgs:
             distributed_init_method=self.distributed_init_method,
             nnodes=self.nnodes,
             node_rank=self.node_rank,
+            num_threads=self.num_threads,
         )
 
     @classmethod
@@ -682,4 +710,5 @@ class EngineArgs:
 
 
 def default_num_threads() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's core count)."""
     return max(1, len(os.sched_getaffinity(0)))

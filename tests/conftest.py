@@ -52,11 +52,14 @@ def hf_model(default_model_path):
 
 @pytest.fixture(scope="session")
 def model_bundle(default_model_path):
-    """The default model loaded once (fp32), shared by every engine a test builds."""
+    """The default model loaded once (fp32), shared by every engine a test builds. Its weights run
+    the exact quantized products (--quantization gguf), whose tokens equal the dequantized
+    model's, so the tests that hold the engine to HF's reference can; the integer path (the
+    default, gguf_int8) has its own tests (tests/model/test_quantized_model.py)."""
     from tessera.config import EngineArgs
     from tessera.engine.loading import load_bundle
 
-    return load_bundle(EngineArgs(max_model_len=1024))
+    return load_bundle(EngineArgs(max_model_len=1024, quantization="gguf"))
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +72,7 @@ def make_llm(model_bundle):
 
     def make(**engine_args):
         engine_args.setdefault("max_model_len", 1024)
+        engine_args.setdefault("quantization", model_bundle.quantization)
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args), bundle=model_bundle)
         return LLM.from_engine(engine)
 

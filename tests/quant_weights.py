@@ -13,9 +13,10 @@ from tessera.model.gguf_quant import QuantizedTensor
 T = gguf.GGMLQuantizationType
 
 
-def random_weight(qtype, n: int, k: int, seed: int = 0) -> QuantizedTensor:
+def random_weight(qtype, n: int, k: int, seed: int = 0, int8: bool = False) -> QuantizedTensor:
     """Random weights in `qtype`'s blocks: quantized by gguf where it can, else random block
-    bytes with sane fp16 scales (gguf has no Q4_K/Q6_K quantizer)."""
+    bytes with sane fp16 scales (gguf has no K-quant quantizer). `int8`: packed for the integer
+    path (--quantization gguf_int8)."""
     rng = np.random.default_rng(seed)
     if qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
         w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
@@ -23,8 +24,8 @@ def random_weight(qtype, n: int, k: int, seed: int = 0) -> QuantizedTensor:
     else:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-        for off in (0, 2) if qtype == T.Q4_K else (208,):
+        for off in (0, 2) if qtype in (T.Q4_K, T.Q5_K) else (208,):
             d = (rng.random((n, k // block, 1)) * 0.002).astype(np.float16)
             raw[..., off : off + 2] = d.view(np.uint8)
         raw = raw.reshape(n, -1)
-    return QuantizedTensor(qtype, raw, torch.Size((n, k)))
+    return QuantizedTensor(qtype, raw, torch.Size((n, k)), int8)

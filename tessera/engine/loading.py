@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.config import EngineArgs, default_num_threads
+from tessera.config import EngineArgs
 from tessera.engine.malloc_tuning import release_free_memory
 from tessera.engine.sizing import describe_config, size_kv_pools
 from tessera.executor.uniproc_executor import UniProcExecutor
@@ -53,12 +53,12 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     stored_dtype = checkpoint_dtype(path)
     early = dataclasses.replace(args, max_model_len=args.max_model_len or 1).create_engine_config(
         None, stored_dtype)
+    torch.set_num_threads(early.parallel.threads_per_node)  # --num-threads; packing uses them too
     arch, weights = load_model(path, weight_quantization(
         early.model.quantization, early.model.dtype, early.device.device))
     config = args.create_engine_config(
         arch.max_position_embeddings, stored_dtype, arch.uniform_window
     )
-    torch.set_num_threads(default_num_threads())
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
     model = model_cls(

@@ -25,7 +25,7 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
-from tessera.config import ParallelConfig, default_num_threads
+from tessera.config import ParallelConfig
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.distributed.group import resolve_init_method
@@ -53,7 +53,7 @@ def init_method_for(parallel: ParallelConfig) -> str:
 def spawn_ranks(parallel: ParallelConfig, device: str, init_method: str):
     """Start this node's ranks; returns (processes, the driver's end of rank 0's pipe or None)."""
     ctx = mp.get_context("spawn")
-    num_threads = max(1, default_num_threads() // parallel.ranks_per_node)
+    num_threads = max(1, parallel.threads_per_node // parallel.ranks_per_node)
     conn = child = None
     if 0 in parallel.local_ranks:
         conn, child = ctx.Pipe()

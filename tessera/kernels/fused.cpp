@@ -13,6 +13,9 @@
 //                                       token and its raw logprob (logit - lse) in two reads of the
 //                                       row, instead of argmax + a log_softmax written out [R, V]
 //
+// Paths: hand-written AVX-512 (exp16, masked tails), and for the avx2 and portable builds the same
+// ops on at::vec (kernel_vec.h), 8 lanes or scalar.
+//
 // Rows are [n, width] with a contiguous last dim (any row stride). bf16 values are widened to fp32,
 // and results rounded once to bf16 (round to nearest even).
 #include <torch/extension.h>
@@ -27,6 +30,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define TESSERA_FUSED_AVX512 1
 #include <immintrin.h>
+#else
+#include "kernel_vec.h"
 #endif
 
 namespace {
@@ -175,6 +180,90 @@ inline void argmax_lse_row(const float* x, int64_t width, int64_t* idx, float* l
   *lse = mx + std::log(_mm512_reduce_add_ps(acc));
 }
 
+#else  // the avx2 and portable builds: the same ops on at::vec (kernel_vec.h)
+
+using tessera_vec::kLanes;
+using tessera_vec::load;
+using tessera_vec::store;
+using tessera_vec::VecF;
+
+template <typename T>
+float sum_of_squares(const T* x, int64_t width) {
+  VecF acc(0.f);
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const VecF v = load(x + i, width - i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  return tessera_vec::hsum(acc);
+}
+
+template <typename T>
+void scale_row(const T* x, const T* w, float inv_rms, int64_t width, T* out) {
+  const VecF s(inv_rms);
+  for (int64_t i = 0; i < width; i += kLanes)
+    store(out + i, load(x + i, width - i) * s * load(w + i, width - i), width - i);
+}
+
+template <typename T>
+void add_in_place(T* h, const T* d, int64_t width) {
+  for (int64_t i = 0; i < width; i += kLanes)
+    store(h + i, load(h + i, width - i) + load(d + i, width - i), width - i);
+}
+
+template <typename T>
+void silu_mul_row(const T* gu, int64_t inter, T* out) {
+  const VecF one(1.f), lo(-88.3762626647949f), hi(88.3762626647949f);
+  for (int64_t i = 0; i < inter; i += kLanes) {
+    const VecF g = load(gu + i, inter - i), u = load(gu + inter + i, inter - i);
+    const VecF e = at::vec::clamp(VecF(0.f) - g, lo, hi).exp_u20();
+    store(out + i, g / (one + e) * u, inter - i);
+  }
+}
+
+template <typename T>
+void rope_row(T* x, const T* cos, const T* sin, int64_t num_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    T* v = x + h * head_dim;
+    for (int64_t i = 0; i < half; i += kLanes) {
+      const int64_t n = half - i;
+      const VecF x1 = load(v + i, n), x2 = load(v + half + i, n);
+      // sin's first half is stored negated (RotaryEmbedding), so both halves are x*cos + other*sin
+      const VecF o1 = at::vec::fmadd(x2, load(sin + i, n), x1 * load(cos + i, n));
+      const VecF o2 = at::vec::fmadd(x1, load(sin + half + i, n), x2 * load(cos + half + i, n));
+      store(v + i, o1, n);
+      store(v + half + i, o2, n);
+    }
+  }
+}
+
+// As the AVX-512 version: the first index of the largest value, then log(sum(exp(x - max))).
+inline void argmax_lse_row(const float* x, int64_t width, int64_t* idx, float* lse) {
+  float mx = -INFINITY;
+  int64_t mi = 0;
+  for (int64_t i = 0; i < width; ++i) {
+    if (x[i] > mx) {
+      mx = x[i];
+      mi = i;
+    }
+  }
+  *idx = mi;
+  if (!std::isfinite(mx)) {  // a row of -inf (or with +inf): leave it to the caller's checks
+    *lse = mx;
+    return;
+  }
+  const VecF vmx(mx), lo(-88.3762626647949f);
+  VecF acc(0.f);
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const int64_t n = std::min(kLanes, width - i);
+    const VecF e = at::vec::maximum(VecF::loadu(x + i, n) - vmx, lo).exp_u20();
+    acc = acc + (n == kLanes ? e : VecF::set(VecF(0.f), e, n));
+  }
+  *lse = mx + std::log(tessera_vec::hsum(acc));
+}
+
+#endif  // TESSERA_FUSED_AVX512
+
 // Run `fn(row)` over rows, on several threads only when there is enough work to pay for waking them.
 template <typename Fn>
 void for_rows(int64_t rows, int64_t width, Fn fn) {
@@ -183,8 +272,6 @@ void for_rows(int64_t rows, int64_t width, Fn fn) {
     for (int64_t r = begin; r < end; ++r) fn(r);
   });
 }
-
-#endif  // TESSERA_FUSED_AVX512
 
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, width] with a contiguous last dim");
@@ -203,15 +290,8 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-bool available() {
-#ifdef TESSERA_FUSED_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
+bool available() { return true; }
 
-#ifdef TESSERA_FUSED_AVX512
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, "x");
@@ -301,15 +381,11 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_lse(torch::Tensor logits) {
   return {idx, lse};
 }
 
-#endif  // TESSERA_FUSED_AVX512
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the AVX-512 code");
-#ifdef TESSERA_FUSED_AVX512
+  m.def("available", &available, "whether this build serves the ops (every build does)");
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_mul", &silu_mul);
   m.def("rope_", &rope_);
   m.def("argmax_lse", &argmax_lse);
-#endif
 }

@@ -17,7 +17,8 @@
 // so a panel is read from memory once per step, not once per 8 rows. bf16 on a CPU with AMX runs
 // every M on tdpbf16ps tiles instead (linear_amx.h).
 //
-// The panel layout and the tiles live in linear_tiles.h, shared with quant_linear.cpp.
+// The panel layout and the tiles live in linear_tiles.h, shared with quant_linear.cpp. The avx2
+// and portable builds run linear_generic.h's fp32 tiles (at::vec) over the same panels.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -26,6 +27,9 @@
 
 #include "linear_amx.h"
 #include "linear_tiles.h"
+#if !defined(__AVX512F__)
+#include "linear_generic.h"
+#endif
 
 namespace {
 
@@ -37,11 +41,19 @@ bool kernel_supports(const torch::Tensor& w) {
 #if defined(__AVX512BF16__)
   if (w.scalar_type() == torch::kBFloat16) return w.size(1) % 2 == 0;
 #endif
+#else  // avx2 and portable builds: linear_generic.h, every fp32 and bf16 weight
+  if (w.scalar_type() == torch::kFloat32) return true;
+  if (w.scalar_type() == torch::kBFloat16) return w.size(1) % 2 == 0;
 #endif
   return false;
 }
 
 }  // namespace
+
+#if !defined(__AVX512F__)
+torch::Tensor linear_generic(torch::Tensor x, torch::Tensor packed, int64_t N,
+                             c10::optional<torch::Tensor> bias);
+#endif
 
 bool available(torch::Tensor weight) { return kernel_supports(weight); }
 
@@ -64,7 +76,9 @@ torch::Tensor pack_weight(torch::Tensor weight) {
 // x [M, K] (last dim contiguous) -> y [M, N]. `packed` from pack_weight; bias from pack_bias.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                      c10::optional<torch::Tensor> bias) {
-#if defined(__AVX512F__)
+#if !defined(__AVX512F__)
+  return linear_generic(x, packed, N, bias);
+#else
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with a contiguous last dim");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and weight dtypes differ");
   const int64_t M = x.size(0), K = x.size(1);
@@ -151,6 +165,57 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
 #endif
   TORCH_CHECK(false, "linear kernel: unsupported dtype or CPU");
 }
+
+#if !defined(__AVX512F__)
+// The avx2 and portable builds (linear_generic.h): fp32 panels are read in place; bf16 panels
+// ([K/2][48][2]) are widened slice by slice into this thread's fp32 buffer.
+torch::Tensor linear_generic(torch::Tensor x, torch::Tensor packed, int64_t N,
+                             c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with a contiguous last dim");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and weight dtypes differ");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t num_panels = packed.size(0);
+  TORCH_CHECK(num_panels * kPanel >= N && num_panels * kPanel < N + kPanel, "N does not match");
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() == num_panels * K * kPanel,
+              "K does not match the packed weight");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() == num_panels * kPanel,
+                "bias must be float32, padded to the panel width (pack_bias)");
+    b = bias->data_ptr<float>();
+  }
+  if (x.scalar_type() == torch::kFloat32) {
+    const float* w = packed.data_ptr<float>();
+    tessera_generic::linear_panels(
+        x.data_ptr<float>(), x.stride(0), M, K, num_panels, N, y.data_ptr<float>(), N, b,
+        [&](int64_t p) {
+          const float* panel = w + p * K * kPanel;
+          return [panel](int64_t k0, int64_t) { return panel + k0 * kPanel; };
+        });
+    return y;
+  }
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear kernel: x must be fp32 or bf16");
+  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
+  tessera_generic::linear_panels(
+      x.data_ptr<at::BFloat16>(), x.stride(0), M, K, num_panels, N, y.data_ptr<at::BFloat16>(), N,
+      b, [&](int64_t p) {
+        const at::BFloat16* panel = w + p * K * kPanel;
+        return [panel, K](int64_t k0, int64_t k1) {
+          float* buf = thread_scratch<float, Scratch::kDequantPanel>(K * kPanel);
+          for (int64_t k = k0; k < k1; ++k) {
+            const at::BFloat16* src = panel + (k / 2) * 2 * kPanel + (k & 1);
+            float* dst = buf + (k - k0) * kPanel;
+            for (int64_t n = 0; n < kPanel; ++n) dst[n] = static_cast<float>(src[2 * n]);
+          }
+          return static_cast<const float*>(buf);
+        };
+      });
+  return y;
+}
+#endif
 
 // bias [N] -> float32 [N rounded up to the panel width], zero-padded: added in fp32 before rounding.
 torch::Tensor pack_bias(torch::Tensor bias) {

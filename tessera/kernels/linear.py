@@ -27,21 +27,26 @@ from types import ModuleType
 
 import torch
 
-from tessera.kernels.build import load_extension
+from tessera.kernels.build import VEC_HEADER, load_extension
 
 _SOURCE = Path(__file__).with_name("linear.cpp")
 TILES_HEADER = Path(__file__).with_name(
     "linear_tiles.h"
 )  # the panel layout, shared with quant_linear
 AMX_HEADER = Path(__file__).with_name("linear_amx.h")  # bf16 tiles on AMX, shared with quant_linear
+# the avx2/portable tiles (at::vec), shared with quant_linear
+GENERIC_HEADER = Path(__file__).with_name("linear_generic.h")
 
 
 def _module() -> ModuleType | None:
-    return load_extension("tessera_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER))
+    return load_extension(
+        "tessera_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER, GENERIC_HEADER, VEC_HEADER)
+    )
 
 
 def linear_kernel_supported(weight: torch.Tensor) -> bool:
-    """True when the kernel serves this weight (CPU, fp32 or bf16 with even K, AVX-512 build)."""
+    """True when the kernel serves this weight (CPU, fp32 or bf16 with even K; every ISA's
+    build)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
     module = _module()

@@ -44,6 +44,27 @@ static_assert(kRowsPerBlock % kMaxRows == 0, "row blocks must hold whole micro-t
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// What a thread's scratch buffer holds. Each use has its own buffer, because the calling thread
+// is also one of its parallel region's workers: its packed rows must outlive its own tiles'
+// partial sums and dequantized panels.
+enum class Scratch { kPackedRows, kBlockSums, kPartialSums, kDequantPanel };
+
+// This thread's buffer for `use`, at least `elems` long: grown when needed, never shrunk and
+// never zeroed (every use writes before it reads), so a step's ~120 linear calls allocate nothing.
+// A std::vector per call zeroed its packed rows first, up to 12 MB a call (2048 rows of K = 1536
+// in fp32) on one thread, and above glibc's mmap threshold faulted in fresh pages as well. The
+// packed rows stay allocated at the largest call's size: 12.6 MB at the default token budget.
+template <typename T, Scratch use>
+T* thread_scratch(int64_t elems) {
+  thread_local std::unique_ptr<T[]> buf;
+  thread_local int64_t capacity = 0;
+  if (capacity < elems) {
+    buf.reset(new T[elems]);  // default-initialised: no pass over the memory
+    capacity = elems;
+  }
+  return buf.get();
+}
+
 #if defined(__AVX512F__)
 
 inline __mmask16 lanes(int64_t n_valid, int v) {
@@ -215,27 +236,6 @@ void pack_rows(const T* x, int64_t ldx, int64_t M, int64_t K, T* out) {
         for (int p = 0; p < P; ++p) tile[(g * R + r) * P + p] = row[g * P + p];
     }
   }
-}
-
-// What a thread's scratch buffer holds. Each use has its own buffer, because the calling thread
-// is also one of its parallel region's workers: its packed rows must outlive its own tiles'
-// partial sums and dequantized panels.
-enum class Scratch { kPackedRows, kBlockSums, kPartialSums, kDequantPanel };
-
-// This thread's buffer for `use`, at least `elems` long: grown when needed, never shrunk and
-// never zeroed (every use writes before it reads), so a step's ~120 linear calls allocate nothing.
-// A std::vector per call zeroed its packed rows first, up to 12 MB a call (2048 rows of K = 1536
-// in fp32) on one thread, and above glibc's mmap threshold faulted in fresh pages as well. The
-// packed rows stay allocated at the largest call's size: 12.6 MB at the default token budget.
-template <typename T, Scratch use>
-T* thread_scratch(int64_t elems) {
-  thread_local std::unique_ptr<T[]> buf;
-  thread_local int64_t capacity = 0;
-  if (capacity < elems) {
-    buf.reset(new T[elems]);  // default-initialised: no pass over the memory
-    capacity = elems;
-  }
-  return buf.get();
 }
 
 // K positions per slice when several row tiles share a panel: a slice of the panel (12 KB in

@@ -28,9 +28,10 @@
 // (~8 ops each plus a scalar store). That was the kernel's biggest cost: bf16 decode attention ran
 // compute-bound at 14 GB/s.
 //
-// Two code paths with the same algorithm: AVX-512 (built with -march=native on a CPU that has it;
-// head_dim 32/64/96/128/256; vdpbf16ps for bf16 scores where available) and portable scalar C++
-// (anything else).
+// Two code paths with the same algorithm: AVX-512 (the avx512 build, -march=native;
+// head_dim 32/64/96/128/256; vdpbf16ps for bf16 scores where available) and plain C++ the
+// compiler vectorizes (paged_attention_scalar.h): the avx2 build (TESSERA_CPU_ISA, 8-lane FMA),
+// the portable build, and other head sizes.
 
 #include <torch/extension.h>
 

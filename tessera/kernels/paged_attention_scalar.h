@@ -1,5 +1,8 @@
-// The portable path of paged_attention.cpp (any CPU, any head size): the same algorithm as
-// paged_attention_avx512.h, in plain C++.
+// The avx2 and portable path of paged_attention.cpp (any CPU, any head size; also AVX-512 builds
+// for head sizes without a tuned kernel): the same algorithm as paged_attention_avx512.h, in
+// plain C++ whose inner loops the compiler vectorizes for the build's ISA (`omp simd`: 8 fp32
+// lanes with FMA under -march=x86-64-v3, SSE2/NEON in the portable build). The K/V rows are
+// widened from bf16 on load like the AVX-512 path (F16C is not needed: bf16 is a shift).
 #pragma once
 
 #include <algorithm>
@@ -31,6 +34,9 @@ void attend_scalar(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
       float tile_max = -std::numeric_limits<float>::infinity();
       for (int64_t i = 0; i < n; ++i) {
         float dot = 0.f;
+        // a vector reduction under -fopenmp (8 lanes in the avx2 build): the order is fixed by
+        // D and the ISA, never by the batch, so rows stay independent of it
+#pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qj[d] * static_cast<float>(kp[i][off + d]);
         s[i] = dot;
         tile_max = std::max(tile_max, dot);
@@ -40,6 +46,7 @@ void attend_scalar(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
       for (int64_t i = 0; i < n; ++i) {
         const float p = std::exp(s[i] - m_new);
         sc.l[j] += p;
+#pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vp[i][off + d]);
       }
     }

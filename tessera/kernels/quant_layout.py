@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tessera.kernels.quant_int8 import Int8Format
+
 PANEL = 48  # output features per panel: kPanel in linear_tiles.h
 
 
@@ -42,6 +44,8 @@ class QuantFormat:
     block: int
     scale_dtype: type
     has_min: bool
+
+    row_major = False  # panels (quant_int8.Int8Format is the row-major layout)
 
     @property
     def code_bytes(self) -> int:
@@ -133,7 +137,7 @@ def _lay_out_codes(fmt: QuantFormat, canonical: torch.Tensor, pairs: bool) -> to
 def with_layout(part: QuantPart, pairs: bool) -> QuantPart:
     """`part` with its codes in the layout `pairs` names: itself when they already are, else a
     repacked copy (the same weights, bit for bit)."""
-    if part.pairs == pairs:
+    if part.pairs == pairs or part.fmt.row_major:  # the integer layout has one code order
         return part
     fmt = part.fmt
     records = part.packed.view(-1, part.k // fmt.block, fmt.record_bytes)
@@ -226,7 +230,7 @@ def dequantize_rows(
 class QuantPart:
     """One packed weight [n, k] of a fused linear (q, k and v may be stored in different types)."""
 
-    fmt: QuantFormat
+    fmt: QuantFormat | Int8Format  # panels, or the integer path's row-major records
     packed: torch.Tensor  # uint8, fmt.packed_bytes(n, k)
     n: int
     k: int
@@ -249,12 +253,14 @@ def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
         if (
             last is not None
             and last.fmt == p.fmt
-            and last.n % PANEL == 0
+            and (last.n % PANEL == 0 or last.fmt.row_major)  # row-major: no padding rows
             and (last.bias is None) == (p.bias is None)
             and last.packed.device == p.packed.device
             and last.pairs == p.pairs
         ):
-            bias = None if p.bias is None or last.bias is None else torch.cat([last.bias, p.bias])
+            # row-major: the last part's padding columns must not shift the next part's bias
+            head = last.bias if last.bias is None or not p.fmt.row_major else last.bias[: last.n]
+            bias = None if p.bias is None or head is None else torch.cat([head, p.bias])
             merged[-1] = QuantPart(
                 last.fmt, torch.cat([last.packed, p.packed]), last.n + p.n, p.k, bias, p.pairs
             )

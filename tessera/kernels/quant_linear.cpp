@@ -10,6 +10,11 @@
 // the fp32 reference than dense bf16, which rounds every weight; the two no longer agree bit for
 // bit). On a CPU with AMX the bf16 path is run_amx, exact dequantization into AMX tiles.
 //
+// avx2 and portable builds: each 64-row K slice of a panel is dequantized into an L1 buffer
+// (few rows) or the whole panel into L2 (many rows), and linear_generic.h's fp32 tiles run over
+// it: the same values, never a dequantized copy kept beyond the call.
+// The integer path (--quantization gguf_int8, every build): quant_int8.h.
+//
 // Block formats and the packed layout: quant_formats.h.
 // Embedding rows: quant_rows.h.
 #include <torch/extension.h>
@@ -25,7 +30,11 @@
 #include "quant_blocksum.h"
 #include "quant_exact.h"
 #include "quant_formats.h"
+#include "quant_int8.h"
 #include "quant_rows.h"
+#if !defined(__AVX512F__)
+#include "linear_generic.h"
+#endif
 
 namespace {
 
@@ -111,18 +120,62 @@ void dispatch(int64_t fmt, const T* x, int64_t ldx, int64_t M, int64_t K, const 
   });
 }
 
+#else  // avx2 and portable builds: linear_generic.h's fp32 tiles over dequantized slices
+
+// Blocks [b0, b1) of a panel (natural layout) dequantized to fp32 rows [(b1 - b0) * block][48]:
+// gguf's values, q * d + m with q * d exact, as dequantize_packed.
+template <typename F>
+void dequant_slice(const uint8_t* panel, int64_t b0, int64_t b1, float* out) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* rec = panel + b * F::kRecord;
+    const auto* sc = reinterpret_cast<const typename F::Scale*>(rec + F::kCodeBytes);
+    float d[kPanel], m[kPanel];
+    for (int64_t n = 0; n < kPanel; ++n) {
+      d[n] = static_cast<float>(sc[n]);
+      m[n] = F::kHasMin ? static_cast<float>(sc[kPanel + n]) : 0.f;
+    }
+    for (int64_t k = 0; k < F::kBlock; ++k) {
+      float* row = out + ((b - b0) * F::kBlock + k) * kPanel;
+      if constexpr (F::kBits == 4) {
+        const uint8_t* c = rec + (k / 2) * kPanel;  // byte (k/2)*48 + n, nibble k % 2
+        const int shift = 4 * (k % 2);
+        for (int64_t n = 0; n < kPanel; ++n)
+          row[n] = static_cast<float>((c[n] >> shift) & 15) * d[n] + m[n];
+      } else {
+        const int8_t* c = reinterpret_cast<const int8_t*>(rec) + k * kPanel;
+        for (int64_t n = 0; n < kPanel; ++n) row[n] = static_cast<float>(c[n]) * d[n];
+      }
+    }
+  }
+}
+
+template <typename T>
+void dispatch(int64_t fmt, const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
+              int64_t num_panels, int64_t N, T* y, int64_t ldy, const float* bias, int64_t) {
+  with_format(fmt, [&](auto f) {
+    using F = decltype(f);
+    const int64_t panel_bytes = (K / F::kBlock) * F::kRecord;
+    tessera_generic::linear_panels(x, ldx, M, K, num_panels, N, y, ldy, bias, [&](int64_t p) {
+      const uint8_t* panel = packed + p * panel_bytes;
+      return [panel, K](int64_t k0, int64_t k1) {
+        float* buf = thread_scratch<float, Scratch::kDequantPanel>(K * kPanel);
+        dequant_slice<F>(panel, k0 / F::kBlock, k1 / F::kBlock, buf);
+        return static_cast<const float*>(buf);
+      };
+    });
+  });
+}
+
 #endif  // __AVX512F__
 
 }  // namespace
 
-// Which activation dtypes this build serves ("float32", "bfloat16"); empty without AVX-512.
+// Which activation dtypes this build serves ("float32", "bfloat16").
 std::vector<std::string> supported_dtypes() {
   std::vector<std::string> out;
-#if defined(__AVX512F__)
   out.push_back("float32");
-#if defined(__AVX512BF16__)
+#if !defined(__AVX512F__) || defined(__AVX512BF16__)
   out.push_back("bfloat16");
-#endif
 #endif
   return out;
 }
@@ -161,8 +214,10 @@ void dequantize_rows_out(torch::Tensor packed, int64_t fmt, int64_t K, torch::Te
 bool bf16_reads_pairs() {
 #if defined(__AVX512F__) && defined(TESSERA_HAVE_AMX)
   return !amx_ready();
-#else
+#elif defined(__AVX512BF16__)
   return true;
+#else
+  return false;  // the avx2 and portable builds dequantize the natural layout
 #endif
 }
 
@@ -171,7 +226,6 @@ bool bf16_reads_pairs() {
 // padded to the panel width. Rows >= dense_min_rows (when > 0) take the dense-panel way.
 void quant_linear_out(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t N,
                       c10::optional<torch::Tensor> bias, torch::Tensor y, int64_t dense_min_rows) {
-#if defined(__AVX512F__)
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with a contiguous last dim");
   TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && y.size(1) == N,
               "y must be [M, N] with a contiguous last dim");
@@ -196,18 +250,88 @@ void quant_linear_out(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_
                     y.data_ptr<float>(), y.stride(0), b, dense_min_rows);
     return;
   }
-#if defined(__AVX512BF16__)
+#if !defined(__AVX512F__) || defined(__AVX512BF16__)
   if (x.scalar_type() == torch::kBFloat16) {
     dispatch<at::BFloat16>(fmt, x.data_ptr<at::BFloat16>(), x.stride(0), M, K, w, num_panels, N,
                            y.data_ptr<at::BFloat16>(), y.stride(0), b, dense_min_rows);
     return;
   }
 #endif
-#endif
   TORCH_CHECK(false, "quant linear kernel: unsupported dtype or CPU");
 }
 
+int64_t int8_record_bytes(int64_t kind) { return tessera_int8::record_bytes(kind); }
+
+// Which instruction the integer products run on in this build (for logs and docs).
+std::string int8_dot_instruction() {
+#if defined(TESSERA_INT8_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "vpdpbusd";
+#elif defined(TESSERA_INT8_AVX2)
+  return "vpmaddubsw";
+#else
+  return "portable";
+#endif
+}
+
+// y (an [M, N] view with a contiguous last dim) = x [M, K] @ W^T (+ bias) on the integer path
+// (quant_int8.h): x fp32 or bf16, quantized here per row to Q8 blocks; `packed` the row-major
+// records of `kind` ([N, K / 32 records]); `bias` float32 [>= N] or None.
+void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t N,
+                           c10::optional<torch::Tensor> bias, torch::Tensor y) {
+  using namespace tessera_int8;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with a contiguous last dim");
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && y.size(1) == N,
+              "y must be [M, N] with a contiguous last dim");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "x and y dtypes differ");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kQK == 0, "K (", K, ") is not a multiple of 32");
+  TORCH_CHECK(packed.numel() == N * (K / kQK) * tessera_int8::record_bytes(kind),
+              "packed weight does not match N, K and the kind");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() >= N,
+                "bias must be float32 with at least N entries");
+    b = bias->data_ptr<float>();
+  }
+  if (M == 0) return;
+  const int64_t nb = K / kQK;
+  // the rows' Q8 blocks, in this thread's scratch (grown once, never zeroed)
+  int8_t* q = thread_scratch<int8_t, Scratch::kPackedRows>(M * K);
+  float* d = thread_scratch<float, Scratch::kBlockSums>(M * nb * 2);
+  int32_t* sums = reinterpret_cast<int32_t*>(d + M * nb);
+  std::vector<QRow> rows(M);
+  for (int64_t m = 0; m < M; ++m) rows[m] = QRow{q + m * K, d + m * nb, sums + m * nb};
+  const bool f32 = x.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(f32 || x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      if (f32) {
+        quantize_row(x.data_ptr<float>() + m * x.stride(0), K, rows[m]);
+      } else {
+        quantize_row(x.data_ptr<at::BFloat16>() + m * x.stride(0), K, rows[m]);
+      }
+    }
+  });
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  with_kind(kind, [&](auto f) {
+    using F = decltype(f);
+    if (f32) {
+      run_int8<F>(x.data_ptr<float>(), x.stride(0), M, K, w, N, y.data_ptr<float>(), y.stride(0),
+                  b, rows.data());
+    } else {
+      run_int8<F>(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, w, N,
+                  y.data_ptr<at::BFloat16>(), y.stride(0), b, rows.data());
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_record_bytes", &int8_record_bytes, "bytes of one block record of an int8 kind");
+  m.def("int8_dot_instruction", &int8_dot_instruction, "the integer dot product of this build");
+  m.def("quant_linear_int8_out", &quant_linear_int8_out,
+        "y = x @ W^T (+ bias): x quantized per row to Q8 blocks, integer products");
   m.def("supported_dtypes", &supported_dtypes, "activation dtypes this build serves");
   m.def("packed_record_bytes", &packed_record_bytes, "bytes of one block record of a panel");
   m.def("bf16_reads_pairs", &bf16_reads_pairs, "bf16 activations read the pairs code layout");

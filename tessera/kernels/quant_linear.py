@@ -29,8 +29,12 @@ default model's Q4_1 shapes, `benchmarks/quant_linear.py`: 0.62x the time at M =
 fp32 results (and bf16 on AMX) equal the dense kernel (linear.py) on the gguf-dequantized weights
 bit for bit, for every row count; the block-sum form does not round weights to bf16, so it lands
 closer to the fp32-weight result than the dense bf16 kernel, rows still independent of the batch.
-The fallback (no AVX-512 build, or another device) dequantizes with torch on every call and runs
-F.linear: the same memory, much slower.
+Every build (TESSERA_CPU_ISA: avx512, avx2, portable) serves both dtypes: the avx2 and portable
+builds dequantize a 64-row slice of a panel at a time into L1 and run linear_generic.h's fp32
+tiles over it. Parts in the integer layout (quant_int8.py, `--quantization gguf_int8`) run the
+integer kernel instead (quant_int8.h). Without a kernel (another device, or
+TESSERA_DISABLE_CPP_KERNELS) a layer dequantizes its weights once, at construction, and runs
+F.linear: never a dequantization per call.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tessera.kernels.build import load_extension
-from tessera.kernels.linear import AMX_HEADER, TILES_HEADER
+from tessera.kernels.build import VEC_HEADER, load_extension
+from tessera.kernels.linear import AMX_HEADER, GENERIC_HEADER, TILES_HEADER
+from tessera.kernels.quant_int8 import Int8Format, dequantize_int8, dequantize_int8_rows
 from tessera.kernels.quant_layout import (
     PANEL,
     QuantFormat,
@@ -62,7 +67,8 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 _HEADERS = tuple(
     Path(__file__).with_name(h)
-    for h in ("quant_formats.h", "quant_blocksum.h", "quant_exact.h", "quant_rows.h")
+    for h in ("quant_formats.h", "quant_blocksum.h", "quant_exact.h", "quant_rows.h",
+              "quant_int8.h")
 )
 # fp32: the row count from which a panel is dequantized once into a dense panel and the dense
 # tiles run over it (same result, bit for bit); below it each block is dequantized in registers
@@ -78,8 +84,24 @@ DENSE_MIN_ROWS = {torch.float32: 32}
 
 def _module() -> ModuleType | None:
     return load_extension(
-        "tessera_quant_linear", _SOURCE, depends=(TILES_HEADER, AMX_HEADER, *_HEADERS)
+        "tessera_quant_linear", _SOURCE,
+        depends=(TILES_HEADER, AMX_HEADER, GENERIC_HEADER, VEC_HEADER, *_HEADERS),
     )
+
+
+def int8_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when the integer kernel (quant_int8.h) serves activations of this dtype here: a CPU
+    with a built kernel (any ISA), fp32 or bf16."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return _module() is not None
+
+
+def int8_dot_instruction() -> str | None:
+    """The instruction the integer products run on in this build (vpdpbusd, vpmaddubsw or
+    portable), or None without a kernel."""
+    module = _module()
+    return None if module is None else str(module.int8_dot_instruction())
 
 
 def quant_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -106,12 +128,18 @@ def _positions_tensor(fmt: QuantFormat, pairs: bool) -> torch.Tensor:
 
 
 def lookup_rows(
-    fmt: QuantFormat, packed: torch.Tensor, k: int, ids: torch.Tensor, dtype: torch.dtype,
+    fmt: QuantFormat | Int8Format,
+    packed: torch.Tensor,
+    k: int,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
     pairs: bool = False,
 ) -> torch.Tensor:
     """Rows `ids` [T] of a packed weight -> [T, K] in `dtype`: the quantized embedding lookup.
     The C++ kernel where it runs (2048 ids: 40 ms in torch ops, a fraction of a ms there), else
     dequantize_rows; the same values either way."""
+    if isinstance(fmt, Int8Format):  # row-major records: T rows' bytes decoded in torch
+        return dequantize_int8_rows(fmt, packed, k, ids).to(dtype)
     module = (
         _module()
         if packed.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -137,14 +165,20 @@ class QuantLinear:
         self.parts = merge_parts([with_layout(p, pairs) for p in parts])
         self.in_features = parts[0].k
         self.out_features = sum(p.n for p in parts)
+        self.int8 = [isinstance(p.fmt, Int8Format) for p in self.parts]
         module = _module() if quant_kernel_supported(dtype, device) else None
         self._kernel = None if module is None else module.quant_linear_out
+        self._int8_kernel = None if module is None else module.quant_linear_int8_out
         self._dense_min_rows = DENSE_MIN_ROWS.get(dtype, 0)
+        self._dense: list[torch.Tensor] | None = None
         if self._kernel is None:
             logger.warning(
-                "quantized linear: no C++ kernel for %s on %s; dequantizing on every call (slow)",
-                dtype, device,
+                "quantized linear: no C++ kernel for %s on %s; its weights are dequantized once "
+                "(memory of dense weights)",
+                dtype,
+                device,
             )
+            self._dense = [_dequantize_part(p).to(dtype) for p in self.parts]
 
     @property
     def weight_bytes(self) -> int:
@@ -158,7 +192,7 @@ class QuantLinear:
             # path, which at batch-1 decode's 121 calls a step is ~7% of the step
             p = self.parts[0]
             y = x.new_empty(x.shape[0], p.n)
-            self._kernel(x, p.packed, p.fmt.kernel_id, p.n, p.bias, y, self._dense_min_rows)
+            self._run(0, x, y)
             return y
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -168,19 +202,35 @@ class QuantLinear:
             x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
         col = 0
-        for p in self.parts:
+        for i, p in enumerate(self.parts):
             out = y if len(self.parts) == 1 else y[:, col : col + p.n]
-            self._kernel(x2, p.packed, p.fmt.kernel_id, p.n, p.bias, out, self._dense_min_rows)
+            self._run(i, x2, out)
             col += p.n
         return y.view(*lead, self.out_features)
 
+    def _run(self, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        p = self.parts[i]
+        if self.int8[i]:
+            assert self._int8_kernel is not None
+            self._int8_kernel(x, p.packed, p.fmt.kernel_id, p.n, p.bias, out)
+        else:
+            assert self._kernel is not None
+            self._kernel(x, p.packed, p.fmt.kernel_id, p.n, p.bias, out, self._dense_min_rows)
+
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        assert self._dense is not None
         outs = []
-        for p in self.parts:
-            w = dequantize_packed(p.fmt, p.packed, p.n, p.k, p.pairs).to(x.dtype)
+        for p, w in zip(self.parts, self._dense, strict=True):
             b = None if p.bias is None else p.bias[: p.n].to(x.dtype)
-            outs.append(F.linear(x, w, b))
+            outs.append(F.linear(x, w.to(x.dtype), b))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _dequantize_part(p: QuantPart) -> torch.Tensor:
+    """The float32 weights [n, k] of a part, in either layout."""
+    if isinstance(p.fmt, Int8Format):
+        return dequantize_int8(p.fmt, p.packed, p.n, p.k)
+    return dequantize_packed(p.fmt, p.packed, p.n, p.k, p.pairs)
 
 
 def pad_bias(bias: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,9 @@
 //   apply_bitmask_(logits [R, V] fp32, bitmask [B, ceil(V / 32)] int32, rows [K] int64,
 //                  mask_rows [K] int64): for k < K, logits[rows[k]] is masked by bitmask[mask_rows[k]]
 //
+// Paths: AVX-512 masked stores (the avx512 build); a per-word select the compiler vectorizes
+// (avx2: vpsrlvd + blend, 8 lanes; portable: plain C++).
+//
 // Bit j of word w stands for token 32 * w + j (xgrammar's layout). Tokens past V are ignored.
 #include <torch/extension.h>
 
@@ -40,13 +43,18 @@ void mask_row(float* row, const int32_t* words, int64_t vocab) {
   for (int64_t t = 32 * full_words; t < vocab; ++t) {
     if (!((static_cast<uint32_t>(words[t / 32]) >> (t % 32)) & 1u)) row[t] = neg_inf;
   }
-#else
+#else  // avx2 and portable builds: a 32-lane select per word, vectorized by the compiler
   for (int64_t w = 0; w < num_words; ++w) {
     const uint32_t bits = static_cast<uint32_t>(words[w]);
     if (bits == 0xFFFFFFFFu) continue;
-    const int64_t end = std::min<int64_t>(32 * w + 32, vocab);
-    for (int64_t t = 32 * w; t < end; ++t) {
-      if (!((bits >> (t - 32 * w)) & 1u)) row[t] = neg_inf;
+    float* p = row + 32 * w;
+    if (32 * w + 32 <= vocab) {
+#pragma omp simd
+      for (int j = 0; j < 32; ++j) p[j] = ((bits >> j) & 1u) ? p[j] : neg_inf;
+    } else {
+      for (int64_t t = 32 * w; t < vocab; ++t) {
+        if (!((bits >> (t - 32 * w)) & 1u)) row[t] = neg_inf;
+      }
     }
   }
 #endif

@@ -5,7 +5,7 @@ Three things differ from an HF checkpoint and are undone here:
 - quantisation: with `quantization="none"` every tensor is dequantised to float32 with
   `gguf.quants.dequantize`; with "gguf", 2-D weights of a type our kernel serves (Q4_0, Q4_1, Q8_0,
   Q4_K, Q6_K) stay in their blocks as `QuantizedTensor`s (tessera/model/gguf_quant.py), the rest
-  is dequantised;
+  is dequantised; "gguf_int8" keeps Q5_K too, packed for the integer kernel;
 - llama.cpp's converter permutes the rows of Llama's Q and K weights so that its interleaved RoPE
   (pairs (2j, 2j+1)) equals HF's rotate_half RoPE (pairs (j, j + head_dim/2)); `_unpermute_rows`
   puts them back. Qwen2 uses NEOX-style RoPE in llama.cpp and is stored unpermuted.
@@ -27,7 +27,7 @@ import torch
 
 from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
-from tessera.model.gguf_quant import KERNEL_FORMATS, QuantizedTensor
+from tessera.model.gguf_quant import INT8_FORMATS, KERNEL_FORMATS, QuantizedTensor
 from tessera.model.registry import GGUF_ARCHITECTURES, has_qkv_bias, traits
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ _PLAIN_TYPES = {
 }
 
 
-QUANTIZATION_CHOICES = ("none", "gguf")
+QUANTIZATION_CHOICES = ("none", "gguf", "gguf_int8")
 
 
 def load_gguf(
@@ -80,7 +80,9 @@ def load_gguf(
     tensor-parallel `plan`, each tensor is cut to the rank's slice as it is read, so no more
     than one whole tensor is ever held."""
     if quantization not in QUANTIZATION_CHOICES:
-        raise ValueError(f"--quantization must be one of none, gguf, got {quantization!r}")
+        raise ValueError(
+            f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
+        )
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_of(reader, path, tensors)
@@ -97,8 +99,9 @@ def load_gguf(
             continue
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
-        keep = quantization == "gguf" and _kernel_serves(tensor)
-        array = _keep_quantized(tensor) if keep else dequantize_tensor(tensor)
+        int8 = quantization == "gguf_int8"
+        keep = quantization != "none" and _kernel_serves(tensor, int8)
+        array = _keep_quantized(tensor, int8) if keep else dequantize_tensor(tensor)
         if gemma and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norms as (1 + w); HF's weights are w
             array = np.asarray(array) - 1.0
@@ -154,21 +157,22 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     return array.reshape(shape)
 
 
-def _kernel_serves(tensor: gguf.ReaderTensor) -> bool:
-    return tensor.tensor_type in KERNEL_FORMATS and len(tensor.shape) == 2
+def _kernel_serves(tensor: gguf.ReaderTensor, int8: bool = False) -> bool:
+    formats = INT8_FORMATS if int8 else KERNEL_FORMATS
+    return tensor.tensor_type in formats and len(tensor.shape) == 2
 
 
-def _keep_quantized(tensor: gguf.ReaderTensor) -> QuantizedTensor:
+def _keep_quantized(tensor: gguf.ReaderTensor, int8: bool = False) -> QuantizedTensor:
     """The tensor's blocks, copied out of the file's mmap (so the mapping closes after loading)."""
     shape = torch.Size(int(d) for d in reversed(tensor.shape))
-    return QuantizedTensor(tensor.tensor_type, np.array(tensor.data, copy=True), shape)
+    return QuantizedTensor(tensor.tensor_type, np.array(tensor.data, copy=True), shape, int8)
 
 
 def _unpermute(w: np.ndarray | QuantizedTensor, num_heads: int) -> np.ndarray | QuantizedTensor:
     """`_unpermute_rows` on float rows or on rows of blocks (a row's blocks move with it)."""
     if isinstance(w, QuantizedTensor):
         rows = _unpermute_rows(w.data, num_heads)
-        return QuantizedTensor(w.qtype, np.ascontiguousarray(rows), w.shape)
+        return w.with_data(np.ascontiguousarray(rows), w.shape)
     return _unpermute_rows(w, num_heads)
 
 

@@ -1,5 +1,6 @@
-"""GGUF tensors kept quantized (`--quantization gguf`): the blocks of the five types our kernel
-serves, decoded into the canonical codes/scales/mins of tessera/kernels/quant_linear.py.
+"""GGUF tensors kept quantized (`--quantization gguf` or `gguf_int8`): the blocks of the types
+our kernels serve, decoded into the canonical codes/scales/mins of tessera/kernels/quant_linear.py
+(and, for the integer path, packed by tessera/kernels/quant_int8.py).
 
 Each decoder reproduces gguf.quants' dequantization exactly: w = code * scale + min, where
 code * scale is exact in float32, so the one rounding happens where gguf's does (the tests compare
@@ -10,6 +11,8 @@ bit for bit). Block layouts (GGML's, per row, K-positions along the row):
     Q8_0  [d f16][32 x int8]                                             w = d q
     Q4_K  256 per block: [d f16][dmin f16][12 B: 8 x 6-bit sc, m][128 B: per 64, low nibbles
           the first 32, high nibbles the next 32]                       w = d sc_j q - dmin m_j
+    Q5_K  256 per block: [d f16][dmin f16][12 B sc, m as Q4_K][32 B high bits][128 B as Q4_K]
+                                                                         w = d sc_j q - dmin m_j
     Q6_K  256 per block: [128 B low 4 bits][64 B high 2 bits][16 x int8 sc][d f16]
                                                                          w = d sc_j (q - 32)
 """
@@ -17,12 +20,13 @@ bit for bit). Block layouts (GGML's, per row, K-positions along the row):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import gguf
 import numpy as np
 import torch
 
+from tessera.kernels.quant_int8 import S8F2, S8H, U4F, U4H, U8F, Int8Format, pack_int8
 from tessera.kernels.quant_layout import (
     Q4_FLOAT,
     Q4_HALF,
@@ -45,6 +49,16 @@ KERNEL_FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
     T.Q6_K: Q8_FLOAT16,
 }
 
+# The GGUF types the integer path (--quantization gguf_int8) keeps, and its record kind for each.
+INT8_FORMATS: dict[gguf.GGMLQuantizationType, Int8Format] = {
+    T.Q4_0: U4H,
+    T.Q4_1: U4H,
+    T.Q8_0: S8H,
+    T.Q4_K: U4F,
+    T.Q5_K: U8F,
+    T.Q6_K: S8F2,
+}
+
 Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # codes [N, K], scales, mins [N, K/B]
 
 
@@ -56,10 +70,15 @@ class QuantizedTensor:
     qtype: gguf.GGMLQuantizationType
     data: np.ndarray
     shape: torch.Size
+    int8: bool = False  # pack for the integer path (quant_int8.py) instead of the panels
 
     @property
-    def fmt(self) -> QuantFormat:
-        return KERNEL_FORMATS[self.qtype]
+    def fmt(self) -> QuantFormat | Int8Format:
+        return INT8_FORMATS[self.qtype] if self.int8 else KERNEL_FORMATS[self.qtype]
+
+    def with_data(self, data: np.ndarray, shape: torch.Size) -> QuantizedTensor:
+        """The same type and path over other rows (a shard, or permuted rows)."""
+        return replace(self, data=data, shape=shape)
 
     def dequantize(self) -> torch.Tensor:
         """gguf's own float32 dequantization [N, K] (the `--quantization none` weights)."""
@@ -95,8 +114,11 @@ class QuantizedTensor:
         """The kernel's packed copy of this weight (built here; `data` may be dropped after), its
         codes in the layout for the activations' dtype (quant_linear.pairs_layout)."""
         n, k = self.shape
-        packed = pack_quantized(self.fmt, *self.decode(), pairs=pairs)
-        return QuantPart(self.fmt, packed, n, k, bias, pairs)
+        fmt = self.fmt
+        if isinstance(fmt, Int8Format):  # one code order: `pairs` does not apply
+            return QuantPart(fmt, pack_int8(fmt, *self.decode()), n, k, bias, False)
+        packed = pack_quantized(fmt, *self.decode(), pairs=pairs)
+        return QuantPart(fmt, packed, n, k, bias, pairs)
 
 
 def _blocks(raw: np.ndarray, n: int, block_bytes: int) -> np.ndarray:
@@ -149,6 +171,21 @@ def _q4_k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _q5_k(raw: np.ndarray, n: int, k: int) -> Decoded:
+    b = _blocks(raw, n, 176)
+    d = _half(b[..., 0:2]).astype(np.float32)[..., None]
+    dmin = _half(b[..., 2:4]).astype(np.float32)[..., None]
+    sc, m = _q4_k_scale_min(b[..., 4:16])  # [N, nb, 8] each
+    qh = b[..., 16:48]  # [N, nb, 32]: bit j of byte l is the 5th bit of K 32 j + l
+    qs = b[..., 48:].reshape(n, -1, 4, 32)  # per 64 K-positions: 32 bytes, as Q4_K
+    low = np.stack([qs & np.uint8(15), qs >> np.uint8(4)], axis=-2).reshape(n, -1, 8, 32)
+    high = np.stack([(qh >> np.uint8(j)) & np.uint8(1) for j in range(8)], axis=-2)
+    codes = (low | (high << np.uint8(4))).reshape(n, k)
+    scales = (d * sc.astype(np.float32)).reshape(n, -1)  # exact: 11 x 6 bits
+    mins = -(dmin * m.astype(np.float32)).reshape(n, -1)
+    return codes, scales, mins
+
+
 def _q6_k(raw: np.ndarray, n: int, k: int) -> Decoded:
     b = _blocks(raw, n, 210)
     ql = b[..., 0:128].reshape(n, -1, 2, 64)  # per 128 K-positions: 64 bytes of low 4 bits
@@ -162,4 +199,6 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Decoded:
     return codes, (d * sc).reshape(n, -1), None  # d * sc exact: 11 x 8 bits
 
 
-_DECODERS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q6_K: _q6_k}
+_DECODERS = {
+    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+}

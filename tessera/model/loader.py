@@ -26,8 +26,9 @@ def load_model(
     """Read config and weights from a `.gguf` file or an HF directory (config.json + safetensors).
 
     Weights are float32 CPU tensors with HF names; `lm_head.weight` is present only when the
-    embeddings are untied. With quantization="gguf", GGUF weights of a type a quantized kernel
-    serves come as `QuantizedTensor`s (HF directories have none: the flag changes nothing there).
+    embeddings are untied. With quantization="gguf" or "gguf_int8", GGUF weights of a type a
+    quantized kernel serves come as `QuantizedTensor`s (HF directories have none: the flag
+    changes nothing there).
     With a tensor-parallel `plan` (tessera/distributed/sharding.py), every tensor is cut to the
     rank's slice while it is read.
     Raises ValueError for a path that is neither, or an unsupported model.
@@ -47,18 +48,32 @@ def load_model(
 
 def weight_quantization(quantization: str, dtype: str, device: str) -> str:
     """What `load_model` is asked for under `--quantization quantization` with this compute dtype
-    and device: "gguf" keeps a GGUF's blocks only where our quantized kernel serves them (an
-    AVX-512 CPU); elsewhere the weights are dequantized once, at load. Why: without the kernel a
-    quantized layer dequantizes its whole weight on every call, which made decode several times
-    slower than dense weights on a CPU without AVX-512."""
+    and device. "gguf_int8" keeps a GGUF's blocks for the integer kernel where it serves (a CPU
+    with the C++ kernels built, any ISA), else falls back to "gguf"; "gguf" keeps them where the
+    exact kernel serves; elsewhere the weights are dequantized once, at load. Why: without a
+    kernel a quantized layer would hold dense weights anyway."""
+    from tessera.kernels.quant_linear import int8_kernel_supported, quant_kernel_supported
+
+    torch_dtype, torch_device = getattr(torch, dtype), torch.device(device)
+    if quantization == "gguf_int8":
+        if int8_kernel_supported(torch_dtype, torch_device):
+            return quantization
+        logger.info(
+            "--quantization gguf_int8: no integer kernel for %s on %s here; trying the exact one",
+            dtype,
+            device,
+        )
+        quantization = "gguf"
     if quantization != "gguf":
         return quantization
-    from tessera.kernels.quant_linear import quant_kernel_supported
-
-    if quant_kernel_supported(getattr(torch, dtype), torch.device(device)):
+    if quant_kernel_supported(torch_dtype, torch_device):
         return quantization
-    logger.info("--quantization gguf: no quantized kernel for %s on %s here; dequantizing the "
-                "weights at load", dtype, device)
+    logger.info(
+        "--quantization gguf: no quantized kernel for %s on %s here; dequantizing the "
+        "weights at load",
+        dtype,
+        device,
+    )
     return "none"
 
 
@@ -91,7 +106,9 @@ def _check_path(path: str) -> str:
 
 
 def check_weights(
-    config: ModelArchConfig, weights: dict[str, torch.Tensor | QuantizedTensor], path: str,
+    config: ModelArchConfig,
+    weights: dict[str, torch.Tensor | QuantizedTensor],
+    path: str,
     plan: ShardPlan | None = None,
 ) -> None:
     """ValueError unless `weights` holds exactly the expected names, with the expected shapes

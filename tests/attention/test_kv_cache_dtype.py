@@ -129,7 +129,8 @@ def test_draft_model_cache_follows_the_dtype(default_model_path, model_bundle, k
     """The target drafting for itself keeps a cache of its own: in the --kv-cache-dtype too."""
     from tessera.engine.llm_engine import LLMEngine
 
-    args = EngineArgs(max_model_len=256, kv_cache_dtype="bfloat16", speculative_config={
+    args = EngineArgs(max_model_len=256, kv_cache_dtype="bfloat16", quantization="gguf",
+                      speculative_config={
         "method": "draft_model", "model": default_model_path, "num_speculative_tokens": 2})
     llm = LLM.from_engine(LLMEngine.from_engine_args(args, bundle=model_bundle))
     runner = llm.llm_engine.executor.runner
@@ -138,6 +139,7 @@ def test_draft_model_cache_follows_the_dtype(default_model_path, model_bundle, k
     prompts = _random_prompts(2, [40, 70])
     with_drafts = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     plain = LLM.from_engine(LLMEngine.from_engine_args(
-        EngineArgs(max_model_len=256, kv_cache_dtype="bfloat16"), bundle=model_bundle))
+        EngineArgs(max_model_len=256, kv_cache_dtype="bfloat16", quantization="gguf"),
+        bundle=model_bundle))
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] \
         == with_drafts

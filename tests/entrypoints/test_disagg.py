@@ -23,7 +23,9 @@ from .conftest import ServerProcess, UvicornThread, free_port
 
 PRODUCER = '{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": %d%s}'
 CONSUMER = '{"kv_connector": "TcpConnector", "kv_role": "kv_consumer"%s}'
-COMMON = ("--max-model-len", "1024", "--kv-cache-space", "0.25", "--swap-space", "0.05")
+# --quantization gguf: the colocated reference (make_llm) runs the exact products
+COMMON = ("--max-model-len", "1024", "--kv-cache-space", "0.25", "--swap-space", "0.05",
+          "--quantization", "gguf")
 
 
 def _extra(**values) -> str:

@@ -108,6 +108,7 @@ def cache(tmp_path, monkeypatch):
     """An empty TORCH_EXTENSIONS_DIR, no module built in this process, and a fake `load`."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.delenv("TESSERA_DISABLE_CPP_KERNELS", raising=False)
+    monkeypatch.delenv("TESSERA_CPU_ISA", raising=False)
     monkeypatch.setattr(build, "_built", {})
     fake = FakeLoad()
     monkeypatch.setattr(cpp_extension, "load", fake)
@@ -121,7 +122,8 @@ def _source(tmp_path: Path, text: bytes = SOURCE) -> Path:
 
 
 def _dir_for(tmp_path: Path, name: str, source: bytes = SOURCE) -> Path:
-    return tmp_path / "ext" / f"{name}_{build.build_key(source, build.CFLAGS, build.LDFLAGS)}"
+    cflags = build.cflags_for(build.cpu_isa())
+    return tmp_path / "ext" / f"{name}_{build.build_key(source, cflags, build.LDFLAGS)}"
 
 
 def test_cold_start_logs_and_builds_in_the_keyed_directory(cache, tmp_path, caplog):
@@ -132,7 +134,9 @@ def test_cold_start_logs_and_builds_in_the_keyed_directory(cache, tmp_path, capl
     assert cache.calls[0]["name"] == build_dir.name
     assert cache.calls[0]["build_directory"] == str(build_dir)
     assert (build_dir / "key.json").exists()
-    assert "building C++ kernel tessera_dummy (first start on this machine, ~" in caplog.text
+    first = (f"building C++ kernel tessera_dummy for {build.cpu_isa()} "
+             "(first start on this machine, ~")
+    assert first in caplog.text
     assert "built C++ kernel tessera_dummy in " in caplog.text
 
 
@@ -231,11 +235,72 @@ def test_two_processes_starting_at_once_build_once_then_warm(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     env.pop("TESSERA_DISABLE_CPP_KERNELS", None)
     cmd = [sys.executable, "-c", LOAD_SCRIPT, str(source)]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [out for out, _ in outs] == ["42\n", "42\n"], [err for _, err in outs]
     assert sum(err.count("building C++ kernel tessera_tiny") for _, err in outs) == 1
     assert len(list((tmp_path / "ext").iterdir())) == 1
     warm = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert warm.stdout == "42\n" and "building" not in warm.stderr, warm.stderr
+
+
+ZEN3 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2"
+SAPPHIRE = ZEN3 + " avx512f avx512bw avx512vl avx512dq avx512_vnni amx_int8"
+
+
+def test_supported_isas_from_cpu_flags():
+    assert build.supported_isas(SAPPHIRE, "x86_64") == ["avx512", "avx2", "portable"]
+    assert build.supported_isas(ZEN3, "x86_64") == ["avx2", "portable"]
+    assert build.supported_isas("fpu sse2 avx", "x86_64") == ["portable"]
+    assert build.supported_isas("asimd fp sve", "aarch64") == ["portable"]
+
+
+def test_cpu_isa_may_only_be_lowered(monkeypatch):
+    monkeypatch.setattr(build, "_cpu_flags", lambda: ZEN3)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("TESSERA_CPU_ISA", raising=False)
+    assert build.cpu_isa() == "avx2"
+    monkeypatch.setenv("TESSERA_CPU_ISA", "portable")
+    assert build.cpu_isa() == "portable"
+    monkeypatch.setenv("TESSERA_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="TESSERA_CPU_ISA='avx512': this CPU lacks it"):
+        build.cpu_isa()
+    monkeypatch.setenv("TESSERA_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="TESSERA_CPU_ISA='sse9': expected one of"):
+        build.cpu_isa()
+
+
+def test_flags_and_key_follow_the_isa(monkeypatch):
+    flags = {isa: build.cflags_for(isa) for isa in build.ISAS}
+    assert "-march=native" in flags["avx512"]
+    assert "-march=x86-64-v3" in flags["avx2"] and "-march=native" not in flags["avx2"]
+    assert not any(f.startswith("-march") for f in flags["portable"])
+    keys = {build.build_key(SOURCE, flags[isa], LDFLAGS) for isa in build.ISAS}
+    assert len(keys) == 3
+    # a fixed-target build does not depend on this CPU's flags: one cache for every AVX2 CPU
+    avx2 = build.build_key(SOURCE, flags["avx2"], LDFLAGS)
+    native = build.build_key(SOURCE, flags["avx512"], LDFLAGS)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: ZEN3)
+    assert build.build_key(SOURCE, flags["avx2"], LDFLAGS) == avx2
+    assert build.build_key(SOURCE, flags["avx512"], LDFLAGS) != native
+
+
+def test_forced_isa_builds_its_own_directory(cache, tmp_path, monkeypatch):
+    source = _source(tmp_path)
+    build.load_extension("tessera_dummy", source)
+    monkeypatch.setenv("TESSERA_CPU_ISA", "portable")
+    build.load_extension("tessera_dummy", source)
+    assert len(cache.calls) == 2
+    assert cache.calls[0]["build_directory"] != cache.calls[1]["build_directory"]
+    assert "-DTESSERA_PORTABLE=1" in cache.calls[1]["extra_cflags"]
+
+
+def test_no_compiler_is_a_clear_message(cache, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    caplog.set_level(logging.WARNING, logger=build.__name__)
+    assert build.load_extension("tessera_dummy", _source(tmp_path)) is None
+    assert "no C++ compiler found (looked for 'no-such-compiler-xyz'" in caplog.text
+    assert cache.calls == []

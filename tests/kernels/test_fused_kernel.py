@@ -3,12 +3,16 @@ against the kernels (the same functions either way)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tessera.kernels.fused import fused_ops_for
 from tessera.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope
+
+pytestmark = pytest.mark.usefixtures("isa")  # once per instruction set (conftest.py)
 
 # relative to the largest reference value: fp32 rounding vs one bf16 rounding of the result
 TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3}
@@ -18,7 +22,9 @@ CPU = torch.device("cpu")
 def _ops(dtype):
     ops = fused_ops_for(CPU, dtype)
     if ops is None:
-        pytest.skip("fused C++ kernels unavailable here (no AVX-512 build; see the warning log)")
+        if os.environ.get("TESSERA_DISABLE_CPP_KERNELS"):
+            pytest.skip("TESSERA_DISABLE_CPP_KERNELS is set")
+        pytest.fail("fused C++ kernels did not build for this ISA (see the warning log)")
     return ops
 
 

@@ -9,6 +9,8 @@ batch of any size (fp32: on both ways through a panel, registers below DENSE_MIN
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -25,9 +27,14 @@ CPU = torch.device("cpu")
 SHAPES = [(1, 256), (47, 256), (49, 512), (130, 768)]
 
 
+pytestmark = pytest.mark.usefixtures("isa")  # once per instruction set (conftest.py)
+
+
 def _kernel_or_skip(dtype):
     if not ql.quant_kernel_supported(dtype, CPU):
-        pytest.skip(f"quantized kernel for {dtype} not built here")
+        if os.environ.get("TESSERA_DISABLE_CPP_KERNELS"):
+            pytest.skip("TESSERA_DISABLE_CPP_KERNELS is set")
+        pytest.fail(f"quantized kernel for {dtype} did not build for this ISA (see the log)")
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -99,10 +106,11 @@ def test_kernel_matches_float64_matmul(qtype, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [512, 288])  # 288: the last 64-wide K slice is half full
-def test_rows_are_independent_and_match_the_dense_kernel(qtype, dtype, k):
+def test_rows_are_independent_and_match_the_dense_kernel(qtype, dtype, k, isa):
     """Every M gives a row the same bits. fp32 (and bf16 on AMX) equals the dense kernel on the
-    dequantized weights bit for bit; bf16's block-sum form never rounds a weight to bf16, so it
-    must come out at least as close to the float64 result as the dense bf16 kernel does."""
+    dequantized weights bit for bit; bf16's block-sum form (and the avx2/portable builds, which
+    widen bf16 x to fp32) never rounds a weight to bf16, so it must come out at least as close to
+    the float64 result as the dense bf16 kernel does."""
     _kernel_or_skip(dtype)
     probe = torch.zeros(48, 64, dtype=dtype)
     if not linear_kernel_supported(probe):
@@ -112,8 +120,9 @@ def test_rows_are_independent_and_match_the_dense_kernel(qtype, dtype, k):
     n = 100
     w = random_weight(qtype, n, k, seed=3)
     lin = ql.QuantLinear([w.pack()], dtype, CPU)
-    block_sum = lin.parts[0].pairs
-    assert block_sum == (dtype == torch.bfloat16 and ql.pairs_layout(dtype, CPU))
+    assert lin.parts[0].pairs == (dtype == torch.bfloat16 and ql.pairs_layout(dtype, CPU))
+    # bf16 weights unrounded: the block-sum form, and the generic (avx2/portable) builds
+    block_sum = lin.parts[0].pairs or (dtype == torch.bfloat16 and isa != "avx512")
     dense = PackedLinearWeight(w.dequantize().to(dtype))
     x = torch.randn(70, k).to(dtype)
     alone = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])
@@ -179,15 +188,23 @@ def test_same_type_parts_run_as_one_part_with_the_same_bits(dtype):
         assert torch.equal(fused(x[:m]), torch.cat([lin(x[:m]) for lin in alone], dim=1))
 
 
-def test_torch_fallback_matches_kernel_reference():
-    """Without the C++ kernel (another device, no AVX-512) the layer dequantizes with torch."""
-    w = random_weight(T.Q4_1, 60, 256)
+@pytest.mark.parametrize("int8", [False, True])
+def test_torch_fallback_matches_kernel_reference(monkeypatch, int8):
+    """Without the C++ kernel (another device, a failed build) the layer dequantizes its weights
+    once, at construction, never per call."""
+    w = random_weight(T.Q4_1, 60, 256, int8=int8)
+    # what a failed build leaves
+    monkeypatch.setattr(ql, "quant_kernel_supported", lambda *a: False)
     lin = ql.QuantLinear([w.pack()], torch.float32, CPU)
-    lin._kernel = None  # what a failed build leaves
+    assert lin._kernel is None and lin._dense is not None
+    calls = []
+    monkeypatch.setattr(ql, "dequantize_packed", lambda *a: calls.append(a))
+    monkeypatch.setattr(ql, "dequantize_int8", lambda *a: calls.append(a))
     x = torch.randn(3, 256)
     assert torch.allclose(
         lin(x).double(), _reference(x, w.dequantize(), None), rtol=1e-5, atol=1e-5
     )
+    assert calls == []
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)

@@ -22,7 +22,7 @@ def random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab", [49152, 1000, 49159, 33])
 @pytest.mark.parametrize("fallback", [False, True])
-def test_matches_xgrammar(vocab, fallback, monkeypatch):
+def test_matches_xgrammar(vocab, fallback, monkeypatch, isa):
     if fallback:
         monkeypatch.setattr(token_mask, "load_extension", lambda *a: None)
     bitmask = random_bitmask(5, vocab, seed=vocab)
@@ -37,6 +37,6 @@ def test_matches_xgrammar(vocab, fallback, monkeypatch):
     assert torch.isneginf(got[rows]).any() and torch.isfinite(got[rows]).any()
 
 
-def test_kernel_is_built_here():
+def test_kernel_is_built_here(isa):
     """On this machine the C++ path must exist; otherwise the fallback above hides its absence."""
     assert token_mask.load_extension("tessera_token_mask", token_mask._SOURCE) is not None

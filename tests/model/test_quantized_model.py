@@ -1,9 +1,13 @@
-"""The default model with its GGUF weights kept quantized (--quantization gguf, the default) against
-the same weights dequantized to fp32 (--quantization none), whose own reference is HF on the GGUF
-(tests/model/test_llama_vs_hf.py).
+"""The default model with its GGUF weights kept quantized against the same weights dequantized to
+fp32 (--quantization none), whose own reference is HF on the GGUF (tests/model/test_llama_vs_hf.py).
 
-With the C++ kernels the quantized linears equal the dense ones on gguf's dequantized weights bit
-for bit, so tokens and logprobs are identical; on the torch fallback only the near-tie rule holds.
+--quantization gguf (the `model_bundle` fixture): with the C++ kernels the quantized linears equal
+the dense ones on gguf's dequantized weights bit for bit, so tokens and logprobs are identical; on
+the torch fallback only the near-tie rule holds.
+
+--quantization gguf_int8 (the default): activations rounded per row to 8-bit blocks, so logits
+move by ~1e-2; greedy tokens agree with the dequantized model except where its top two logits
+are close, and batching, chunking and prefix caching still never change a token.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from tessera import SamplingParams
 from tessera.kernels.quant_linear import QuantLinear, quant_kernel_supported
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
+INT8_MARGIN = 0.3  # logprob gap under which the integer path may pick the other token
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ needs_quant_kernel = pytest.mark.skipif(
 @needs_quant_kernel
 def test_default_model_keeps_its_gguf_types(model_bundle):
     model = model_bundle.model
-    assert model_bundle.quantization == "gguf"
+    assert model_bundle.quantization == "gguf"  # conftest pins the exact path
     layer = model.layers[0]
     for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2):
         assert isinstance(lin, QuantLinear) and {p.fmt.name for p in lin.parts} == {"q4_half"}
@@ -80,6 +85,58 @@ def test_quantized_weights_take_under_40_percent_of_bf16(model_bundle, dequantiz
     assert quantized <= 0.4 * bf16, (quantized, bf16)
 
 
+@pytest.fixture(scope="module")
+def int8_bundle(default_model_path):
+    from tessera.config import EngineArgs
+    from tessera.engine.loading import load_bundle
+
+    return load_bundle(EngineArgs(max_model_len=1024))  # the default: gguf_int8
+
+
+def test_default_is_the_integer_path_on_every_gguf_type(int8_bundle):
+    from tessera.config import EngineArgs
+
+    assert EngineArgs().quantization == "gguf_int8" and int8_bundle.quantization == "gguf_int8"
+    model = int8_bundle.model
+    layer = model.layers[0]
+    for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2):
+        assert isinstance(lin, QuantLinear) and {p.fmt.name for p in lin.parts} == {"u4h"}
+        assert all(lin.int8)
+    assert model.lm_head.parts[0].fmt.name == "s8h"
+    assert model.embed.weight is model.lm_head.parts[0]
+
+
+def test_int8_greedy_follows_the_dequantized_model_outside_close_calls(
+        int8_bundle, dequantized_bundle, default_tokenizer):
+    """Where the dequantized fp32 model's top two logits are more than INT8_MARGIN apart, the
+    integer path picks the same token (measured: |logit error| ~0.02-0.05 on this model)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": default_tokenizer.encode(p)} for p in PROMPTS]
+    int8 = _llm(int8_bundle).generate(prompts, params, use_tqdm=False)
+    dense = _llm(dequantized_bundle).generate(prompts, params, use_tqdm=False)
+    for q, d in zip(int8, dense, strict=True):
+        q_ids, d_ids = q.outputs[0].token_ids, d.outputs[0].token_ids
+        if q_ids == d_ids:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(q_ids, d_ids, strict=True)) if a != b)
+        top2 = sorted(d.outputs[0].logprobs[i].values(), reverse=True)[:2]
+        gap = top2[0] - top2[1]
+        assert gap <= INT8_MARGIN, f"token {i}: not a close call (gap {gap:.3f})"
+
+
+def test_int8_rows_do_not_depend_on_batching_or_chunking(int8_bundle, default_tokenizer):
+    """Each row is quantized alone, so batching, chunked prefill and prefix caching keep every
+    token (compared exactly, on the integer path itself)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": default_tokenizer.encode(p * 3)} for p in PROMPTS]
+    batched = _llm(int8_bundle).generate(prompts, params, use_tqdm=False)
+    chunked = _llm(int8_bundle, enable_chunked_prefill=True, max_num_batched_tokens=16,
+                   enable_prefix_caching=True)
+    alone = [chunked.generate([p], params, use_tqdm=False)[0] for p in prompts + prompts]
+    expected = [b.outputs[0].token_ids for b in batched] * 2
+    assert [a.outputs[0].token_ids for a in alone] == expected
+
+
 def test_quantization_flag_is_validated():
     from tessera.config import EngineArgs
 
@@ -95,11 +152,16 @@ def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
     from tessera.model.loader import weight_quantization
 
     monkeypatch.setattr(ql, "quant_kernel_supported", lambda dtype, device: False)
+    monkeypatch.setattr(ql, "int8_kernel_supported", lambda dtype, device: False)
     assert weight_quantization("gguf", "float32", "cpu") == "none"
+    assert weight_quantization("gguf_int8", "float32", "cpu") == "none"
     assert weight_quantization("none", "float32", "cpu") == "none"
     monkeypatch.setattr(ql, "quant_kernel_supported", lambda dtype, device: dtype == torch.bfloat16)
     assert weight_quantization("gguf", "bfloat16", "cpu") == "gguf"
     assert weight_quantization("gguf", "float32", "cpu") == "none"
+    assert weight_quantization("gguf_int8", "bfloat16", "cpu") == "gguf"  # the exact one
+    monkeypatch.setattr(ql, "int8_kernel_supported", lambda dtype, device: True)
+    assert weight_quantization("gguf_int8", "float32", "cpu") == "gguf_int8"
 
 
 def _prompt_logits(path, prompt: list[int], quantization: str, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,236 @@
+"""llama.cpp as a peer: batch-1 decode and 512-token prefill on the same GGUF, in one run.
+
+    flock -x /work/cpu.lock python benchmarks/llamacpp_peer.py [--model FILE.gguf ...] \\
+        [--isa avx2,avx512] [--quantization gguf_int8] [--threads 2] [--build-dir DIR]
+
+llama.cpp: `llama-bench -p 512 -n 128 -t THREADS` (pp512 and tg128, tok/s), built once from the
+llama-cpp-python 0.3.36 sdist's vendored llama.cpp (`build_llama_cpp`: pip download, CMake with
+GGML_NATIVE=ON and everything else off, targets llama-bench and llama-server with -j2; ~10 min on
+two cores) and cached outside the repository (default ~/.cache/tessera/llama.cpp).
+
+Tessera: the model runner on the same file (benchmarks/runner.py's `Ours`, the default engine
+settings' model, fp32 activations), each TESSERA_CPU_ISA in its own process: one 512-token
+prefill after a warm-up, then 128 decode steps at batch 1 from a 16-token prompt. Printed: both
+figures per engine and the ratios Tessera / llama.cpp. benchmarks/peers.py --llama-cpp runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+DEFAULT_BUILD_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tessera", "llama.cpp")
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+]
+
+
+def llama_bench_path(build_dir: str) -> str:
+    """llama-bench under `build_dir`: our cache's layout (build/bin), or a CMake build dir
+    itself."""
+    own = os.path.join(build_dir, "bin", "llama-bench")
+    return own if os.path.exists(own) else os.path.join(build_dir, "build", "bin", "llama-bench")
+
+
+def build_llama_cpp(build_dir: str = DEFAULT_BUILD_DIR) -> str:
+    """llama-bench (and llama-server) of the sdist's vendored llama.cpp, built once into
+    `build_dir`; returns llama-bench's path."""
+    bench = llama_bench_path(build_dir)
+    if os.path.exists(bench):
+        return bench
+    os.makedirs(build_dir, exist_ok=True)
+    sdists = glob.glob(os.path.join(build_dir, "llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                LLAMA_CPP_PYTHON,
+                "-d",
+                build_dir,
+            ],
+            check=True,
+        )
+        sdists = glob.glob(os.path.join(build_dir, "llama_cpp_python-*.tar.gz"))
+    src_root = os.path.join(build_dir, "src")
+    if not os.path.isdir(src_root):
+        with tarfile.open(sdists[0]) as tar:
+            tar.extractall(src_root, filter="data")
+    (top,) = os.listdir(src_root)
+    source = os.path.join(src_root, top, "vendor", "llama.cpp")
+    out = os.path.join(build_dir, "build")
+    subprocess.run(["cmake", "-S", source, "-B", out, *CMAKE_FLAGS], check=True)
+    subprocess.run(
+        ["cmake", "--build", out, "--target", "llama-bench", "llama-server", "-j2"], check=True
+    )
+    return bench
+
+
+def llama_bench(bench: str, model: str, threads: int) -> dict[str, float]:
+    """{"prefill": pp512 tok/s, "decode": tg128 tok/s, "repack": 1 or 0} from one llama-bench
+    run. Its weight repacking is on by default; where that dies of SIGILL (seen under KVM on a
+    Sapphire Rapids guest with AMX: the AMX repacked matmul), the run is repeated with
+    `--repack 0` and the result says so."""
+    cmd = [
+        bench,
+        "-m",
+        model,
+        "-p",
+        "512",
+        "-n",
+        "128",
+        "-t",
+        str(threads),
+        "-r",
+        "2",
+        "-o",
+        "json",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    out: dict[str, float] = {"repack": 1}
+    if done.returncode != 0:
+        print(f"llama-bench failed (rc {done.returncode}); again with --repack 0", flush=True)
+        done = subprocess.run([*cmd, "--repack", "0"], capture_output=True, text=True, check=True)
+        out["repack"] = 0
+    for row in json.loads(done.stdout):
+        key = "prefill" if row["n_prompt"] == 512 else "decode"
+        out[key] = float(row["avg_ts"])
+    return out
+
+
+def tessera_child(model: str, quantization: str, threads: int) -> dict[str, float]:
+    """This process's figures (the ISA comes from TESSERA_CPU_ISA in its environment)."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    from runner import Ours  # benchmarks/runner.py
+
+    from tessera.model.loader import load_model
+
+    torch.set_num_threads(threads)
+    cfg, weights = load_model(model, quantization)
+    ours = Ours(cfg, weights, torch.float32)
+    del weights
+    gen = torch.Generator().manual_seed(0)
+    prompt = [torch.randint(100, cfg.vocab_size - 100, (512,), generator=gen).tolist()]
+    with torch.inference_mode():
+        ours.prefill(prompt)  # warm-up: kernels built and loaded, pages touched
+        t = time.perf_counter()
+        ours.prefill(prompt)
+        prefill = 512 / (time.perf_counter() - t)
+        tok = ours.prefill([prompt[0][:16]])
+        tok = ours.decode(tok)
+        t = time.perf_counter()
+        for _ in range(128):
+            tok = ours.decode(tok)
+        decode = 128 / (time.perf_counter() - t)
+    return {"prefill": prefill, "decode": decode}
+
+
+def run_tessera(model: str, quantization: str, threads: int, isa: str) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=REPO, TESSERA_CPU_ISA=isa)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                f.name,
+                "--model",
+                model,
+                "--quantization",
+                quantization,
+                "--threads",
+                str(threads),
+            ],
+            env=env,
+            check=True,
+        )
+        return json.load(open(f.name))
+
+
+def compare(
+    models: list[str], isas: list[str], quantization: str, threads: int, build_dir: str
+) -> list[dict]:
+    """Every model: llama.cpp once, Tessera once per ISA; prints a table, returns its rows."""
+    bench = build_llama_cpp(build_dir)
+    rows = []
+    for model in models:
+        peer = llama_bench(bench, model, threads)
+        for isa in isas:
+            ours = run_tessera(model, quantization, threads, isa)
+            rows.append(
+                {
+                    "model": os.path.basename(model),
+                    "isa": isa,
+                    "quantization": quantization,
+                    "threads": threads,
+                    "tessera": ours,
+                    "llama.cpp": peer,
+                }
+            )
+    print(
+        f"{'model':<34}{'isa':<9}{'figure':<9}{'tessera':>9}{'llama.cpp':>11}{'ratio':>8}"
+        f"  (llama.cpp repack {rows[0]['llama.cpp']['repack'] if rows else '-'})"
+    )
+    for r in rows:
+        for key, label in (("decode", "tg128"), ("prefill", "pp512")):
+            ours, peer = r["tessera"][key], r["llama.cpp"][key]
+            print(
+                f"{r['model']:<34}{r['isa']:<9}{label:<9}{ours:>9.1f}{peer:>11.1f}"
+                f"{ours / peer:>7.2f}x"
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="GGUF file (repeatable); default: the default model",
+    )
+    ap.add_argument("--isa", default="avx512,avx2", help="TESSERA_CPU_ISA values, comma list")
+    ap.add_argument("--quantization", default="gguf_int8", choices=["gguf", "gguf_int8", "none"])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--build-dir", default=DEFAULT_BUILD_DIR)
+    ap.add_argument("--result-file", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    models = args.model
+    if models is None:
+        from tessera.model.default_model import resolve_model_path
+
+        models = [resolve_model_path(None)]
+    if args.child:
+        with open(args.child, "w") as f:
+            json.dump(tessera_child(models[0], args.quantization, args.threads), f)
+        return 0
+    isas = [i.strip() for i in args.isa.split(",") if i.strip()]
+    rows = compare(models, isas, args.quantization, args.threads, args.build_dir)
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

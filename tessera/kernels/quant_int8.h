@@ -1,0 +1,261 @@
+// The integer path for GGUF weights (`--quantization gguf_int8`): llama.cpp's numeric form.
+//
+// Why: the exact path (quant_exact.h, quant_blocksum.h) turns every weight into a float before
+// its product; at batch 1 that conversion, not memory, bounds the step on AVX2. Here each row of
+// x is quantized once a call to Q8 blocks of 32 (int8 codes, one fp32 scale, the codes' sum), and
+// each block's products run on integer instructions: 32 a vpmaddubsw + vpmaddwd pair on AVX2, 32
+// a vpdpbusd on AVX-512 VNNI (256-bit, so both share one loop); the portable build does the same
+// integer sums in plain C++. The weights never leave their codes.
+//
+// Row independence: a row's codes, scale and sums come from that row alone, and its outputs are
+// one chain of fmas over its blocks in K order, whatever rows are batched with it, so greedy
+// results do not depend on the batch. Each build (ISA) has its own rounding order.
+//
+// Weight layout (quant_int8.py packs it): row-major, output row n is K/32 records in K order.
+//
+//   kind   record (bytes)                          GGUF types        value of code q
+//   U4H    f16 d, f16 m, 16 B nibbles (20)         Q4_0 (m = -8d), Q4_1   d q + m
+//   U4F    f32 d, f32 m, 16 B nibbles (24)         Q4_K (d sc, -dmin m)   d q + m
+//   U8F    f32 d, f32 m, 32 B codes 0..31 (40)     Q5_K                   d q + m
+//   S8H    f16 d, 32 int8 (34)                     Q8_0                   d q
+//   S8F2   f32 d0, f32 d1 (per 16), 32 int8 (40)   Q6_K (q - 32)          d_(k/16) q
+//
+// Nibbles as GGML stores them: byte j holds k = j (low) and k = j + 16 (high).
+//   unsigned kinds: sum += d dx <q, qx> + m dx sum(qx)      (q 0..31: no int16 saturation)
+//   signed kinds:   sum += dx sum_g d_g <q, qx>_g            (|q| <= 127 via the sign trick)
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && !defined(TESSERA_PORTABLE)
+#include <immintrin.h>
+#define TESSERA_INT8_AVX2 1
+#endif
+
+namespace tessera_int8 {
+
+enum Kind : int64_t { kU4H = 10, kU4F = 11, kU8F = 12, kS8H = 13, kS8F2 = 14 };
+constexpr int64_t kQK = 32;  // K positions a block
+
+template <Kind Id, typename S, bool Unsigned, bool Nibbles, int Groups>
+struct IFmt {
+  static constexpr Kind kId = Id;
+  using Scale = S;
+  static constexpr bool kUnsigned = Unsigned;  // unsigned codes with a min (else signed, no min)
+  static constexpr bool kNibbles = Nibbles;
+  static constexpr int kGroups = Groups;  // scales a block (signed kinds)
+  static constexpr int64_t kHead = Unsigned ? 2 * sizeof(S) : Groups * sizeof(S);
+  static constexpr int64_t kRecord = kHead + (Nibbles ? 16 : 32);
+};
+using U4H = IFmt<kU4H, c10::Half, true, true, 1>;
+using U4F = IFmt<kU4F, float, true, true, 1>;
+using U8F = IFmt<kU8F, float, true, false, 1>;
+using S8H = IFmt<kS8H, c10::Half, false, false, 1>;
+using S8F2 = IFmt<kS8F2, float, false, false, 2>;
+
+template <typename Fn>
+decltype(auto) with_kind(int64_t kind, Fn&& fn) {
+  switch (kind) {
+    case kU4H: return fn(U4H{});
+    case kU4F: return fn(U4F{});
+    case kU8F: return fn(U8F{});
+    case kS8H: return fn(S8H{});
+    case kS8F2: return fn(S8F2{});
+  }
+  TORCH_CHECK(false, "unknown int8 weight kind ", kind);
+}
+
+inline int64_t record_bytes(int64_t kind) {
+  return with_kind(kind, [](auto f) { return decltype(f)::kRecord; });
+}
+
+template <typename S>
+inline float scale_at(const uint8_t* p, int i) {
+  S s;
+  std::memcpy(&s, p + i * sizeof(S), sizeof(S));
+  return static_cast<float>(s);
+}
+
+// One row of x quantized: per block of 32, int8 codes, the scale dx, and the codes' sum.
+struct QRow {
+  int8_t* q;     // [K]
+  float* d;      // [K / 32]
+  int32_t* sum;  // [K / 32]
+};
+
+// Q8 blocks of one row (llama.cpp's Q8_0/Q8_K rule: dx = max|x| / 127, q = round(x / dx), ties
+// to even). Scalar on purpose: the same codes on every ISA, and it is O(K) against O(N K).
+template <typename T>
+void quantize_row(const T* x, int64_t K, QRow r) {
+  for (int64_t b = 0; b < K / kQK; ++b) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < kQK; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[b * kQK + i])));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int32_t s = 0;
+    for (int64_t i = 0; i < kQK; ++i) {
+      const int v = static_cast<int>(std::nearbyint(static_cast<float>(x[b * kQK + i]) * id));
+      r.q[b * kQK + i] = static_cast<int8_t>(v);
+      s += v;
+    }
+    r.d[b] = d;
+    r.sum[b] = s;
+  }
+}
+
+#if defined(TESSERA_INT8_AVX2)
+
+// 32 weight codes of a record as bytes (nibbles unpacked: low k 0..15, high k 16..31).
+template <typename F>
+inline __m256i load_codes(const uint8_t* c) {
+  if constexpr (F::kNibbles) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  }
+}
+
+// 8 int32 lanes, lane i = the products of bytes 4i..4i+3: u (unsigned) times s (signed).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[r] = <weight row w, x row r> for R rows of quantized x (AVX2 / VNNI).
+template <typename F, int R>
+inline void dot_rows(const uint8_t* w, int64_t nb, const QRow* xr, float* out) {
+  __m256 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    mins[r] = 0.f;
+  }
+  for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
+    const __m256i q = load_codes<F>(w + F::kHead);
+    if constexpr (F::kUnsigned) {
+      const float d = scale_at<typename F::Scale>(w, 0), m = scale_at<typename F::Scale>(w, 1);
+      for (int r = 0; r < R; ++r) {
+        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + b * kQK));
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(q, qx));
+        const float dx = xr[r].d[b];
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
+        mins[r] = std::fma(m * dx, static_cast<float>(xr[r].sum[b]), mins[r]);
+      }
+    } else {
+      const __m256i aq = _mm256_sign_epi8(q, q);  // |q|, and x takes q's sign
+      __m256 ds;
+      if constexpr (F::kGroups == 2) {
+        ds = _mm256_set_m128(_mm_set1_ps(scale_at<typename F::Scale>(w, 1)),
+                             _mm_set1_ps(scale_at<typename F::Scale>(w, 0)));
+      } else {
+        ds = _mm256_set1_ps(scale_at<typename F::Scale>(w, 0));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + b * kQK));
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aq, _mm256_sign_epi8(qx, q)));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(ds, _mm256_set1_ps(xr[r].d[b])), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + mins[r];
+}
+
+#else  // portable: the same integer sums in plain C++
+
+template <typename F>
+inline void load_codes(const uint8_t* c, int32_t* q) {
+  for (int i = 0; i < 32; ++i) {
+    if constexpr (F::kNibbles) {
+      q[i] = i < 16 ? (c[i] & 15) : (c[i - 16] >> 4);
+    } else if constexpr (F::kUnsigned) {
+      q[i] = c[i];
+    } else {
+      q[i] = static_cast<int8_t>(c[i]);
+    }
+  }
+}
+
+template <typename F, int R>
+inline void dot_rows(const uint8_t* w, int64_t nb, const QRow* xr, float* out) {
+  float acc[R] = {}, mins[R] = {};
+  int32_t q[32];
+  for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
+    load_codes<F>(w + F::kHead, q);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* qx = xr[r].q + b * kQK;
+      const float dx = xr[r].d[b];
+      if constexpr (F::kUnsigned) {
+        int32_t s = 0;
+        for (int i = 0; i < 32; ++i) s += q[i] * qx[i];
+        acc[r] = std::fma(static_cast<float>(s), scale_at<typename F::Scale>(w, 0) * dx, acc[r]);
+        mins[r] = std::fma(scale_at<typename F::Scale>(w, 1) * dx,
+                           static_cast<float>(xr[r].sum[b]), mins[r]);
+      } else {
+        for (int g = 0; g < F::kGroups; ++g) {
+          int32_t s = 0;
+          const int n = 32 / F::kGroups;
+          for (int i = g * n; i < (g + 1) * n; ++i) s += q[i] * qx[i];
+          acc[r] = std::fma(static_cast<float>(s), scale_at<typename F::Scale>(w, g) * dx, acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r] + mins[r];
+}
+
+#endif
+
+// Weight rows a unit of work: a chunk of rows stays in L1/L2 while every row group of x passes.
+constexpr int64_t kRowsPerChunk = 16;
+constexpr int kRowGroup = 4;
+
+// y[M, N] (row stride ldy) = x[M, K] @ W^T (+ bias): W row-major records of kind F.
+template <typename F, typename T>
+void run_int8(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y,
+              int64_t ldy, const float* bias, QRow* rows) {
+  const int64_t nb = K / kQK, row_bytes = nb * F::kRecord;
+  at::parallel_for(0, (N + kRowsPerChunk - 1) / kRowsPerChunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
+      int64_t m = 0;
+      float out[kRowGroup];
+      for (; m + kRowGroup <= M; m += kRowGroup) {
+        for (int64_t n = n0; n < n1; ++n) {
+          dot_rows<F, kRowGroup>(w + n * row_bytes, nb, rows + m, out);
+          for (int r = 0; r < kRowGroup; ++r)
+            y[(m + r) * ldy + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
+        }
+      }
+      for (; m < M; ++m) {
+        for (int64_t n = n0; n < n1; ++n) {
+          dot_rows<F, 1>(w + n * row_bytes, nb, rows + m, out);
+          y[m * ldy + n] = static_cast<T>(bias ? out[0] + bias[n] : out[0]);
+        }
+      }
+    }
+  });
+  (void)x;
+  (void)ldx;
+}
+
+}  // namespace tessera_int8

@@ -1,0 +1,125 @@
+"""The integer path (--quantization gguf_int8; tessera/kernels/quant_int8.*), once per ISA.
+
+The packed records decode to gguf's values bit for bit; the kernel's y equals an emulation of
+its own arithmetic (x quantized per row to Q8 blocks, integer block sums, one fp32 scale) to fp32
+rounding, so a wrong nibble order, scale, min or sign is caught, not only a large error; y stays
+within the Q8 rounding of the float64 product; and a row's bits do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from quant_weights import random_weight
+
+from tessera.kernels import quant_linear as ql
+from tessera.kernels.quant_int8 import QK, dequantize_int8
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("isa")  # once per instruction set (conftest.py)
+
+
+def _kernel():
+    if not ql.int8_kernel_supported(torch.float32, CPU):
+        if os.environ.get("TESSERA_DISABLE_CPP_KERNELS"):
+            pytest.skip("TESSERA_DISABLE_CPP_KERNELS is set")
+        pytest.fail("quantized kernel did not build for this ISA (see the warning log)")
+
+
+def _gguf_values(w) -> torch.Tensor:
+    n, k = w.shape
+    return torch.from_numpy(
+        gguf.quants.dequantize(w.data, w.qtype).reshape(n, k).astype(np.float32)
+    )
+
+
+def _emulate(x: torch.Tensor, w) -> torch.Tensor:
+    """The kernel's arithmetic in float64: x rounded per row to Q8 blocks (d = max|x| / 127,
+    ties to even), then the exact dot product of those values with the weights."""
+    xf = x.float().double().view(x.shape[0], -1, QK)
+    d = xf.abs().amax(-1, keepdim=True).float().double() / 127
+    d = d.float().double()  # the kernel's scale is fp32
+    inv = torch.where(d > 0, (1 / d.float()).double(), torch.zeros_like(d))
+    q = torch.round((xf.float() * inv.float()).double())  # torch.round: ties to even
+    xq = (q * d).view(x.shape[0], -1)
+    return xq @ _gguf_values(w).double().T
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_records_decode_to_gguf_values(qtype):
+    n, k = 37, 512
+    w = random_weight(qtype, n, k, seed=2, int8=True)
+    part = w.pack()
+    assert part.fmt.row_major and part.packed.numel() == part.fmt.packed_bytes(n, k)
+    ref = _gguf_values(w)
+    assert torch.equal(dequantize_int8(part.fmt, part.packed, n, k), ref)
+    ids = torch.tensor([n - 1, 0, 5, n - 1])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = ql.lookup_rows(part.fmt, part.packed, k, ids, dtype)
+        assert torch.equal(got, ref[ids].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_equals_its_integer_arithmetic(qtype, dtype):
+    _kernel()
+    n, k = 53, 512
+    w = random_weight(qtype, n, k, seed=3, int8=True)
+    bias = torch.randn(n)
+    lin = ql.QuantLinear([w.pack(ql.pad_bias(bias.to(dtype)))], dtype, CPU)
+    x = torch.randn(6, k + 32).to(dtype)[:, 5 : 5 + k]  # strided rows
+    y = lin(x).double()
+    b = bias.to(dtype).double()
+    scale = (x.double().abs() @ _gguf_values(w).double().abs().T) + b.abs()
+    emulated = _emulate(x, w) + b
+    out_tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16 rounds the output once
+    assert ((y - emulated).abs() / scale).max().item() < out_tol
+    exact = x.double() @ _gguf_values(w).double().T + b
+    # Q8 blocks: each x rounded by at most d / 2 = max|x| / 254 of its block
+    assert ((y - exact).abs() / scale).max().item() < 1e-2
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_a_row_does_not_depend_on_its_batch(qtype):
+    _kernel()
+    w = random_weight(qtype, 70, 256, seed=4, int8=True)
+    lin = ql.QuantLinear([w.pack()], torch.float32, CPU)
+    x = torch.randn(11, 256)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(11)])
+    for m in (2, 4, 5, 8, 11):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+
+
+def test_parts_of_mixed_types_fill_their_columns_with_their_biases():
+    """Row-major parts merge without padding: a 50-row part followed by one of the same type must
+    not shift the second part's bias (a panel-padded bias would)."""
+    _kernel()
+    k = 256
+    spec = [(T.Q4_K, 50), (T.Q4_K, 30), (T.Q6_K, 20), (T.Q8_0, 33)]
+    ws = [random_weight(t, n, k, seed=i, int8=True) for i, (t, n) in enumerate(spec)]
+    gen = torch.Generator().manual_seed(6)
+    biases = [torch.randn(w.shape[0], generator=gen) * 10 for w in ws]
+    lin = ql.QuantLinear(
+        [w.pack(ql.pad_bias(b)) for w, b in zip(ws, biases, strict=True)], torch.float32, CPU
+    )
+    assert [p.n for p in lin.parts] == [80, 20, 33]  # the two Q4_K parts run as one
+    x = torch.randn(3, k, generator=gen)
+    ref = torch.cat([_emulate(x, w) + b.double() for w, b in zip(ws, biases, strict=True)], dim=1)
+    assert torch.allclose(lin(x).double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_instruction_names_the_isa(isa):
+    _kernel()
+    expected = {
+        "avx512": ("vpdpbusd", "vpmaddubsw"),
+        "avx2": ("vpmaddubsw",),
+        "portable": ("portable",),
+    }
+    assert ql.int8_dot_instruction() in expected[isa]
