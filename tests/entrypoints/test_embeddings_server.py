@@ -22,7 +22,6 @@ from tessera.model.default_model import default_model_path
 
 from .conftest import UvicornThread
 
-pytestmark = pytest.mark.slow
 MODEL = "tiny"
 
 

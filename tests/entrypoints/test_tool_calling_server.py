@@ -18,8 +18,6 @@ from tiny_llama import save_tiny_llama
 
 from .conftest import ServerProcess
 
-pytestmark = pytest.mark.slow
-
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}<|im_start|>assistant\n{% if enable_thinking is defined and not "

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_hf_reference
 from greedy_reference import check_greedy, hf_greedy
 
 from tessera.model.llama import LlamaForCausalLM
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
 from tessera.worker.model_runner import ModelRunner
 from tessera.worker.static_batch import StaticBatch, StaticSeq
+from tests.conftest import load_hf_reference
 
 PROMPTS = [
     "The capital of France is",
