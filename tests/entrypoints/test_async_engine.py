@@ -225,7 +225,7 @@ def test_from_engine_args_builds_the_engine_on_the_thread_that_steps_it(monkeypa
             stepped_on.add(threading.get_ident())
             return super().step()
 
-    def build(args):
+    def build(args, bundle=None, step_log=None):
         built_on.append(threading.get_ident())
         return RecordingEngine()
 

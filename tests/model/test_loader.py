@@ -372,14 +372,18 @@ def test_load_model_bad_paths(tmp_path):
 
 
 def test_registry(monkeypatch):
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         registry.get_model_class("GPT2LMHeadModel")
-    assert registry.supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
-    # Lazy: the dotted target is imported only when asked for.
-    monkeypatch.setitem(registry._MODEL_REGISTRY, "Fake", "collections:OrderedDict")
-    import collections
+    assert registry.supported_architectures() == [
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+        "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    # one decoder for every family; the differences are traits
+    from tessera.model.llama import LlamaForCausalLM
 
-    assert registry.get_model_class("Fake") is collections.OrderedDict
+    assert registry.get_model_class("Gemma3ForCausalLM") is LlamaForCausalLM
+    assert registry.traits("Qwen2ForCausalLM").qkv_bias
+    assert registry.traits("Gemma3ForCausalLM").qk_norm
+    assert not registry.traits("LlamaForCausalLM").gemma_norms
 
 
 def test_default_model_resolves():

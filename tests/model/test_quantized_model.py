@@ -90,13 +90,14 @@ def int8_bundle(default_model_path):
     from tessera.config import EngineArgs
     from tessera.engine.loading import load_bundle
 
-    return load_bundle(EngineArgs(max_model_len=1024))  # the default: gguf_int8
+    return load_bundle(EngineArgs(max_model_len=1024, quantization="gguf_int8"))
 
 
-def test_default_is_the_integer_path_on_every_gguf_type(int8_bundle):
+def test_integer_path_keeps_every_gguf_type_quantized(int8_bundle):
     from tessera.config import EngineArgs
 
-    assert EngineArgs().quantization == "gguf_int8" and int8_bundle.quantization == "gguf_int8"
+    # the exact products stay the default until the integer path meets its accuracy bar
+    assert EngineArgs().quantization == "gguf" and int8_bundle.quantization == "gguf_int8"
     model = int8_bundle.model
     layer = model.layers[0]
     for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2):
