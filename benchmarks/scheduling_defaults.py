@@ -55,7 +55,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     prompts, out_lens = workload(args.num_requests)
-    llms = {name: LLM(dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048, **cfg)
+    llms = {name: LLM(dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
+                       max_model_len=2048, **cfg)
             for name, cfg in CONFIGS.items()}
     for llm in llms.values():  # warm-up: kernels, allocator
         w1(llm, prompts[:2], [4, 4])
