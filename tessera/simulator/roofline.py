@@ -15,6 +15,11 @@ engine shards them: tessera/distributed/sharding.py), so the FLOPs and bytes abo
 among them, `--kv-cache-space` is per device (as on the server), and every step adds the ring
 all-reduces over the spec's `tp_link` (parallel.py).
 
+A mixture of experts streams only the experts its step's tokens chose: the expected number of
+distinct experts B tokens touch, E (1 - (1 - k/E)^B) (specs.py), so its weight bytes grow with
+the batch from the active parameters towards all of them, while its FLOPs follow the k experts
+of each token.
+
 Decode batches are memory-bound until the batch is large (the weights are read once for all of
 them); prefill is compute-bound. What it leaves out (kernel launch gaps beyond the fixed overhead,
 wave quantisation, activation traffic, the prefill attention's re-reads of KV tiles) is listed in
@@ -48,7 +53,8 @@ class RooflineCostModel(CostModel):
         if n > 1:
             from tessera.distributed.sharding import check_shardable
 
-            check_shardable(model.num_heads, kv_heads, model.intermediate_size, n)
+            for intermediate_size in model.mlp_intermediate_sizes:
+                check_shardable(model.num_heads, kv_heads, intermediate_size, n)
             # a multiple of the KV heads replicates them: each rank keeps the one its queries read
             kv_heads = 1 if kv_heads % n else kv_heads // n
             self.tp = TensorParallelCost.for_model(n, model.num_layers, model.hidden_size,
@@ -63,7 +69,6 @@ class RooflineCostModel(CostModel):
         self.sliding_window = model.sliding_window
         self._flops = hardware.flops(dtype) * hardware.compute_efficiency * n  # n devices
         self._bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
-        self._weight_bytes = model.weight_bytes_per_step(dtype) / n
         self._kv_bytes_per_token = self.geometry.block_bytes(1)
 
     def check_fits(self, kv_cache_space_gib: float) -> None:
@@ -79,7 +84,10 @@ class RooflineCostModel(CostModel):
     def linear_time(self, batch: BatchShape) -> float:
         m = self.model
         flops = batch.num_tokens * m.linear_flops_per_token + batch.num_seqs * m.lm_head_flops
-        return max(flops / self._flops, self._weight_bytes / self._bandwidth)
+        # a dense model's bytes are the same every step; a MoE's follow the experts touched
+        weight_bytes = m.weight_bytes_per_step(self.dtype, batch.num_tokens)
+        weight_bytes /= self.tensor_parallel_size
+        return max(flops / self._flops, weight_bytes / self._bandwidth)
 
     def attention_time(self, batch: BatchShape) -> float:
         flops = batch.num_attention_pairs * self.model.attention_flops_per_pair
