@@ -363,6 +363,9 @@ class ParallelConfig:
     distributed_init_method: str | None = None
     nnodes: int = 1
     node_rank: int = 0
+    # a mixture of experts' experts placed whole on the ranks instead of each sliced over them
+    # (tessera/distributed/sharding.py); nothing to place with one rank or a dense model
+    enable_expert_parallel: bool = False
     # threads of this node's compute (torch and the C++ kernels), shared by its ranks; None: every
     # core the process may run on (os.sched_getaffinity: a taskset or cgroup is respected)
     num_threads: int | None = None
@@ -605,6 +608,11 @@ class EngineArgs:
         0, "this machine's index among --nnodes; 0 runs the engine and server, the others run "
            "only worker ranks"
     )
+    enable_expert_parallel: bool = _arg(
+        False, "mixture-of-experts models under --tensor-parallel-size N: place whole experts "
+               "on the ranks (about E/N each) instead of slicing every expert N ways (no "
+               "effect with one rank or on a dense model)"
+    )
     enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT format) over the base model")
     max_loras: int = _arg(1, "most distinct LoRA adapters in one step (with --enable-lora)")
     max_lora_rank: int = _arg(16, "largest LoRA rank r served (with --enable-lora)")
@@ -702,6 +710,7 @@ class EngineArgs:
             nnodes=self.nnodes,
             node_rank=self.node_rank,
             num_threads=self.num_threads,
+            enable_expert_parallel=self.enable_expert_parallel,
         )
 
     @classmethod

@@ -31,10 +31,11 @@ from tessera.simulator.serving import TRACE_RATE
 # engine flags the simulator replaces or does not model: the model and device are the cost
 # model's (--profile / --model-config, --hardware), quantization is in the calibrated profile
 # (`simulate calibrate --quantization ...`), logprob limits change no step's cost
-# --tensor-parallel-size is simulated (the roofline splits the model and adds the all-reduces)
+# --tensor-parallel-size is simulated (the roofline splits the model and adds the all-reduces,
+# --enable-expert-parallel places whole experts)
 # but not calibrated (calibration times one in-process runner); where the ranks meet is no cost
 _PLACEMENT = ("distributed_init_method", "nnodes", "node_rank")
-_PARALLEL = ("tensor_parallel_size", *_PLACEMENT)
+_PARALLEL = ("tensor_parallel_size", "enable_expert_parallel", *_PLACEMENT)
 _NOT_SIMULATED = ("model", "device", "quantization", "max_logprobs", *_PLACEMENT)
 
 
@@ -154,7 +155,7 @@ def make_cost_model(args: argparse.Namespace):
     dtype = resolve_dtype(args.dtype, spec.torch_dtype, "meta")
     kv_dtype = resolve_kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype)
     return RooflineCostModel(spec, load_hardware(args.hardware), dtype, args.tensor_parallel_size,
-                             kv_dtype)
+                             kv_dtype, getattr(args, "enable_expert_parallel", False))
 
 
 def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, int, int]:

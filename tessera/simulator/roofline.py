@@ -13,7 +13,9 @@ Under `--tensor-parallel-size N` each of N such devices holds 1/N of the weights
 heads and of the KV heads (or one replicated KV head when N is a multiple of their number, as the
 engine shards them: tessera/distributed/sharding.py), so the FLOPs and bytes above are divided
 among them, `--kv-cache-space` is per device (as on the server), and every step adds the ring
-all-reduces over the spec's `tp_link` (parallel.py).
+all-reduces over the spec's `tp_link` (parallel.py). A mixture of experts' experts are each
+sliced N ways, or with --enable-expert-parallel placed whole: then the rank holding the most
+experts (ceil(E/N) of E) reads the most expert bytes and sets the step's pace.
 
 A mixture of experts streams only the experts its step's tokens chose: the expected number of
 distinct experts B tokens touch, E (1 - (1 - k/E)^B) (specs.py), so its weight bytes grow with
@@ -39,9 +41,12 @@ class RooflineCostModel(CostModel):
     name = "roofline"
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, dtype: str,
-                 tensor_parallel_size: int = 1, kv_cache_dtype: str | None = None) -> None:
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str | None = None,
+                 expert_parallel: bool = False) -> None:
         """`kv_cache_dtype` is the resolved --kv-cache-dtype (None: the compute dtype): it sizes
-        the KV blocks and the bytes attention reads, as the engine's cache does."""
+        the KV blocks and the bytes attention reads, as the engine's cache does.
+        `expert_parallel` (--enable-expert-parallel) places whole experts on the ranks, as the
+        engine does: the rank holding the most experts sets the step's pace."""
         kv_dtype = kv_cache_dtype or dtype
         for flag, value in (("--dtype", dtype), ("--kv-cache-dtype", kv_dtype)):
             if value not in DTYPE_BYTES:
@@ -50,11 +55,24 @@ class RooflineCostModel(CostModel):
         self.model, self.hardware, self.dtype = model, hardware, dtype
         self.tensor_parallel_size = n
         kv_heads = model.num_kv_heads
+        # the largest share of the routed experts one rank holds: 1/n of each (sliced), or
+        # whole experts, ceil(E/n) of E on the fullest rank (expert parallelism)
+        self.expert_parallel = expert_parallel and model.is_moe and n > 1
+        self._expert_share = 1 / n
         if n > 1:
-            from tessera.distributed.sharding import check_shardable
+            from tessera.distributed.sharding import check_shardable, expert_placement
 
-            for intermediate_size in model.mlp_intermediate_sizes:
-                check_shardable(model.num_heads, kv_heads, intermediate_size, n)
+            check_shardable(model.num_heads, kv_heads, model.dense_intermediate_size, n,
+                            num_experts=model.num_experts if model.is_moe else 0,
+                            moe_intermediate_size=model.moe_intermediate_size,
+                            expert_parallel=self.expert_parallel)
+            if model.shared_expert_intermediate_size % n:
+                raise ValueError(f"--tensor-parallel-size {n} does not divide the model's "
+                                 "shared_expert_intermediate_size "
+                                 f"({model.shared_expert_intermediate_size})")
+            if self.expert_parallel:
+                fullest = max(len(r) for r in expert_placement(model.num_experts, n))
+                self._expert_share = fullest / model.num_experts
             # a multiple of the KV heads replicates them: each rank keeps the one its queries read
             kv_heads = 1 if kv_heads % n else kv_heads // n
             self.tp = TensorParallelCost.for_model(n, model.num_layers, model.hidden_size,
@@ -85,8 +103,9 @@ class RooflineCostModel(CostModel):
         m = self.model
         flops = batch.num_tokens * m.linear_flops_per_token + batch.num_seqs * m.lm_head_flops
         # a dense model's bytes are the same every step; a MoE's follow the experts touched
-        weight_bytes = m.weight_bytes_per_step(self.dtype, batch.num_tokens)
-        weight_bytes /= self.tensor_parallel_size
+        total = m.weight_bytes_per_step(self.dtype, batch.num_tokens)
+        experts = m.expert_bytes_per_step(self.dtype, batch.num_tokens)
+        weight_bytes = (total - experts) / self.tensor_parallel_size + experts * self._expert_share
         return max(flops / self._flops, weight_bytes / self._bandwidth)
 
     def attention_time(self, batch: BatchShape) -> float:
@@ -105,4 +124,5 @@ class RooflineCostModel(CostModel):
     def describe(self) -> dict:
         return {"cost_model": self.name, "model_config": self.model.name,
                 "hardware": self.hardware.name, "hardware_source": self.hardware.source,
-                "dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size}
+                "dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size,
+                "enable_expert_parallel": self.expert_parallel}

@@ -220,18 +220,18 @@ class ModelSpec:
         params = self._linear_params(experts) + self.vocab_size * self.hidden_size
         return params * DTYPE_BYTES[dtype]
 
-    @property
-    def mlp_intermediate_sizes(self) -> tuple[int, ...]:
-        """The MLP widths tensor parallelism slices: the dense layers', each expert's and the
-        shared expert's."""
+    def expert_bytes_per_step(self, dtype: str, num_tokens: int | None = None) -> float:
+        """The part of `weight_bytes_per_step` that is routed experts (0 for a dense model)."""
         if not self.is_moe:
-            return (self.intermediate_size,)
-        sizes = [self.moe_intermediate_size]
-        if self.num_moe_layers < self.num_layers:
-            sizes.append(self.intermediate_size)
-        if self.shared_expert_intermediate_size:
-            sizes.append(self.shared_expert_intermediate_size)
-        return tuple(sizes)
+            return 0.0
+        experts = self.num_moe_layers * self.experts_touched(num_tokens) * self.expert_params
+        return experts * DTYPE_BYTES[dtype]
+
+    @property
+    def dense_intermediate_size(self) -> int | None:
+        """The dense MLP's width, None when every layer is MoE (nothing dense to shard)."""
+        return None if self.is_moe and self.num_moe_layers == self.num_layers \
+            else self.intermediate_size
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,

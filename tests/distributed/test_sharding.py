@@ -10,7 +10,7 @@ import torch
 from quant_weights import random_weight
 
 from tessera.config import EngineArgs, ParallelConfig
-from tessera.distributed.sharding import ShardPlan, check_shardable
+from tessera.distributed.sharding import ShardPlan, check_shardable, expert_of, expert_placement
 from tessera.entrypoints.cli import build_parser, engine_args_from
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import QuantizedTensor
@@ -152,3 +152,65 @@ def test_kv_transfer_is_refused_under_tensor_parallelism():
                       kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_both"})
     with pytest.raises(ValueError, match="kv_transfer_config.*--tensor-parallel-size 2"):
         args.create_engine_config()
+
+
+# ---- mixtures of experts ---------------------------------------------------------------------
+
+
+def _moe_plan(rank: int, n: int, num_experts: int = 8, expert_parallel: bool = True,
+              moe_intermediate_size: int = 32) -> ShardPlan:
+    return ShardPlan(rank, n, num_heads=12, num_kv_heads=12, head_dim=16, intermediate_size=None,
+                     vocab_size=321, moe_intermediate_size=moe_intermediate_size,
+                     num_experts=num_experts, expert_parallel=expert_parallel)
+
+
+@pytest.mark.parametrize("num_experts, n, sizes", [(8, 2, [4, 4]), (8, 4, [2, 2, 2, 2]),
+                                                  (8, 3, [3, 3, 2]), (6, 4, [2, 2, 1, 1]),
+                                                  (4, 4, [1, 1, 1, 1]), (8, 1, [8])])
+def test_expert_placement_covers_every_expert_once(num_experts, n, sizes):
+    placement = expert_placement(num_experts, n)
+    assert [len(r) for r in placement] == sizes
+    assert [e for r in placement for e in r] == list(range(num_experts))  # contiguous, in order
+    plans = [_moe_plan(r, n, num_experts) for r in range(n)]
+    assert [list(p.expert_ids) for p in plans] == [list(r) for r in placement]
+    name = "model.layers.0.mlp.experts.{}.down_proj.weight"
+    for e in range(num_experts):  # each expert's weights held (whole) by exactly one rank
+        owners = [p.rank for p in plans if p.holds(name.format(e))]
+        assert owners == [next(r for r, block in enumerate(placement) if e in block)]
+        assert all(p.slice_of(name.format(e)) is None for p in plans)
+    # the router, attention and norms are every rank's
+    assert all(p.holds("model.layers.0.mlp.gate.weight") for p in plans)
+    assert all(p.holds("model.layers.0.self_attn.q_proj.weight") for p in plans)
+
+
+def test_more_ranks_than_experts_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match=r"--enable-expert-parallel .*-size 4.*num_experts \(2\)"):
+        expert_placement(2, 4)
+    with pytest.raises(ValueError, match="--enable-expert-parallel"):
+        _moe_plan(0, 4, num_experts=2)
+
+
+def test_without_expert_parallel_every_expert_is_sliced():
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(30, 64, generator=g)  # [moe_intermediate, hidden]
+    down = torch.randn(64, 30, generator=g)
+    plans = [_moe_plan(r, 2, expert_parallel=False, moe_intermediate_size=30) for r in range(2)]
+    assert all(p.holds("model.layers.0.mlp.experts.7.up_proj.weight") for p in plans)
+    assert all(list(p.expert_ids) == list(range(8)) for p in plans)
+    up_name, down_name = ("model.layers.0.mlp.experts.5.up_proj.weight",
+                          "model.layers.0.mlp.experts.5.down_proj.weight")
+    assert torch.equal(torch.cat([p.shard(up_name, gate) for p in plans], dim=0), gate)
+    assert torch.equal(torch.cat([p.shard(down_name, down) for p in plans], dim=1), down)
+    assert plans[1].local_shape(up_name, (30, 64)) == (15, 64)
+    # a width the ranks cannot split is refused, pointing at whole experts instead
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(30\).*--enable-expert-par"):
+        _moe_plan(0, 4, expert_parallel=False, moe_intermediate_size=30)
+    _moe_plan(0, 4, expert_parallel=True, moe_intermediate_size=30)  # whole experts: fine
+    assert expert_of("model.layers.3.mlp.experts.12.gate_proj.weight") == 12
+    assert expert_of("model.layers.3.mlp.gate.weight") is None
+
+
+def test_expert_parallel_flag():
+    ns = build_parser().parse_args(["serve", "-tp", "2", "--enable-expert-parallel"])
+    assert engine_args_from(ns).create_engine_config().parallel.enable_expert_parallel
+    assert not EngineArgs().create_engine_config().parallel.enable_expert_parallel

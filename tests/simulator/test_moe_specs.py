@@ -117,7 +117,7 @@ def test_hf_moe_configs_parse_by_their_field_names(tmp_path):
     spec = load_model_config(str(tmp_path / "qwen"))
     # layers 1 and 5 are MoE (every second, layer 3 kept dense); 0, 2, 3, 4 are dense
     assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (8, 2, 32)
-    assert spec.num_moe_layers == 2 and spec.mlp_intermediate_sizes == (32, 256)
+    assert spec.num_moe_layers == 2 and spec.dense_intermediate_size == 256
     attn = 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2
     linears = 4 * (attn + 3 * 64 * 256) + 2 * (attn + 64 * 8 + 8 * 3 * 64 * 32)
     assert spec.num_params == linears + 2 * 1000 * 64
@@ -150,23 +150,54 @@ def test_shared_expert_and_bad_moe_configs(tmp_path):
                                                if k != "num_experts_per_tok"}}))
     with pytest.raises(ValueError, match="n_routed_experts"):
         load_model_config(_write(tmp_path, {**base, "num_experts": 0, "n_routed_experts": 64}))
-    # -tp must divide each expert's width, as it slices each expert like a dense MLP
-    odd = load_model_config(_write(tmp_path, {**base, "moe_intermediate_size": 30}))
-    with pytest.raises(ValueError, match="intermediate_size \\(30\\)"):
-        RooflineCostModel(odd, load_hardware("H100-SXM"), "bfloat16", tensor_parallel_size=4)
 
 
-def test_simulate_runs_on_the_shipped_qwen3_moe(tmp_path, capsys):
+def test_roofline_expert_parallel_places_whole_experts(tmp_path):
+    hw = load_hardware("H100-SXM")
+    base = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000,
+            "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 30}
+    spec = load_model_config(_write(tmp_path, base))
+    assert spec.dense_intermediate_size is None  # every layer MoE: 256 need not shard
+    # -tp 4 slices each expert like a dense MLP: it must divide the expert's width (30)
+    with pytest.raises(ValueError, match="moe_intermediate_size \\(30\\).*expert-parallel"):
+        RooflineCostModel(spec, hw, "bfloat16", tensor_parallel_size=4)
+    # whole experts instead: 6 over 4 ranks is 2, 2, 1, 1; the fullest rank reads 2 of 6
+    ep = RooflineCostModel(spec, hw, "bfloat16", tensor_parallel_size=4, expert_parallel=True)
+    one = RooflineCostModel(spec, hw, "bfloat16")
+    b = BatchShape(num_decode_tokens=4, num_context_tokens=40, num_seqs=4, num_attention_pairs=40)
+    bw = hw.memory_bandwidth * hw.memory_efficiency
+    total = spec.weight_bytes_per_step("bfloat16", 4)
+    experts = spec.expert_bytes_per_step("bfloat16", 4)
+    assert 0 < experts < total
+    assert ep.linear_time(b) == pytest.approx(((total - experts) / 4 + experts * 2 / 6) / bw)
+    assert one.linear_time(b) == pytest.approx(total / bw)
+    assert ep.describe()["enable_expert_parallel"]
+    with pytest.raises(ValueError, match="--enable-expert-parallel.*num_experts \\(6\\)"):
+        RooflineCostModel(spec, hw, "bfloat16", tensor_parallel_size=8, expert_parallel=True)
+    # an even split reads what slicing reads; a dense model has no experts to place
+    qwen = load_model_config("Qwen3-30B-A3B")
+    assert (RooflineCostModel(qwen, hw, "bfloat16", 2, expert_parallel=True).linear_time(b)
+            == pytest.approx(RooflineCostModel(qwen, hw, "bfloat16", 2).linear_time(b)))
+    llama = RooflineCostModel(load_model_config("Llama-3-8B"), hw, "bfloat16", 2,
+                              expert_parallel=True)
+    assert not llama.expert_parallel
+
+
+@pytest.mark.parametrize("parallel", [[], ["-tp", "2", "--enable-expert-parallel"]],
+                         ids=["one-device", "ep2"])
+def test_simulate_runs_on_the_shipped_qwen3_moe(tmp_path, capsys, parallel):
     result = tmp_path / "sim.json"
     assert main(["simulate", "--model-config", "Qwen3-30B-A3B", "--hardware", "H200",
                  "--dtype", "bfloat16", "--kv-cache-space", "20", "--dataset", "random",
                  "--num-prompts", "16", "--random-input-len", "64", "--random-output-len", "8",
-                 "--result-file", str(result)]) == 0
+                 *parallel, "--result-file", str(result)]) == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
     data = json.loads(result.read_text())
     assert data["config"]["model_config"] == "Qwen3-30B-A3B"
+    assert data["config"]["enable_expert_parallel"] is bool(parallel)
     m = data["metrics"]
     assert m["completed"] == 16 and m["total_output_tokens"] == 16 * 8
     # a decode step of 16 requests reads ~3.3 B..27 B parameters in bf16 on the H200's 3.84 TB/s
-    # effective: between ~1.6 ms and ~14 ms plus the 2 ms overhead
-    assert 3.0 < m["median_tpot_ms"] < 20.0
+    # effective: between ~1.6 ms and ~14 ms plus the 2 ms overhead (on one device)
+    assert 2.5 < m["median_tpot_ms"] < 20.0
