@@ -97,6 +97,8 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     config = args.create_engine_config(
         arch.max_position_embeddings, bundle.checkpoint_dtype, arch.uniform_window
     )
+    if config.parallel.enable_expert_parallel:  # accepted, as vLLM does; nothing to place
+        logger.info("--enable-expert-parallel with one rank: every expert is on it")
     loaded = (bundle.dtype, bundle.device, bundle.quantization)
     if (config.model.dtype, config.device.device, config.model.quantization) != loaded or (
         config.model.max_model_len > bundle.max_positions

@@ -14,7 +14,7 @@ import os
 import time
 
 from tessera.config import EngineArgs
-from tessera.distributed.sharding import ShardPlan, check_shardable
+from tessera.distributed.sharding import ShardPlan
 from tessera.engine.sizing import describe_config, size_kv_pools
 from tessera.executor.multiproc_executor import MultiprocExecutor
 from tessera.model.default_model import resolve_model_path
@@ -37,9 +37,12 @@ def build_tp_engine(engine_cls, args: EngineArgs):
     path = resolve_model_path(args.model)
     arch = read_model_config(path)
     n = parallel.tensor_parallel_size
-    check_shardable(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, n)
+    # refuses a size that does not shard, naming the numbers (the workers build the same plans)
+    plan = ShardPlan.for_arch(arch, 0, n, parallel.enable_expert_parallel)
+    if parallel.enable_expert_parallel and not plan.expert_parallel:
+        logger.info("--enable-expert-parallel: %s is dense, no experts to place",
+                    arch.architecture)
     config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window)
-    plan = ShardPlan.for_arch(arch, 0, n)
     # --kv-cache-space and --swap-space are per rank, as vLLM's memory fraction is per device
     spec = kv_cache_spec(arch, config, plan.num_local_kv_heads)
     num_gpu_blocks, num_cpu_blocks = size_kv_pools(config, spec)
@@ -51,10 +54,12 @@ def build_tp_engine(engine_cls, args: EngineArgs):
                       num_cpu_blocks=num_cpu_blocks, eos_token_ids=eos)
     executor = MultiprocExecutor(parallel, init, config.device.device)
     logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
-    logger.info("engine ready in %.1fs: %s, %s, tensor-parallel size %d (%s KV heads per rank), "
+    experts = (f", experts placed whole ({len(plan.expert_ids)} on rank 0 of {arch.num_experts})"
+               if plan.expert_parallel else "")
+    logger.info("engine ready in %.1fs: %s, %s, tensor-parallel size %d (%s KV heads per rank%s), "
                 "%d device blocks per rank, %d swap blocks", time.perf_counter() - start,
                 os.path.basename(path), config.model.dtype, n,
-                plan.num_local_kv_heads, num_gpu_blocks, num_cpu_blocks)
+                plan.num_local_kv_heads, experts, num_gpu_blocks, num_cpu_blocks)
     gc.collect()
     gc.freeze()
     return engine_cls(

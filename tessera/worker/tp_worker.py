@@ -194,7 +194,7 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
     args = init.engine_args
     arch = read_model_config(init.model_path)
     config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window)
-    plan = ShardPlan.for_arch(arch, rank, world_size)
+    plan = ShardPlan.for_arch(arch, rank, world_size, config.parallel.enable_expert_parallel)
     tp = TensorParallelGroup(plan, device)
     quantization = weight_quantization(config.model.quantization, config.model.dtype,
                                        config.device.device)
