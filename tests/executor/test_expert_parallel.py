@@ -1,0 +1,122 @@
+"""Expert parallelism and tensor parallelism on a mixture of experts, in real worker processes:
+greedy tokens of EP=2 (`-tp 2 --enable-expert-parallel`: whole experts per rank) and of TP=2
+(every expert sliced) equal TP=1 on a tiny Qwen3-MoE (8 experts, top-2, one dense layer); each
+rank reads only its share of the checkpoint (its experts, whole, or its slice of every expert);
+the flag is accepted and idle with one rank and on a dense model.
+
+Every divergence must be a near-tie of the HF reference (an all-reduce sums in another order);
+more than one per run is a bug. Every engine a test builds is shut down by it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from greedy_reference import check_greedy
+from tiny_llama import save_tiny_llama
+from tiny_moe import save_tiny_qwen3_moe
+
+from tessera import LLM, SamplingParams
+from tessera.distributed.sharding import ShardPlan, expert_of
+from tessera.model.loader import load_model, read_model_config
+from tests.executor.test_tensor_parallel import Engines
+
+NUM_TOKENS = 10
+PROMPTS = [list(range(10, 34)), [7] * 5 + list(range(60, 80)), [3, 5, 9, 33, 2, 8],
+           list(range(200, 120, -3))]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+    return path, save_tiny_qwen3_moe(path)
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tiny_moe):
+    """TP=1's greedy tokens, and the bytes of its whole model."""
+    path, _ = tiny_moe
+    llm = LLM(model=path, max_model_len=256)
+    try:
+        whole = sum(llm.llm_engine.executor.runner.model.weight_bytes().values())
+        return _greedy(llm), whole
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.fixture
+def engines():
+    e = Engines()
+    yield e
+    e.close()
+
+
+def _greedy(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _assert_same(hf_model, expected, got, label: str) -> None:
+    ties = [t for p, e, g in zip(PROMPTS, expected, got, strict=True)
+            if (t := check_greedy(hf_model, p, e, g))]
+    assert len(ties) <= 1, f"more than one near-tie in {label}: {ties}"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_reads_only_its_experts(tiny_moe, rank):
+    """The loader under an EP plan returns this rank's experts whole and no other's; under a TP
+    plan, a half of every expert. Attention and the router are the same either way."""
+    path, _ = tiny_moe
+    arch = read_model_config(path)
+    ep = ShardPlan.for_arch(arch, rank, 2, expert_parallel=True)
+    assert ep.expert_parallel and list(ep.expert_ids) == list(range(4 * rank, 4 * rank + 4))
+    _, ep_weights = load_model(path, "none", ep)
+    _, tp_weights = load_model(path, "none", ShardPlan.for_arch(arch, rank, 2))
+    ep_experts = {expert_of(n) for n in ep_weights} - {None}
+    assert ep_experts == set(ep.expert_ids)
+    assert {expert_of(n) for n in tp_weights} - {None} == set(range(8))
+    up = "model.layers.0.mlp.experts.{}.up_proj.weight"
+    assert tuple(ep_weights[up.format(4 * rank)].shape) == (32, 64)  # whole
+    assert tuple(tp_weights[up.format(0)].shape) == (16, 64)  # half of each
+    router = "model.layers.2.mlp.gate.weight"
+    assert tuple(ep_weights[router].shape) == tuple(tp_weights[router].shape) == (8, 64)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+        assert ep_weights[name].equal(tp_weights[name])  # the non-expert shards agree
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep2", "tp2"])
+def test_two_ranks_equal_one_on_a_tiny_qwen3_moe(tiny_moe, tp1_tokens, engines, expert_parallel):
+    path, hf_model = tiny_moe
+    expected, whole = tp1_tokens
+    llm = engines(path, max_model_len=256, tensor_parallel_size=2,
+                  enable_expert_parallel=expert_parallel)
+    ex = llm.llm_engine.executor
+    assert len(ex.pids) == 2
+    # each rank holds about half the weights: half the experts whole, or half of each
+    assert all(0.4 * whole < i.weight_bytes < 0.65 * whole for i in ex.rank_infos), (
+        whole, [i.weight_bytes for i in ex.rank_infos])
+    _assert_same(hf_model, expected, _greedy(llm), "ep2" if expert_parallel else "tp2")
+    # no collective beyond TP's: two all-reduces per layer and step, plus the embedding's
+    stats = ex.collective_stats()
+    assert stats[0]["stats"].num_all_reduce == stats[1]["stats"].num_all_reduce
+    assert stats[0]["stats"].num_all_reduce % (2 * 3 + 1) == 0
+
+
+def test_expert_parallel_with_one_rank_is_idle(tiny_moe, tp1_tokens, caplog):
+    path, _ = tiny_moe
+    llm = LLM(model=path, max_model_len=256, enable_expert_parallel=True)
+    try:
+        assert "--enable-expert-parallel with one rank" in caplog.text
+        assert _greedy(llm) == tp1_tokens[0]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_expert_parallel_on_a_dense_model_shards_as_tp(tmp_path):
+    """A dense model has no experts to place: its plan is TP's, rank for rank."""
+    save_tiny_llama(str(tmp_path), num_kv_heads=2)
+    arch = read_model_config(str(tmp_path))
+    for rank in range(2):
+        plan = ShardPlan.for_arch(arch, rank, 2, expert_parallel=True)
+        assert not plan.expert_parallel
+        assert plan == ShardPlan.for_arch(arch, rank, 2)
