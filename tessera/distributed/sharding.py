@@ -4,7 +4,8 @@
                              world_size divides num_key_value_heads, else (world_size a multiple of
                              them) each rank keeps the one KV head its query heads read: replicated
     o_proj, down_proj        row-parallel (columns: the input features); an all-reduce follows
-    gate_proj, up_proj       column-parallel
+    gate_proj, up_proj       column-parallel (MoE: each expert's too, by moe_intermediate_size;
+                             the router `mlp.gate` is replicated)
     embed_tokens, lm_head    vocab-parallel: rows [rank * ceil(V/N), ...); logits are gathered
     norms                    replicated
 
@@ -57,15 +58,20 @@ class ShardPlan:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    moe_intermediate_size: int = 0  # each expert's (0: a dense model)
 
     def __post_init__(self) -> None:
         check_shardable(self.num_heads, self.num_kv_heads, self.intermediate_size, self.world_size)
+        if self.moe_intermediate_size % self.world_size:
+            raise ValueError(f"--tensor-parallel-size {self.world_size} does not divide the "
+                             f"model's moe_intermediate_size ({self.moe_intermediate_size})")
         assert 0 <= self.rank < self.world_size
 
     @classmethod
     def for_arch(cls, arch, rank: int, world_size: int) -> ShardPlan:
+        moe = arch.moe_intermediate_size if arch.num_experts else 0
         return cls(rank, world_size, arch.num_attention_heads, arch.num_key_value_heads,
-                   arch.head_dim, arch.intermediate_size, arch.vocab_size)
+                   arch.head_dim, arch.intermediate_size, arch.vocab_size, moe)
 
     # ---- per-rank sizes ----------------------------------------------------------------------
     @property
@@ -110,7 +116,8 @@ class ShardPlan:
         if leaf == "o_proj":
             q = self.num_local_heads * d
             return (1, r * q, (r + 1) * q)
-        i = self.intermediate_size // self.world_size
+        i = (self.moe_intermediate_size if ".experts." in name
+             else self.intermediate_size) // self.world_size
         if leaf in ("gate_proj", "up_proj"):
             return (0, r * i, (r + 1) * i)
         if leaf == "down_proj":
