@@ -55,6 +55,16 @@ class ModelArchConfig:
     final_logit_softcapping: float | None = None
     # Phi-4-mini: RoPE rotates only this fraction of each head
     partial_rotary_factor: float = 1.0
+    # Mixture of experts (Qwen3-MoE, OLMoE, Mixtral); num_experts 0 is a dense model. A layer is
+    # sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th one (Qwen3-MoE)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; intermediate_size is the dense layers'
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the projection (and q/k norms)
+    clip_qkv: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -108,6 +118,43 @@ class ModelArchConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"model config: {name} must be > 0, got {value}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"model config: num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts == 0:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model config: num_experts_per_tok ({self.num_experts_per_tok}) must be between "
+                f"1 and num_experts ({self.num_experts})"
+            )
+        if self.moe_intermediate_size < 1:
+            raise ValueError(
+                "model config: moe_intermediate_size must be >= 1, got "
+                f"{self.moe_intermediate_size}"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"model config: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
+            )
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if outside:
+            raise ValueError(
+                f"model config: mlp_only_layers {outside} are not layers of a "
+                f"{self.num_hidden_layers}-layer model"
+            )
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ValueError(f"model config: clip_qkv must be > 0, got {self.clip_qkv}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` has a sparse MoE block in place of the MLP (HF's rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def traits(self) -> ArchTraits:
@@ -159,7 +206,15 @@ class ModelArchConfig:
             if self.traits.qk_norm:
                 names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
             names.append(f"{p}self_attn.o_proj.weight")
-            names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+            if self.is_moe_layer(i):  # the router, then each expert's MLP
+                names.append(f"{p}mlp.gate.weight")
+                names += [
+                    f"{p}mlp.experts.{e}.{m}.weight"
+                    for e in range(self.num_experts)
+                    for m in ("gate_proj", "up_proj", "down_proj")
+                ]
+            else:
+                names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
             names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
             if self.traits.gemma_norms:
                 names += [
@@ -173,11 +228,17 @@ class ModelArchConfig:
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Expected shape of each weight in HF layout ([out_features, in_features])."""
-        h, f = self.hidden_size, self.intermediate_size
+        h = self.hidden_size
+        # OLMoE normalises the whole q and k projections, the others each head
+        q_norm, k_norm = (
+            (self.q_size, self.kv_size) if self.traits.qk_norm_full else (self.head_dim,) * 2
+        )
         shapes: dict[str, tuple[int, ...]] = {}
         for name in self.weight_names():
             leaf = name.rsplit(".", 2)[-2]  # q_proj, mlp gate_proj, input_layernorm, ...
             is_bias = name.endswith(".bias")
+            expert = ".experts." in name
+            f = self.moe_intermediate_size if expert else self.intermediate_size
             out, inp = {
                 "embed_tokens": (self.vocab_size, h),
                 "lm_head": (self.vocab_size, h),
@@ -188,8 +249,9 @@ class ModelArchConfig:
                 "gate_proj": (f, h),
                 "up_proj": (f, h),
                 "down_proj": (h, f),
-                "q_norm": (self.head_dim, None),
-                "k_norm": (self.head_dim, None),
+                "q_norm": (q_norm, None),
+                "k_norm": (k_norm, None),
+                "gate": (self.num_experts, h),  # the MoE router
             }.get(leaf, (h, None))
             shapes[name] = (out,) if is_bias or inp is None else (out, inp)
         return shapes

@@ -28,7 +28,12 @@ import torch
 from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
 from tessera.model.gguf_quant import INT8_FORMATS, KERNEL_FORMATS, QuantizedTensor
-from tessera.model.registry import GGUF_ARCHITECTURES, has_qkv_bias, traits
+from tessera.model.registry import (
+    GGUF_ARCHITECTURES,
+    GGUF_LLAMA_WITH_EXPERTS,
+    has_qkv_bias,
+    traits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,11 @@ _LAYER_NAME_MAP = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
+# llama.cpp's 3-D expert tensors [E, out, in]: one HF projection per expert
+_EXPERT_NAME_MAP = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                    "ffn_down_exps": "down_proj"}
 # Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP there, and
 # post_attention_norm the one on the attention output (HF's post_attention_layernorm)
 _GEMMA_LAYER_NAME_MAP = {
@@ -99,6 +108,10 @@ def load_gguf(
             continue
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
+        if name.endswith(".mlp.experts"):
+            for part, array in _split_experts(tensor, name, quantization).items():
+                weights[part] = _to_weight(array if plan is None else plan.shard(part, array))
+            continue
         int8 = quantization == "gguf_int8"
         keep = quantization != "none" and _kernel_serves(tensor, int8)
         array = _keep_quantized(tensor, int8) if keep else dequantize_tensor(tensor)
@@ -112,11 +125,35 @@ def load_gguf(
             array = _unpermute(array, num_heads)
         if plan is not None:
             array = plan.shard(name, array)
-        if isinstance(array, QuantizedTensor | torch.Tensor):
-            weights[name] = array
-        else:
-            weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+        weights[name] = _to_weight(array)
     return config, weights
+
+
+def _to_weight(array) -> torch.Tensor | QuantizedTensor:
+    if isinstance(array, QuantizedTensor | torch.Tensor):
+        return array
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _split_experts(
+    tensor: gguf.ReaderTensor, stem: str, quantization: str
+) -> dict[str, np.ndarray | QuantizedTensor]:
+    """One 3-D expert tensor [E, out, in] -> each expert's 2-D weight under its HF name
+    (`{stem}.{e}.{proj}.weight`). Blocks a kernel serves stay quantized, one slice of rows per
+    expert, so a step reads only the experts its tokens chose (and a rank can hold a subset)."""
+    proj = _EXPERT_NAME_MAP[tensor.name.split(".")[2]]
+    num_experts, n, k = (int(d) for d in reversed(tensor.shape))
+    int8 = quantization == "gguf_int8"
+    names = [f"{stem}.{e}.{proj}.weight" for e in range(num_experts)]
+    if quantization != "none" and tensor.tensor_type in (INT8_FORMATS if int8 else KERNEL_FORMATS):
+        data = np.asarray(tensor.data).reshape(num_experts, n, -1)  # [E, rows, bytes a row]
+        return {
+            name: QuantizedTensor(tensor.tensor_type, np.array(data[e], copy=True),
+                                  torch.Size([n, k]), int8)
+            for e, name in enumerate(names)
+        }
+    dense = dequantize_tensor(tensor)  # [E, n, k]
+    return {name: dense[e] for e, name in enumerate(names)}
 
 
 def read_gguf_config(path: str) -> ModelArchConfig:
@@ -185,9 +222,13 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _hf_name(gguf_name: str, gemma: bool = False) -> str | None:
+    """The HF name of a GGUF tensor; a 3-D expert tensor gives the stem of its experts
+    (`model.layers.{i}.mlp.experts`, split by `_split_experts`)."""
     m = _LAYER_RE.fullmatch(gguf_name)
     if m:
         layer, part, kind = m.groups()
+        if part in _EXPERT_NAME_MAP and kind == "weight":
+            return f"model.layers.{layer}.mlp.experts"
         hf = (_GEMMA_LAYER_NAME_MAP if gemma else _LAYER_NAME_MAP).get(part)
         return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
@@ -213,6 +254,12 @@ def _read_config(
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     architecture, _ = GGUF_ARCHITECTURES[arch]
+    num_experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if arch == "llama" and num_experts:
+        architecture = GGUF_LLAMA_WITH_EXPERTS
+    if num_experts and not traits(architecture).moe:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} with {arch}.expert_count "
+                         f"{num_experts} is not supported")
 
     def key(name: str, default=None):
         value = _field(reader, f"{arch}.{name}", default)
@@ -280,6 +327,30 @@ def _read_config(
         query_pre_attn_scalar=float(head_dim) if family.gemma_norms else None,
         attn_logit_softcapping=_optional_float(reader, f"{arch}.attn_logit_softcapping"),
         final_logit_softcapping=_optional_float(reader, f"{arch}.final_logit_softcapping"),
+        **_moe_config(reader, arch, num_experts, shapes),
+    )
+
+
+# llama.cpp's graphs: qwen3moe and llama (Mixtral) renormalise the top-k weights, olmoe not
+_RENORMALIZED = {"qwen3moe": True, "llama": True, "olmoe": False}
+
+
+def _moe_config(reader: gguf.GGUFReader, arch: str, num_experts: int,
+                shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The MoE fields of `ModelArchConfig` from llama.cpp's metadata (none for a dense model).
+    Every layer is sparse in llama.cpp's MoE graphs; the expert width is its own key
+    (qwen3moe) or that of the expert tensors."""
+    if not num_experts:
+        return {}
+    width = _field(reader, f"{arch}.expert_feed_forward_length")
+    if width is None:
+        width = shapes["blk.0.ffn_gate_exps.weight"][1]
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
+        moe_intermediate_size=int(width),
+        norm_topk_prob=_RENORMALIZED.get(arch, True) if norm is None else bool(norm),
     )
 
 

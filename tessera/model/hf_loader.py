@@ -11,6 +11,7 @@ import glob
 import json
 import logging
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -29,36 +30,68 @@ def load_hf_dir(
     weights from every `*.safetensors` file in the directory. With a tensor-parallel `plan`, only
     the rank's slice of each tensor is read from the file (safetensors slices)."""
     files = _safetensors_files(path)
-    names = {name: file for file in files for name in _keys(file)}
+    names = {name for file in files for name in _keys(file)}
     config = read_hf_config(path, has_lm_head="lm_head.weight" in names)
     expected = set(config.weight_names())
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
-                    for part, t in _split_fused(config, name, f.get_tensor(name)).items():
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if stored.endswith((".qkv_proj.weight", ".gate_up_proj.weight",
+                                    ".experts.gate_up_proj", ".experts.down_proj")):
+                    for part, t in _split_fused(config, stored, f.get_tensor(stored)).items():
                         weights[part] = (t if plan is None else plan.shard(part, t)).to(
                             torch.float32).contiguous()
                     continue
+                name = _canonical_name(stored)
                 if name not in expected:
                     if name != "lm_head.weight":  # a tied checkpoint may still store a copy
                         logger.warning("%s: ignoring tensor %s", path, name)
                     continue
                 cut = None if plan is None else plan.slice_of(name)
-                if cut is None or (cut[0] == 1 and len(f.get_slice(name).get_shape()) == 1):
-                    tensor = f.get_tensor(name)
+                if cut is None or (cut[0] == 1 and len(f.get_slice(stored).get_shape()) == 1):
+                    tensor = f.get_tensor(stored)
                 else:
                     dim, start, stop = cut
-                    sl = f.get_slice(name)
+                    sl = f.get_slice(stored)
                     tensor = sl[start:stop] if dim == 0 else sl[:, start:stop]
                 weights[name] = tensor.to(torch.float32).contiguous()
     return config, weights
 
 
+# Mixtral's names for its MoE block -> the names the model code reads (Qwen3-MoE's and OLMoE's)
+_MIXTRAL_RE = re.compile(r"(.*)\.block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _canonical_name(name: str) -> str:
+    """A checkpoint's tensor name as the model code reads it."""
+    m = _MIXTRAL_RE.fullmatch(name)
+    if m is None:
+        return name
+    stem, leaf = m.groups()
+    if leaf == "gate":
+        return f"{stem}.mlp.gate.weight"
+    _, expert, proj = leaf.split(".")
+    return f"{stem}.mlp.experts.{expert}.{_MIXTRAL_PROJ[proj]}.weight"
+
+
 def _split_fused(config: ModelArchConfig, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Phi-3 stores q|k|v as `qkv_proj` and gate|up as `gate_up_proj`: the model fuses them
-    again itself, but the sharding plan and the shape checks speak of the parts."""
+    """Phi-3 stores q|k|v as `qkv_proj` and gate|up as `gate_up_proj`; transformers' own MoE
+    layout stores every expert of a layer in `experts.gate_up_proj` [E, 2I, H] and
+    `experts.down_proj` [E, H, I]. The model fuses them again itself, but the sharding plan and
+    the shape checks speak of the parts (one expert each)."""
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        stem = name.rsplit(".", 1)[0].replace(".block_sparse_moe.", ".mlp.")
+        out: dict[str, torch.Tensor] = {}
+        for e in range(t.shape[0]):
+            if name.endswith(".down_proj"):
+                out[f"{stem}.{e}.down_proj.weight"] = t[e]
+            else:
+                gate, up = t[e].chunk(2)
+                out[f"{stem}.{e}.gate_proj.weight"] = gate
+                out[f"{stem}.{e}.up_proj.weight"] = up
+        return out
     prefix = name.rsplit(".", 2)[0]
     if name.endswith(".qkv_proj.weight"):
         q, k, v = t.split([config.q_size, config.kv_size, config.kv_size])
@@ -165,7 +198,43 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
         attn_logit_softcapping=_positive(cfg, "attn_logit_softcapping"),
         final_logit_softcapping=_positive(cfg, "final_logit_softcapping"),
         partial_rotary_factor=partial,
+        **_moe_of(cfg, path, architecture),
     )
+
+
+def _moe_of(cfg: dict, path: str, architecture: str) -> dict:
+    """The `ModelArchConfig` fields of a mixture-of-experts config (none for a dense family).
+    Names vary: Qwen3-MoE and OLMoE say num_experts (transformers v5 writes num_local_experts
+    for Qwen3-MoE), Mixtral num_local_experts; OLMoE's and Mixtral's experts are
+    intermediate_size wide, Qwen3-MoE's moe_intermediate_size."""
+    family = traits(architecture)
+    if not family.moe:
+        return {}
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError(f"{path}: config.json of {architecture} lacks num_experts")
+    if cfg.get("num_experts_per_tok") is None:
+        raise ValueError(f"{path}: config.json of {architecture} lacks num_experts_per_tok")
+    fields = dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        norm_topk_prob=family.always_renormalize or bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
+    )
+    if fields["num_experts"] and not 1 <= fields["num_experts_per_tok"] <= fields["num_experts"]:
+        raise ValueError(
+            f"{path}: num_experts_per_tok ({fields['num_experts_per_tok']}) must be between 1 "
+            f"and the number of experts ({fields['num_experts']})"
+        )
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(
+            f"{path}: shared_expert_intermediate_size is not supported for {architecture} "
+            "(no shared expert)"
+        )
+    return fields
 
 
 # HF's activation names -> the gate the family computes
@@ -232,7 +301,10 @@ def _windows_of(
     layers, Mistral's window on every layer, Qwen's `use_sliding_window` (off by default)."""
     window = cfg.get("sliding_window")
     types = tuple(cfg.get("layer_types") or ())
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture == "Qwen3MoeForCausalLM":  # HF: the window on every layer, if used
+        if not cfg.get("use_sliding_window"):
+            return None, ()
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window"):
             return None, ()
         if not types:  # HF: layers from max_window_layers on use the window

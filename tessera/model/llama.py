@@ -9,6 +9,10 @@ its `ArchTraits` (tessera/model/registry.py) and its config name:
                 by sqrt(hidden), query_pre_attn_scalar; local (sliding) and global layers, with
                 their own RoPE base in Gemma 3; soft-capped scores and logits in Gemma 2
     Phi-3       fused checkpoint tensors (split at load), LongRoPE, partial rotary dims
+    Qwen3-MoE   Qwen3 with sparse mixture-of-experts blocks in place of the MLP (tessera/model/
+                moe.py) on the layers the config names (decoder_sparse_step, mlp_only_layers)
+    OLMoE       MoE blocks; its q/k RMSNorm spans the whole projection, not each head; clip_qkv
+    Mixtral     Mistral with MoE blocks (top-k weights renormalised)
 
 Plain tensors and small callables rather than nn.Modules: the forward is a fixed loop over layers
 and the per-op dispatch overhead is what bounds batch-1 decode on CPU.
@@ -37,6 +41,7 @@ from tessera.model.layers import (
     Weight,
     make_linear,
 )
+from tessera.model.moe import FusedMoE
 
 
 class LlamaLayer:
@@ -75,8 +80,21 @@ class LlamaLayer:
         # fused q/k/v and gate|up: one matmul each
         self.wqkv = linear([f"{attn}.{p}_proj.weight" for p in "qkv"], qkv_bias)
         self.wo = linear([f"{attn}.o_proj.weight"])
-        self.w13 = linear(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
-        self.w2 = linear(["mlp.down_proj.weight"])
+        self.act = (SiluAndMul(device, dtype) if family.activation == "silu"
+                    else GeluTanhAndMul())
+        layer_index = int(prefix.rsplit(".", 1)[1])
+        # a sparse MoE block, or the dense MLP (w13, w2: LoRA wraps these by name)
+        self.moe: FusedMoE | None = None
+        if cfg.is_moe_layer(layer_index):
+            if tp is not None and family.qk_norm_full:
+                raise ValueError(
+                    f"--tensor-parallel-size: {cfg.architecture} normalises q and k over all "
+                    "heads at once, which a rank's slice of the heads cannot; use 1"
+                )
+            self.moe = FusedMoE.from_weights(cfg, w, f"{prefix}.mlp", dtype, device, self.act)
+        else:
+            self.w13 = linear(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+            self.w2 = linear(["mlp.down_proj.weight"])
         self.input_norm = norm("input_layernorm.weight")
         self.post_attn_norm = norm("post_attention_layernorm.weight")
         # Gemma's sandwich: post_attn_norm normalises the attention output; these two wrap the MLP
@@ -88,15 +106,15 @@ class LlamaLayer:
         if family.qk_norm:
             self.q_norm = norm(f"{attn}.q_norm.weight")
             self.k_norm = norm(f"{attn}.k_norm.weight")
-        self.act = (SiluAndMul(device, dtype) if family.activation == "silu"
-                    else GeluTanhAndMul())
+        self.qk_norm_full = family.qk_norm_full
+        self.clip_qkv = cfg.clip_qkv
         self.tp = tp
         self.num_heads = cfg.num_attention_heads if tp is None else tp.plan.num_local_heads
         self.num_kv_heads = cfg.num_key_value_heads if tp is None else tp.plan.num_local_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_logit_softcapping
-        self.window = cfg.layer_window(int(prefix.rsplit(".", 1)[1]))
+        self.window = cfg.layer_window(layer_index)
         self.q_size = self.num_heads * self.head_dim
         self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
 
@@ -119,6 +137,8 @@ class LlamaLayer:
         qkv = self.wqkv(x)  # [n, (H + 2 * KVH) * D]
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads_(qkv, n)
+        if self.clip_qkv is not None:  # OLMoE
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         rope.apply_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k are adjacent
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.qk_size].view(n, self.num_kv_heads, self.head_dim)
@@ -132,7 +152,7 @@ class LlamaLayer:
             x = self.post_attn_norm.add_and_norm(h, o)
         else:  # Gemma: h += norm(o); x = norm(h)
             x = self.pre_mlp_norm.add_and_norm(h, self.post_attn_norm(o))
-        down = self.w2(self.act(self.w13(x)))
+        down = self.moe(x) if self.moe is not None else self.w2(self.act(self.w13(x)))
         if self.tp is not None:
             self.tp.all_reduce_(down)
         if self.post_mlp_norm is not None:
@@ -140,8 +160,15 @@ class LlamaLayer:
         return h, down
 
     def _norm_heads_(self, qkv: torch.Tensor, n: int) -> None:
-        """Qwen3 / Gemma 3: RMSNorm over each head of q and of k (in place, before RoPE)."""
+        """Qwen3 / Gemma 3: RMSNorm over each head of q and of k (in place, before RoPE); OLMoE:
+        over the whole q and the whole k of each token."""
         assert self.q_norm is not None and self.k_norm is not None
+        if self.qk_norm_full:
+            q = qkv[:, : self.q_size].contiguous()
+            k = qkv[:, self.q_size : self.qk_size].contiguous()
+            qkv[:, : self.q_size] = self.q_norm(q)
+            qkv[:, self.q_size : self.qk_size] = self.k_norm(k)
+            return
         d = self.head_dim
         q = qkv[:, : self.q_size].reshape(n * self.num_heads, d)
         k = qkv[:, self.q_size : self.qk_size].reshape(n * self.num_kv_heads, d)
@@ -210,15 +237,24 @@ class LlamaForCausalLM:
 
     def weight_bytes(self) -> dict[str, int]:
         """Resident bytes of weights by kind: "linear" (streamed once per step: every layer's
-        projections and the lm_head) and "embedding" (0 when it shares the lm_head's copy)."""
-        linears = [
-            lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2)
-        ]
-        linear = sum(lin.weight_bytes for lin in [*linears, self.lm_head])
+        projections, MoE routers and the lm_head), "experts" (the MoE experts held here, of
+        which a step reads only those its tokens chose) and "embedding" (0 when it shares the
+        lm_head's copy)."""
+        linears = [self.lm_head]
+        experts = 0
+        for layer in self.layers:
+            linears += [layer.wqkv, layer.wo]
+            if layer.moe is None:
+                linears += [layer.w13, layer.w2]
+            else:
+                linears.append(layer.moe.router)
+                experts += layer.moe.weight_bytes
+        linear = sum(lin.weight_bytes for lin in linears)
         shared = (
             isinstance(self.lm_head, QuantLinear) and self.embed.weight is self.lm_head.parts[0]
         )
-        return {"linear": linear, "embedding": 0 if shared else self.embed.weight_bytes}
+        return {"linear": linear, "experts": experts,
+                "embedding": 0 if shared else self.embed.weight_bytes}
 
     @torch.inference_mode()
     def forward(

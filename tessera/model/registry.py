@@ -21,10 +21,15 @@ class ArchTraits:
 
     qkv_bias:        bias on q/k/v only (Qwen2)
     qk_norm:         an RMSNorm over each head of q and of k, before RoPE (Qwen3, Gemma 3)
+    qk_norm_full:    that RMSNorm over the whole q and k projections instead of each head (OLMoE)
     gemma_norms:     RMSNorm scales by (1 + w); norms after attention and after the MLP too
                      ("sandwich"); embeddings scaled by sqrt(hidden) (Gemma 2 and 3)
     activation:      the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
     fused_checkpoint: q|k|v and gate|up stored as one tensor each (Phi-3: qkv_proj, gate_up_proj)
+    moe:             sparse mixture-of-experts blocks in place of the MLP (tessera/model/moe.py);
+                     the expert count and routing are the config's (num_experts, ...)
+    always_renormalize: the top-k routing weights always sum to 1, whatever the config says
+                     (Mixtral has no norm_topk_prob)
     """
 
     qkv_bias: bool = False
@@ -32,6 +37,9 @@ class ArchTraits:
     gemma_norms: bool = False
     activation: str = "silu"
     fused_checkpoint: bool = False
+    qk_norm_full: bool = False
+    moe: bool = False
+    always_renormalize: bool = False
 
 
 _LLAMA = ArchTraits()
@@ -47,6 +55,9 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
     "Gemma3ForCausalLM": ArchTraits(qk_norm=True, gemma_norms=True,
                                     activation="gelu_pytorch_tanh"),
     "Phi3ForCausalLM": ArchTraits(fused_checkpoint=True),
+    "Qwen3MoeForCausalLM": ArchTraits(qk_norm=True, moe=True),
+    "OlmoeForCausalLM": ArchTraits(qk_norm=True, qk_norm_full=True, moe=True),
+    "MixtralForCausalLM": ArchTraits(moe=True, always_renormalize=True),  # Mistral's attention
 }
 _MODEL_CLASS = "tessera.model.llama:LlamaForCausalLM"
 
@@ -61,10 +72,16 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "qwen3": ("Qwen3ForCausalLM", False),
     "gemma2": ("Gemma2ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
+    "olmoe": ("OlmoeForCausalLM", False),
 }
+# llama.cpp writes Mixtral as "llama" with expert tensors (an expert_count in the metadata)
+GGUF_LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 
 # invariant: every alias and GGUF name loads as a registered architecture
-assert set(HF_ALIASES.values()) | {a for a, _ in GGUF_ARCHITECTURES.values()} <= set(ARCH_TRAITS)
+assert set(HF_ALIASES.values()) | {a for a, _ in GGUF_ARCHITECTURES.values()} | {
+    GGUF_LLAMA_WITH_EXPERTS
+} <= set(ARCH_TRAITS)
 
 
 def supported_architectures() -> list[str]:

@@ -376,7 +376,8 @@ def test_registry(monkeypatch):
         registry.get_model_class("GPT2LMHeadModel")
     assert registry.supported_architectures() == [
         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-        "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+        "MixtralForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
     # one decoder for every family; the differences are traits
     from tessera.model.llama import LlamaForCausalLM
 
