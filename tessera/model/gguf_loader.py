@@ -110,6 +110,8 @@ def load_gguf(
             continue
         if name.endswith(".mlp.experts"):
             for part, array in _split_experts(tensor, name, quantization).items():
+                if plan is not None and not plan.holds(part):
+                    continue  # another rank's expert (--enable-expert-parallel)
                 weights[part] = _to_weight(array if plan is None else plan.shard(part, array))
             continue
         int8 = quantization == "gguf_int8"

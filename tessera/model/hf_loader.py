@@ -28,7 +28,8 @@ def load_hf_dir(
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Config from `config.json` (+ `generation_config.json` for extra EOS ids) and float32
     weights from every `*.safetensors` file in the directory. With a tensor-parallel `plan`, only
-    the rank's slice of each tensor is read from the file (safetensors slices)."""
+    the rank's slice of each tensor is read from the file (safetensors slices), and under expert
+    parallelism only the rank's experts."""
     files = _safetensors_files(path)
     names = {name for file in files for name in _keys(file)}
     config = read_hf_config(path, has_lm_head="lm_head.weight" in names)
@@ -40,6 +41,8 @@ def load_hf_dir(
                 if stored.endswith((".qkv_proj.weight", ".gate_up_proj.weight",
                                     ".experts.gate_up_proj", ".experts.down_proj")):
                     for part, t in _split_fused(config, stored, f.get_tensor(stored)).items():
+                        if plan is not None and not plan.holds(part):
+                            continue  # another rank's expert (--enable-expert-parallel)
                         weights[part] = (t if plan is None else plan.shard(part, t)).to(
                             torch.float32).contiguous()
                     continue
@@ -48,6 +51,8 @@ def load_hf_dir(
                     if name != "lm_head.weight":  # a tied checkpoint may still store a copy
                         logger.warning("%s: ignoring tensor %s", path, name)
                     continue
+                if plan is not None and not plan.holds(name):
+                    continue  # another rank's expert: never read
                 cut = None if plan is None else plan.slice_of(name)
                 if cut is None or (cut[0] == 1 and len(f.get_slice(stored).get_shape()) == 1):
                     tensor = f.get_tensor(stored)

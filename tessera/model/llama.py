@@ -91,7 +91,10 @@ class LlamaLayer:
                     f"--tensor-parallel-size: {cfg.architecture} normalises q and k over all "
                     "heads at once, which a rank's slice of the heads cannot; use 1"
                 )
-            self.moe = FusedMoE.from_weights(cfg, w, f"{prefix}.mlp", dtype, device, self.act)
+            # under tensor parallelism: a slice of every expert, or (expert parallelism) this
+            # rank's whole experts; the all-reduce after the MLP sums the ranks' shares
+            self.moe = FusedMoE.from_weights(cfg, w, f"{prefix}.mlp", dtype, device, self.act,
+                                             expert_ids=None if tp is None else tp.plan.expert_ids)
         else:
             self.w13 = linear(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
             self.w2 = linear(["mlp.down_proj.weight"])

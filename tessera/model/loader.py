@@ -114,8 +114,9 @@ def check_weights(
     """ValueError unless `weights` holds exactly the expected names, with the expected shapes
     (a rank's shapes under a tensor-parallel `plan`)."""
     expected = config.weight_shapes()
-    if plan is not None:
-        expected = {name: plan.local_shape(name, shape) for name, shape in expected.items()}
+    if plan is not None:  # the rank's shapes, and only its experts under expert parallelism
+        expected = {name: plan.local_shape(name, shape) for name, shape in expected.items()
+                    if plan.holds(name)}
     missing = [n for n in expected if n not in weights]
     if missing:
         raise ValueError(f"{path}: missing weights {missing[:5]} ({len(missing)} in all)")

@@ -10,6 +10,8 @@ more than one per run is a bug. Every engine a test builds is shut down by it.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from greedy_reference import check_greedy
 from tiny_llama import save_tiny_llama
@@ -104,6 +106,7 @@ def test_two_ranks_equal_one_on_a_tiny_qwen3_moe(tiny_moe, tp1_tokens, engines, 
 
 def test_expert_parallel_with_one_rank_is_idle(tiny_moe, tp1_tokens, caplog):
     path, _ = tiny_moe
+    caplog.set_level(logging.INFO, logger="tessera.engine.loading")
     llm = LLM(model=path, max_model_len=256, enable_expert_parallel=True)
     try:
         assert "--enable-expert-parallel with one rank" in caplog.text
