@@ -19,6 +19,7 @@ from tiny_moe import save_tiny_qwen3_moe
 
 from tessera import LLM, SamplingParams
 from tessera.distributed.sharding import ShardPlan, expert_of
+from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.loader import load_model, read_model_config
 from tests.executor.test_tensor_parallel import Engines
 
@@ -123,3 +124,53 @@ def test_expert_parallel_on_a_dense_model_shards_as_tp(tmp_path):
         plan = ShardPlan.for_arch(arch, rank, 2, expert_parallel=True)
         assert not plan.expert_parallel
         assert plan == ShardPlan.for_arch(arch, rank, 2)
+
+
+def test_fused_expert_tensors_split_per_rank(tiny_moe, tmp_path):
+    """transformers' in-memory layout, every expert of a layer in one tensor
+    (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), loads per rank as the
+    per-expert names do."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tiny_moe
+    state = load_file(f"{path}/model.safetensors")
+    fused: dict[str, torch.Tensor] = {}
+    for layer in (0, 2):
+        stem = f"model.layers.{layer}.mlp.experts"
+        parts = [[state.pop(f"{stem}.{e}.{p}.weight") for e in range(8)]
+                 for p in ("gate_proj", "up_proj", "down_proj")]
+        fused[f"{stem}.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(parts[0], parts[1], strict=True)])
+        fused[f"{stem}.down_proj"] = torch.stack(parts[2])
+    out = tmp_path / "fused"
+    out.mkdir()
+    shutil.copy(f"{path}/config.json", out / "config.json")
+    save_file({**state, **fused}, str(out / "model.safetensors"))
+    arch = read_model_config(path)
+    for expert_parallel in (True, False):
+        plan = ShardPlan.for_arch(arch, 1, 2, expert_parallel=expert_parallel)
+        _, want = load_model(path, "none", plan)
+        _, got = load_model(str(out), "none", plan)
+        assert want.keys() == got.keys() and all(want[n].equal(got[n]) for n in want)
+
+
+def test_gguf_experts_stay_quantized_on_their_rank(tmp_path):
+    """A GGUF file's 3-D expert tensors: under expert parallelism a rank keeps its experts whole
+    and quantized (Q8_0 blocks), and none of the others'."""
+    import gguf
+
+    from tests.model.test_moe_gguf import write_moe_gguf
+
+    save_tiny_qwen3_moe(str(tmp_path / "hf"), mlp_only_layers=[])  # llama.cpp's: all sparse
+    path = str(tmp_path / "q8.gguf")
+    write_moe_gguf(path, "qwen3moe", str(tmp_path / "hf"), gguf.GGMLQuantizationType.Q8_0)
+    arch = read_model_config(path)
+    plan = ShardPlan.for_arch(arch, 1, 2, expert_parallel=True)
+    assert plan.intermediate_size is None  # no dense MLP: its width need not shard
+    _, weights = load_model(path, "gguf", plan)
+    assert {expert_of(n) for n in weights} - {None} == {4, 5, 6, 7}
+    down = weights["model.layers.2.mlp.experts.6.down_proj.weight"]
+    assert isinstance(down, QuantizedTensor) and tuple(down.shape) == (64, 32)
