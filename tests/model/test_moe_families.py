@@ -11,6 +11,9 @@ configs the engine cannot honour refused at load by field name."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 import transformers
@@ -123,3 +126,21 @@ def test_invariant_under_scheduling(family, engine_args):
     if "preemption_mode" in engine_args and name != "mixtral":  # Mixtral's window frees blocks
         assert llm.get_metrics()["tessera:num_preemptions_total"] > 0
     llm.llm_engine.scheduler.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("field, value", [
+    ("num_experts_per_tok", 9),  # more than the 8 experts
+    ("hidden_act", "gelu"),  # the experts' gate is SiLU
+    ("attention_bias", True),
+    ("shared_expert_intermediate_size", 64),  # a shared expert this family does not have
+])
+def test_refuses_a_config_it_cannot_honour(family, tmp_path, field, value):
+    name, path, _, _ = family
+    copy = tmp_path / "edited"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config[field] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(copy))
