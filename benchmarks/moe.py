@@ -167,7 +167,8 @@ def build_models(workdir: str) -> dict[str, str]:
         _copy_tokenizer(writer, default_model_path())
         sizes: list[int] = []
 
-        def add(name: str, *shape: int, quantize: bool = True, writer=writer, gen=gen) -> None:
+        def add(name: str, *shape: int, quantize: bool = True, writer=writer, gen=gen,
+                sizes=sizes) -> None:
             w = gen.standard_normal(shape, dtype=np.float32) * 0.02
             if not quantize:  # norms near 1, the router f32
                 writer.add_tensor(name, w if len(shape) > 1 else w + 1.0)
