@@ -69,6 +69,11 @@ class ShardPlan:
 
     @classmethod
     def for_arch(cls, arch, rank: int, world_size: int) -> ShardPlan:
+        """The plan of a `ModelArchConfig`; ValueError if the architecture cannot be sliced."""
+        if world_size > 1 and arch.traits.qk_norm_full:
+            raise ValueError(f"--tensor-parallel-size {world_size}: {arch.architecture} "
+                             "normalises q and k over all heads at once, which a rank's slice "
+                             "of the heads cannot; use 1")
         moe = arch.moe_intermediate_size if arch.num_experts else 0
         return cls(rank, world_size, arch.num_attention_heads, arch.num_key_value_heads,
                    arch.head_dim, arch.intermediate_size, arch.vocab_size, moe)

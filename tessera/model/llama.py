@@ -86,11 +86,6 @@ class LlamaLayer:
         # a sparse MoE block, or the dense MLP (w13, w2: LoRA wraps these by name)
         self.moe: FusedMoE | None = None
         if cfg.is_moe_layer(layer_index):
-            if tp is not None and family.qk_norm_full:
-                raise ValueError(
-                    f"--tensor-parallel-size: {cfg.architecture} normalises q and k over all "
-                    "heads at once, which a rank's slice of the heads cannot; use 1"
-                )
             self.moe = FusedMoE.from_weights(cfg, w, f"{prefix}.mlp", dtype, device, self.act)
         else:
             self.w13 = linear(["mlp.gate_proj.weight", "mlp.up_proj.weight"])

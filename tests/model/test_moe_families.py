@@ -144,3 +144,10 @@ def test_refuses_a_config_it_cannot_honour(family, tmp_path, field, value):
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=field):
         LLM(model=str(copy))
+
+
+@pytest.mark.parametrize("family", ["olmoe"], indirect=True)
+def test_olmoe_refuses_tensor_parallel(family):
+    """Its q/k norm spans every head: refused before any worker starts, naming the flag."""
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2"):
+        LLM(model=family[1], tensor_parallel_size=2)
