@@ -4,8 +4,9 @@
                              world_size divides num_key_value_heads, else (world_size a multiple of
                              them) each rank keeps the one KV head its query heads read: replicated
     o_proj, down_proj        row-parallel (columns: the input features); an all-reduce follows
-    gate_proj, up_proj       column-parallel (MoE: each expert's too, by moe_intermediate_size;
-                             the router `mlp.gate` is replicated)
+    gate_proj, up_proj       column-parallel (MoE: each expert's too, by moe_intermediate_size,
+                             and the shared expert's; the router `mlp.gate` and the shared
+                             expert's gate are replicated)
     embed_tokens, lm_head    vocab-parallel: rows [rank * ceil(V/N), ...); logits are gathered
     norms                    replicated
 
@@ -59,12 +60,14 @@ class ShardPlan:
     intermediate_size: int
     vocab_size: int
     moe_intermediate_size: int = 0  # each expert's (0: a dense model)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert
 
     def __post_init__(self) -> None:
         check_shardable(self.num_heads, self.num_kv_heads, self.intermediate_size, self.world_size)
-        if self.moe_intermediate_size % self.world_size:
-            raise ValueError(f"--tensor-parallel-size {self.world_size} does not divide the "
-                             f"model's moe_intermediate_size ({self.moe_intermediate_size})")
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) % self.world_size:
+                raise ValueError(f"--tensor-parallel-size {self.world_size} does not divide the "
+                                 f"model's {name} ({getattr(self, name)})")
         assert 0 <= self.rank < self.world_size
 
     @classmethod
@@ -75,8 +78,9 @@ class ShardPlan:
                              "normalises q and k over all heads at once, which a rank's slice "
                              "of the heads cannot; use 1")
         moe = arch.moe_intermediate_size if arch.num_experts else 0
+        shared = arch.shared_expert_intermediate_size if arch.num_experts else 0
         return cls(rank, world_size, arch.num_attention_heads, arch.num_key_value_heads,
-                   arch.head_dim, arch.intermediate_size, arch.vocab_size, moe)
+                   arch.head_dim, arch.intermediate_size, arch.vocab_size, moe, shared)
 
     # ---- per-rank sizes ----------------------------------------------------------------------
     @property
@@ -122,6 +126,7 @@ class ShardPlan:
             q = self.num_local_heads * d
             return (1, r * q, (r + 1) * q)
         i = (self.moe_intermediate_size if ".experts." in name
+             else self.shared_expert_intermediate_size if ".shared_expert." in name
              else self.intermediate_size) // self.world_size
         if leaf in ("gate_proj", "up_proj"):
             return (0, r * i, (r + 1) * i)

@@ -13,6 +13,7 @@ its `ArchTraits` (tessera/model/registry.py) and its config name:
                 moe.py) on the layers the config names (decoder_sparse_step, mlp_only_layers)
     OLMoE       MoE blocks; its q/k RMSNorm spans the whole projection, not each head; clip_qkv
     Mixtral     Mistral with MoE blocks (top-k weights renormalised)
+    Qwen2-MoE   Qwen2 with MoE blocks and a shared expert beside the routed ones
 
 Plain tensors and small callables rather than nn.Modules: the forward is a fixed loop over layers
 and the per-op dispatch overhead is what bounds batch-1 decode on CPU.
@@ -232,9 +233,9 @@ class LlamaForCausalLM:
 
     def weight_bytes(self) -> dict[str, int]:
         """Resident bytes of weights by kind: "linear" (streamed once per step: every layer's
-        projections, MoE routers and the lm_head), "experts" (the MoE experts held here, of
-        which a step reads only those its tokens chose) and "embedding" (0 when it shares the
-        lm_head's copy)."""
+        projections, MoE routers and shared experts, and the lm_head), "experts" (the routed
+        MoE experts held here, of which a step reads only those its tokens chose) and
+        "embedding" (0 when it shares the lm_head's copy)."""
         linears = [self.lm_head]
         experts = 0
         for layer in self.layers:
@@ -242,9 +243,9 @@ class LlamaForCausalLM:
             if layer.moe is None:
                 linears += [layer.w13, layer.w2]
             else:
-                linears.append(layer.moe.router)
                 experts += layer.moe.weight_bytes
-        linear = sum(lin.weight_bytes for lin in linears)
+        linear = sum(lin.weight_bytes for lin in linears) + sum(
+            layer.moe.dense_weight_bytes for layer in self.layers if layer.moe is not None)
         shared = (
             isinstance(self.lm_head, QuantLinear) and self.embed.weight is self.lm_head.parts[0]
         )

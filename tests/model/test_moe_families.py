@@ -31,6 +31,10 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
                        mlp_only_layers=[1])),
+    # every second layer sparse, a shared expert, bias on q/k/v
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       decoder_sparse_step=2)),
     # q/k norms over the whole projection, clip_qkv, no renormalisation
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(num_experts=8, clip_qkv=2.0, pad_token_id=0, eos_token_id=2)),
@@ -53,8 +57,10 @@ def make_hf_moe(family: str, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
-            elif name.endswith("gate.weight"):  # the router: decisive top-2
+            elif name.endswith("mlp.gate.weight"):  # the router: decisive top-2
                 p.mul_(40.0)
+            elif name.endswith(".bias"):  # Qwen2-MoE's q/k/v biases start at zero
+                p.add_(0.1 * torch.randn_like(p))
     return model
 
 
@@ -92,8 +98,8 @@ def test_prompt_logits_match_hf(family, dtype):
     cfg, weights = load_model(path)
     assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
     ours = get_model_class(cfg.architecture)(cfg, weights, torch_dtype, cpu, 256)
-    assert [layer.moe is not None for layer in ours.layers] == [
-        name != "qwen3_moe" or i != 1 for i in range(cfg.num_hidden_layers)]
+    sparse = {"qwen3_moe": [True, False, True], "qwen2_moe": [False, True, False]}
+    assert [layer.moe is not None for layer in ours.layers] == sparse.get(name, [True] * 3)
     spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
                        torch_dtype)
     batch = StaticBatch(ModelRunner(ours, CacheEngine(spec, 32, 0, cpu), bs, cpu), bs)
