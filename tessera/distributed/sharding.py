@@ -4,7 +4,7 @@
                              world_size divides num_key_value_heads, else (world_size a multiple of
                              them) each rank keeps the one KV head its query heads read: replicated
     o_proj, down_proj        row-parallel (columns: the input features); an all-reduce follows
-    gate_proj, up_proj       column-parallel
+    gate_proj, up_proj       column-parallel (a shared expert's too; its gate is replicated)
     embed_tokens, lm_head    vocab-parallel: rows [rank * ceil(V/N), ...); logits are gathered
     norms, the MoE router    replicated
     experts (MoE layers)     each expert's gate/up/down sliced like a dense MLP (every rank holds
@@ -102,6 +102,7 @@ class ShardPlan:
     vocab_size: int
     # mixture of experts (0 experts: a dense model)
     moe_intermediate_size: int = 0  # each expert's
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (always sliced)
     num_experts: int = 0
     expert_parallel: bool = False  # whole experts per rank (else each expert sliced)
 
@@ -110,20 +111,30 @@ class ShardPlan:
                         self.world_size, num_experts=self.num_experts,
                         moe_intermediate_size=self.moe_intermediate_size,
                         expert_parallel=self.expert_parallel)
+        if self.shared_expert_intermediate_size % self.world_size:
+            raise ValueError(f"--tensor-parallel-size {self.world_size} does not divide the "
+                             "model's shared_expert_intermediate_size "
+                             f"({self.shared_expert_intermediate_size})")
         assert 0 <= self.rank < self.world_size
 
     @classmethod
     def for_arch(cls, arch, rank: int, world_size: int,
                  expert_parallel: bool = False) -> ShardPlan:
-        """`expert_parallel` (--enable-expert-parallel) places whole experts; a dense model has
+        """The plan of a `ModelArchConfig`; ValueError if the architecture cannot be sliced.
+        `expert_parallel` (--enable-expert-parallel) places whole experts; a dense model has
         none to place, so it shards as without it."""
+        if world_size > 1 and arch.traits.qk_norm_full:
+            raise ValueError(f"--tensor-parallel-size {world_size}: {arch.architecture} "
+                             "normalises q and k over all heads at once, which a rank's slice "
+                             "of the heads cannot; use 1")
         num_experts = arch.num_experts
         layers = range(arch.num_hidden_layers)
         dense = num_experts == 0 or not all(arch.is_moe_layer(i) for i in layers)
+        moe = arch.moe_intermediate_size if num_experts else 0
+        shared = arch.shared_expert_intermediate_size if num_experts else 0
         return cls(rank, world_size, arch.num_attention_heads, arch.num_key_value_heads,
                    arch.head_dim, arch.intermediate_size if dense else None, arch.vocab_size,
-                   arch.moe_intermediate_size if num_experts else 0, num_experts,
-                   expert_parallel and num_experts > 0)
+                   moe, shared, num_experts, expert_parallel and num_experts > 0)
 
     # ---- per-rank sizes ----------------------------------------------------------------------
     @property
@@ -188,7 +199,8 @@ class ShardPlan:
         if leaf == "o_proj":
             q = self.num_local_heads * d
             return (1, r * q, (r + 1) * q)
-        i = (self.intermediate_size or 0) // self.world_size
+        i = (self.shared_expert_intermediate_size if ".shared_expert." in name
+             else self.intermediate_size or 0) // self.world_size
         if leaf in ("gate_proj", "up_proj"):
             return (0, r * i, (r + 1) * i)
         if leaf == "down_proj":

@@ -63,6 +63,8 @@ class ModelArchConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: an MLP every token runs beside the routed experts, scaled by sigmoid(gate(x))
+    shared_expert_intermediate_size: int = 0
     # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the projection (and q/k norms)
     clip_qkv: float | None = None
 
@@ -145,6 +147,11 @@ class ModelArchConfig:
                 f"model config: mlp_only_layers {outside} are not layers of a "
                 f"{self.num_hidden_layers}-layer model"
             )
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                "model config: shared_expert_intermediate_size must be >= 0, got "
+                f"{self.shared_expert_intermediate_size}"
+            )
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             raise ValueError(f"model config: clip_qkv must be > 0, got {self.clip_qkv}")
 
@@ -213,6 +220,10 @@ class ModelArchConfig:
                     for e in range(self.num_experts)
                     for m in ("gate_proj", "up_proj", "down_proj")
                 ]
+                if self.shared_expert_intermediate_size:
+                    names += [f"{p}mlp.shared_expert.{m}.weight"
+                              for m in ("gate_proj", "up_proj", "down_proj")]
+                    names.append(f"{p}mlp.shared_expert_gate.weight")
             else:
                 names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
             names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
@@ -237,8 +248,11 @@ class ModelArchConfig:
         for name in self.weight_names():
             leaf = name.rsplit(".", 2)[-2]  # q_proj, mlp gate_proj, input_layernorm, ...
             is_bias = name.endswith(".bias")
-            expert = ".experts." in name
-            f = self.moe_intermediate_size if expert else self.intermediate_size
+            f = (
+                self.moe_intermediate_size if ".experts." in name
+                else self.shared_expert_intermediate_size if ".shared_expert." in name
+                else self.intermediate_size
+            )
             out, inp = {
                 "embed_tokens": (self.vocab_size, h),
                 "lm_head": (self.vocab_size, h),
@@ -252,6 +266,7 @@ class ModelArchConfig:
                 "q_norm": (q_norm, None),
                 "k_norm": (k_norm, None),
                 "gate": (self.num_experts, h),  # the MoE router
+                "shared_expert_gate": (1, h),
             }.get(leaf, (h, None))
             shapes[name] = (out,) if is_bias or inp is None else (out, inp)
         return shapes

@@ -228,17 +228,20 @@ def _moe_of(cfg: dict, path: str, architecture: str) -> dict:
         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
         clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )
     if fields["num_experts"] and not 1 <= fields["num_experts_per_tok"] <= fields["num_experts"]:
         raise ValueError(
             f"{path}: num_experts_per_tok ({fields['num_experts_per_tok']}) must be between 1 "
             f"and the number of experts ({fields['num_experts']})"
         )
-    if cfg.get("shared_expert_intermediate_size"):
+    if fields["shared_expert_intermediate_size"] and architecture != "Qwen2MoeForCausalLM":
         raise ValueError(
             f"{path}: shared_expert_intermediate_size is not supported for {architecture} "
-            "(no shared expert)"
+            "(it has no shared expert)"
         )
+    if architecture == "Qwen2MoeForCausalLM" and cfg.get("use_sliding_window"):
+        raise ValueError(f"{path}: use_sliding_window is not supported for {architecture}")
     return fields
 
 
@@ -306,6 +309,8 @@ def _windows_of(
     layers, Mistral's window on every layer, Qwen's `use_sliding_window` (off by default)."""
     window = cfg.get("sliding_window")
     types = tuple(cfg.get("layer_types") or ())
+    if architecture == "Qwen2MoeForCausalLM":  # a window is refused (see _moe_of)
+        return None, ()
     if architecture == "Qwen3MoeForCausalLM":  # HF: the window on every layer, if used
         if not cfg.get("use_sliding_window"):
             return None, ()

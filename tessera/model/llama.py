@@ -13,6 +13,7 @@ its `ArchTraits` (tessera/model/registry.py) and its config name:
                 moe.py) on the layers the config names (decoder_sparse_step, mlp_only_layers)
     OLMoE       MoE blocks; its q/k RMSNorm spans the whole projection, not each head; clip_qkv
     Mixtral     Mistral with MoE blocks (top-k weights renormalised)
+    Qwen2-MoE   Qwen2 with MoE blocks and a shared expert beside the routed ones
 
 Plain tensors and small callables rather than nn.Modules: the forward is a fixed loop over layers
 and the per-op dispatch overhead is what bounds batch-1 decode on CPU.
@@ -86,11 +87,6 @@ class LlamaLayer:
         # a sparse MoE block, or the dense MLP (w13, w2: LoRA wraps these by name)
         self.moe: FusedMoE | None = None
         if cfg.is_moe_layer(layer_index):
-            if tp is not None and family.qk_norm_full:
-                raise ValueError(
-                    f"--tensor-parallel-size: {cfg.architecture} normalises q and k over all "
-                    "heads at once, which a rank's slice of the heads cannot; use 1"
-                )
             # under tensor parallelism: a slice of every expert, or (expert parallelism) this
             # rank's whole experts; the all-reduce after the MLP sums the ranks' shares
             self.moe = FusedMoE.from_weights(cfg, w, f"{prefix}.mlp", dtype, device, self.act,
@@ -240,9 +236,9 @@ class LlamaForCausalLM:
 
     def weight_bytes(self) -> dict[str, int]:
         """Resident bytes of weights by kind: "linear" (streamed once per step: every layer's
-        projections, MoE routers and the lm_head), "experts" (the MoE experts held here, of
-        which a step reads only those its tokens chose) and "embedding" (0 when it shares the
-        lm_head's copy)."""
+        projections, MoE routers and shared experts, and the lm_head), "experts" (the routed
+        MoE experts held here, of which a step reads only those its tokens chose) and
+        "embedding" (0 when it shares the lm_head's copy)."""
         linears = [self.lm_head]
         experts = 0
         for layer in self.layers:
@@ -250,9 +246,9 @@ class LlamaForCausalLM:
             if layer.moe is None:
                 linears += [layer.w13, layer.w2]
             else:
-                linears.append(layer.moe.router)
                 experts += layer.moe.weight_bytes
-        linear = sum(lin.weight_bytes for lin in linears)
+        linear = sum(lin.weight_bytes for lin in linears) + sum(
+            layer.moe.dense_weight_bytes for layer in self.layers if layer.moe is not None)
         shared = (
             isinstance(self.lm_head, QuantLinear) and self.embed.weight is self.lm_head.parts[0]
         )

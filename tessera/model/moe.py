@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts block (Qwen3-MoE, OLMoE, Mixtral) that replaces a layer's MLP.
+"""The sparse mixture-of-experts block (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE) that replaces a
+layer's MLP.
 
     x [n, hidden] ──router──▶ softmax (float32) ──top-k──▶ (weights [n, k], expert ids [n, k])
                                                            (renormalised when norm_topk_prob)
@@ -71,7 +72,8 @@ def route(
 class FusedMoE:
     """Router + experts of one MoE layer. `experts` maps a global expert id to its `ExpertMLP`;
     it may hold a subset of the `num_experts` (expert parallelism), the router always scores
-    all of them."""
+    all of them. Qwen2-MoE adds a `shared_expert` every token runs, scaled by
+    sigmoid(`shared_expert_gate`(x)) ([1, hidden] weight)."""
 
     def __init__(
         self,
@@ -80,6 +82,8 @@ class FusedMoE:
         num_experts: int,
         top_k: int,
         renormalize: bool,
+        shared_expert: ExpertMLP | None = None,
+        shared_expert_gate: Linear | QuantLinear | None = None,
     ):
         assert all(0 <= e < num_experts for e in experts), "expert ids within [0, num_experts)"
         assert 1 <= top_k <= num_experts
@@ -88,6 +92,9 @@ class FusedMoE:
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        assert (shared_expert is None) == (shared_expert_gate is None)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
 
     @property
     def local_expert_ids(self) -> list[int]:
@@ -95,14 +102,26 @@ class FusedMoE:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of this rank's experts (the router aside)."""
+        """Bytes of this rank's routed experts (the router and a shared expert aside)."""
         return sum(e.weight_bytes for e in self.experts.values())
+
+    @property
+    def dense_weight_bytes(self) -> int:
+        """Bytes every step reads whatever the routing: the router and a shared expert."""
+        shared = 0
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert.weight_bytes + self.shared_expert_gate.weight_bytes
+        return self.router.weight_bytes + shared
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] (the post-attention norm's output) -> the block's output [n, hidden]
         (this rank's experts' share under expert parallelism)."""
         weights, ids = self.route(x)
-        return self.experts_forward(x, weights, ids)
+        out = self.experts_forward(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))  # [n, 1]
+            out.add_(self.shared_expert(x).mul_(gate))
+        return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, top_k] float32, expert ids [n, top_k]) of each token."""
@@ -117,6 +136,8 @@ class FusedMoE:
         out = torch.zeros_like(x)
         if n == 0:
             return out
+        if n == 1:  # batch-1 decode: no grouping to do; the same sums in the same order
+            return self._one_token(x, out, topk_weights[0], topk_ids[0].tolist())
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order kept
         tokens = order // k  # [n * k] the token of each sorted assignment
@@ -134,6 +155,19 @@ class FusedMoE:
                 y.mul_(weights[start:end].unsqueeze(1))
                 out.index_add_(0, rows, y)
             start = end
+        return out
+
+    def _one_token(
+        self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, ids: list[int]
+    ) -> torch.Tensor:
+        """`experts_forward` of one token without the sort and the gathers (each a few us of
+        dispatch, in every MoE layer of a batch-1 step): its experts in ascending id order, as
+        the grouped path adds them, so a token's result does not depend on its batch."""
+        w = weights.to(x.dtype)
+        for j in sorted(range(len(ids)), key=ids.__getitem__):
+            expert = self.experts.get(ids[j])
+            if expert is not None:
+                out.add_(expert(x).mul_(w[j]))
         return out
 
     @classmethod
@@ -160,4 +194,14 @@ class FusedMoE:
             w2 = make_linear([part("down_proj")], None, dtype, device)
             experts[e] = ExpertMLP(w13, w2, act)
         router = make_linear([w[f"{prefix}.gate.weight"]], None, dtype, device)
-        return cls(router, experts, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        shared = shared_gate = None
+        if cfg.shared_expert_intermediate_size:
+            stem = f"{prefix}.shared_expert"
+            shared = ExpertMLP(
+                make_linear([w[f"{stem}.gate_proj.weight"], w[f"{stem}.up_proj.weight"]], None,
+                            dtype, device),
+                make_linear([w[f"{stem}.down_proj.weight"]], None, dtype, device), act)
+            shared_gate = make_linear([w[f"{prefix}.shared_expert_gate.weight"]], None, dtype,
+                                      device)
+        return cls(router, experts, cfg.num_experts, cfg.num_experts_per_tok,
+                   cfg.norm_topk_prob, shared, shared_gate)

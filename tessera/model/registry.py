@@ -55,6 +55,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
     "Gemma3ForCausalLM": ArchTraits(qk_norm=True, gemma_norms=True,
                                     activation="gelu_pytorch_tanh"),
     "Phi3ForCausalLM": ArchTraits(fused_checkpoint=True),
+    "Qwen2MoeForCausalLM": ArchTraits(qkv_bias=True, moe=True),  # plus a shared expert (config)
     "Qwen3MoeForCausalLM": ArchTraits(qk_norm=True, moe=True),
     "OlmoeForCausalLM": ArchTraits(qk_norm=True, qk_norm_full=True, moe=True),
     "MixtralForCausalLM": ArchTraits(moe=True, always_renormalize=True),  # Mistral's attention
@@ -72,6 +73,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "qwen3": ("Qwen3ForCausalLM", False),
     "gemma2": ("Gemma2ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "olmoe": ("OlmoeForCausalLM", False),
 }

@@ -11,6 +11,10 @@ configs the engine cannot honour refused at load by field name."""
 
 from __future__ import annotations
 
+import copy
+import json
+import shutil
+
 import pytest
 import torch
 import transformers
@@ -27,6 +31,10 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
                        mlp_only_layers=[1])),
+    # every second layer sparse, a shared expert, bias on q/k/v
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       decoder_sparse_step=2)),
     # q/k norms over the whole projection, clip_qkv, no renormalisation
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(num_experts=8, clip_qkv=2.0, pad_token_id=0, eos_token_id=2)),
@@ -49,8 +57,10 @@ def make_hf_moe(family: str, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
-            elif name.endswith("gate.weight"):  # the router: decisive top-2
+            elif name.endswith("mlp.gate.weight"):  # the router: decisive top-2
                 p.mul_(40.0)
+            elif name.endswith(".bias"):  # Qwen2-MoE's q/k/v biases start at zero
+                p.add_(0.1 * torch.randn_like(p))
     return model
 
 
@@ -75,7 +85,8 @@ def _check(model, got: list[list[int]], expected: list[list[int]]) -> None:
         assert tie is None or "top-2 gap" in tie
 
 
-def test_prompt_logits_match_hf(family):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_logits_match_hf(family, dtype):
     from tessera.model.loader import load_model
     from tessera.model.registry import get_model_class
     from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -83,20 +94,22 @@ def test_prompt_logits_match_hf(family):
     from tessera.worker.static_batch import StaticBatch
 
     name, path, model, _ = family
-    cpu, bs = torch.device("cpu"), 8
+    cpu, bs, torch_dtype = torch.device("cpu"), 8, getattr(torch, dtype)
     cfg, weights = load_model(path)
     assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
-    ours = get_model_class(cfg.architecture)(cfg, weights, torch.float32, cpu, 256)
-    assert [layer.moe is not None for layer in ours.layers] == [
-        name != "qwen3_moe" or i != 1 for i in range(cfg.num_hidden_layers)]
+    ours = get_model_class(cfg.architecture)(cfg, weights, torch_dtype, cpu, 256)
+    sparse = {"qwen3_moe": [True, False, True], "qwen2_moe": [False, True, False]}
+    assert [layer.moe is not None for layer in ours.layers] == sparse.get(name, [True] * 3)
     spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
-                       torch.float32)
+                       torch_dtype)
     batch = StaticBatch(ModelRunner(ours, CacheEngine(spec, 32, 0, cpu), bs, cpu), bs)
     prompt = PROMPTS[1]
     got = batch.logits([batch.new_seq(prompt, len(prompt))], all_positions=True).float()
+    ref_model = model if dtype == "float32" else copy.deepcopy(model).to(torch.bfloat16)
     with torch.inference_mode():
-        ref = model(torch.tensor([prompt])).logits[0].float()
-    assert (got - ref).abs().max().item() < 2e-4 * max(1.0, ref.abs().max().item())
+        ref = ref_model(torch.tensor([prompt])).logits[0].float()
+    tol = 2e-4 if dtype == "float32" else 0.1
+    assert (got - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
 
 
 def test_greedy_matches_hf_alone_and_batched(family):
@@ -123,3 +136,28 @@ def test_invariant_under_scheduling(family, engine_args):
     if "preemption_mode" in engine_args and name != "mixtral":  # Mixtral's window frees blocks
         assert llm.get_metrics()["tessera:num_preemptions_total"] > 0
     llm.llm_engine.scheduler.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("field, value", [
+    ("num_experts_per_tok", 9),  # more than the 8 experts
+    ("hidden_act", "gelu"),  # the experts' gate is SiLU
+    ("attention_bias", True),
+    ("shared_expert_intermediate_size", 64),  # a shared expert this family does not have
+])
+def test_refuses_a_config_it_cannot_honour(family, tmp_path, field, value):
+    name, path, _, _ = family
+    copy = tmp_path / "edited"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config[field] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(copy))
+
+
+@pytest.mark.parametrize("family", ["olmoe"], indirect=True)
+def test_olmoe_refuses_tensor_parallel(family):
+    """Its q/k norm spans every head: refused before any worker starts, naming the flag."""
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2"):
+        LLM(model=family[1], tensor_parallel_size=2)
