@@ -174,3 +174,40 @@ def test_gguf_experts_stay_quantized_on_their_rank(tmp_path):
     assert {expert_of(n) for n in weights} - {None} == {4, 5, 6, 7}
     down = weights["model.layers.2.mlp.experts.6.down_proj.weight"]
     assert isinstance(down, QuantizedTensor) and tuple(down.shape) == (64, 32)
+
+
+@pytest.mark.heavy
+def test_ep3_uneven_placement_equals_tp1(tmp_path, engines):
+    """8 experts on 3 ranks (3, 3, 2), six query heads and three KV heads (one per rank)."""
+    hf_model = save_tiny_qwen3_moe(str(tmp_path), num_attention_heads=6, num_key_value_heads=3)
+    expected = _greedy(engines(str(tmp_path), max_model_len=256))
+    llm = engines(str(tmp_path), max_model_len=256, tensor_parallel_size=3,
+                  enable_expert_parallel=True)
+    assert len(llm.llm_engine.executor.pids) == 3
+    _assert_same(hf_model, expected, _greedy(llm), "ep3")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_ep2_preemption_chunked_prefill_and_prefix_caching(tiny_moe, engines, mode):
+    path, hf_model = tiny_moe
+    shared = list(range(30, 70))  # a 40-token common prefix
+    prompts = [shared + p for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    expected = run(engines(path, max_model_len=96))
+    # 24 blocks of 4 tokens hold 96 of the ~360 the batch wants: preemption all along (the
+    # longest request stops at max_model_len, in both runs)
+    llm = engines(path, max_model_len=96, tensor_parallel_size=2, enable_expert_parallel=True,
+                  num_gpu_blocks_override=24, block_size=4, preemption_mode=mode,
+                  swap_space=0.01, enable_chunked_prefill=True, max_num_batched_tokens=16,
+                  enable_prefix_caching=True)
+    got = run(llm)
+    assert llm.get_metrics()["tessera:num_preemptions_total"] > 0
+    ties = [t for p, e, g in zip(prompts, expected, got, strict=True)
+            if (t := check_greedy(hf_model, p, e, g))]
+    assert len(ties) <= 1, ties
