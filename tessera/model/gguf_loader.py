@@ -55,6 +55,11 @@ _LAYER_NAME_MAP = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",  # the MoE router
+    # Qwen2-MoE's shared expert and its gate (a [hidden] vector in the file, [1, hidden] in HF)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # llama.cpp's 3-D expert tensors [E, out, in]: one HF projection per expert
 _EXPERT_NAME_MAP = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
@@ -120,6 +125,8 @@ def load_gguf(
         if gemma and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norms as (1 + w); HF's weights are w
             array = np.asarray(array) - 1.0
+        if name.endswith(".shared_expert_gate.weight") and not isinstance(array, QuantizedTensor):
+            array = np.asarray(array).reshape(1, -1)
         if permuted and (".q_proj." in name or ".k_proj." in name):
             num_heads = (
                 config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
@@ -333,8 +340,9 @@ def _read_config(
     )
 
 
-# llama.cpp's graphs: qwen3moe and llama (Mixtral) renormalise the top-k weights, olmoe not
-_RENORMALIZED = {"qwen3moe": True, "llama": True, "olmoe": False}
+# llama.cpp's graphs: qwen3moe and llama (Mixtral) renormalise the top-k weights, olmoe and
+# qwen2moe not
+_RENORMALIZED = {"qwen3moe": True, "llama": True, "olmoe": False, "qwen2moe": False}
 
 
 def _moe_config(reader: gguf.GGUFReader, arch: str, num_experts: int,
@@ -348,11 +356,15 @@ def _moe_config(reader: gguf.GGUFReader, arch: str, num_experts: int,
     if width is None:
         width = shapes["blk.0.ffn_gate_exps.weight"][1]
     norm = _field(reader, f"{arch}.expert_weights_norm")
+    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared is None and "blk.0.ffn_gate_shexp.weight" in shapes:
+        shared = shapes["blk.0.ffn_gate_shexp.weight"][0]
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
         moe_intermediate_size=int(width),
         norm_topk_prob=_RENORMALIZED.get(arch, True) if norm is None else bool(norm),
+        shared_expert_intermediate_size=int(shared or 0),
     )
 
 

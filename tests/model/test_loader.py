@@ -377,7 +377,7 @@ def test_registry(monkeypatch):
     assert registry.supported_architectures() == [
         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
         "MixtralForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+        "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
     # one decoder for every family; the differences are traits
     from tessera.model.llama import LlamaForCausalLM
 

@@ -26,12 +26,15 @@ _NAMES = {  # HF leaf -> llama.cpp's name
     "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 # family -> (llama.cpp arch, HF overrides llama.cpp's graph implies)
 CASES = {
     "qwen3_moe": ("qwen3moe", dict(mlp_only_layers=[])),  # every layer sparse, renormalised
+    "qwen2_moe": ("qwen2moe", dict(decoder_sparse_step=1)),  # a shared expert, q/k/v biases
     "olmoe": ("olmoe", dict(clip_qkv=None, num_key_value_heads=4)),  # k norm over all heads
     "mixtral": ("llama", dict(sliding_window=None)),
 }
@@ -60,8 +63,10 @@ def write_moe_gguf(path, arch: str, hf_dir: str, expert_type=None) -> None:
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
@@ -74,7 +79,8 @@ def write_moe_gguf(path, arch: str, hf_dir: str, expert_type=None) -> None:
             gname = "output_norm.weight" if name == "model.norm.weight" else "output.weight"
             writer.add_tensor(gname, w)
             continue
-        layer, leaf = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
+        layer, leaf = name.removeprefix("model.layers.").split(".", 1)
+        leaf, _, kind = leaf.rpartition(".")  # weight or bias
         if ".experts." in leaf:
             _, _, e, proj = leaf.split(".")
             experts.setdefault((layer, proj), {})[int(e)] = w
@@ -82,7 +88,9 @@ def write_moe_gguf(path, arch: str, hf_dir: str, expert_type=None) -> None:
         if arch == "llama" and leaf in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = cfg.num_attention_heads if "q_proj" in leaf else cfg.num_key_value_heads
             w = _permute(w, heads)
-        writer.add_tensor(f"blk.{layer}.{_NAMES[leaf]}.weight", np.ascontiguousarray(w))
+        if leaf == "mlp.shared_expert_gate":
+            w = w.reshape(-1)  # llama.cpp's [hidden] vector
+        writer.add_tensor(f"blk.{layer}.{_NAMES[leaf]}.{kind}", np.ascontiguousarray(w))
     for (layer, proj), per_expert in experts.items():
         stacked = np.stack([per_expert[e] for e in range(cfg.num_experts)])  # [E, out, in]
         name = f"blk.{layer}.{_EXPERTS[proj]}.weight"
