@@ -211,3 +211,30 @@ def test_ep2_preemption_chunked_prefill_and_prefix_caching(tiny_moe, engines, mo
     ties = [t for p, e, g in zip(prompts, expected, got, strict=True)
             if (t := check_greedy(hf_model, p, e, g))]
     assert len(ties) <= 1, ties
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep2", "tp2"])
+def test_qwen2_moe_shared_expert_on_two_ranks(tmp_path, engines, expert_parallel):
+    """Qwen2-MoE's shared expert is sliced on every rank under both cuts (the MLP's all-reduce
+    sums it once); its sigmoid gate is replicated."""
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=96,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                            max_position_embeddings=512, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(40.0)
+    hf_model.save_pretrained(str(tmp_path))
+    expected = _greedy(engines(str(tmp_path), max_model_len=256))
+    llm = engines(str(tmp_path), max_model_len=256, tensor_parallel_size=2,
+                  enable_expert_parallel=expert_parallel)
+    _assert_same(hf_model, expected, _greedy(llm), "qwen2-moe")
