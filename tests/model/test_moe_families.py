@@ -121,6 +121,7 @@ def test_greedy_matches_hf_alone_and_batched(family):
     assert alone == batched  # batch invariance: the same tokens bit for bit
 
 
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe"], indirect=True)
 @pytest.mark.parametrize("engine_args", [
     {"preemption_mode": "recompute"},
     {"preemption_mode": "swap"},
@@ -154,6 +155,18 @@ def test_refuses_a_config_it_cannot_honour(family, tmp_path, field, value):
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=field):
         LLM(model=str(copy))
+
+
+@pytest.mark.heavy  # two worker processes
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"], indirect=True)
+def test_tensor_parallel_equals_one_rank(family):
+    """-tp 2 slices every expert (and the attention) over two ranks: HF's greedy tokens."""
+    name, path, model, expected = family
+    llm = LLM(model=path, max_model_len=256, tensor_parallel_size=2)
+    try:
+        _check(model, _greedy(llm), expected)
+    finally:
+        llm.llm_engine.executor.shutdown()
 
 
 @pytest.mark.parametrize("family", ["olmoe"], indirect=True)
