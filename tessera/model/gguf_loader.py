@@ -73,6 +73,8 @@ _GEMMA_LAYER_NAME_MAP = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Mixtral GGUFs written before the 3-D expert tensors: one 2-D tensor per expert
+_OLD_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # Types the reader already hands back as plain numpy dtypes that `dequantize` does not cover.
 _PLAIN_TYPES = {
     gguf.GGMLQuantizationType.F64,
@@ -233,6 +235,10 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 def _hf_name(gguf_name: str, gemma: bool = False) -> str | None:
     """The HF name of a GGUF tensor; a 3-D expert tensor gives the stem of its experts
     (`model.layers.{i}.mlp.experts`, split by `_split_experts`)."""
+    old = _OLD_EXPERT_RE.fullmatch(gguf_name)
+    if old:
+        layer, proj, expert = old.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
     m = _LAYER_RE.fullmatch(gguf_name)
     if m:
         layer, part, kind = m.groups()
@@ -353,8 +359,9 @@ def _moe_config(reader: gguf.GGUFReader, arch: str, num_experts: int,
     if not num_experts:
         return {}
     width = _field(reader, f"{arch}.expert_feed_forward_length")
-    if width is None:
-        width = shapes["blk.0.ffn_gate_exps.weight"][1]
+    if width is None:  # the experts' own rows (3-D tensors, or one tensor per expert)
+        width = (shapes["blk.0.ffn_gate_exps.weight"][1] if "blk.0.ffn_gate_exps.weight" in shapes
+                 else shapes["blk.0.ffn_gate.0.weight"][0])
     norm = _field(reader, f"{arch}.expert_weights_norm")
     shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
     if shared is None and "blk.0.ffn_gate_shexp.weight" in shapes:

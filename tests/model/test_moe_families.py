@@ -174,3 +174,22 @@ def test_olmoe_refuses_tensor_parallel(family):
     """Its q/k norm spans every head: refused before any worker starts, naming the flag."""
     with pytest.raises(ValueError, match="--tensor-parallel-size 2"):
         LLM(model=family[1], tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"], indirect=True)
+def test_transformers_fused_expert_layout(family, tmp_path):
+    """transformers' in-memory layout (every expert of a layer in one `experts.gate_up_proj`
+    [E, 2I, H] and `experts.down_proj` [E, H, I]) loads as the per-expert checkpoint does."""
+    from safetensors.torch import save_file
+
+    from tessera.model.loader import load_model
+
+    name, path, model, _ = family
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    shutil.copy(f"{path}/config.json", tmp_path / "config.json")
+    _, fused = load_model(str(tmp_path))
+    _, per_expert = load_model(path)
+    assert fused.keys() == per_expert.keys()
+    assert all(torch.equal(fused[k], per_expert[k]) for k in fused)

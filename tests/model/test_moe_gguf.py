@@ -46,9 +46,10 @@ def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_moe_gguf(path, arch: str, hf_dir: str, expert_type=None) -> None:
+def write_moe_gguf(path, arch: str, hf_dir: str, expert_type=None, per_expert=False) -> None:
     """The checkpoint in `hf_dir` as llama.cpp writes `arch`; expert tensors quantized to
-    `expert_type` (a gguf.GGMLQuantizationType) when given."""
+    `expert_type` (a gguf.GGMLQuantizationType) when given; `per_expert`: one 2-D tensor per
+    expert (`blk.{i}.ffn_gate.{e}.weight`, early Mixtral GGUFs)."""
     cfg, weights = load_hf_dir(hf_dir)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -91,8 +92,12 @@ def write_moe_gguf(path, arch: str, hf_dir: str, expert_type=None) -> None:
         if leaf == "mlp.shared_expert_gate":
             w = w.reshape(-1)  # llama.cpp's [hidden] vector
         writer.add_tensor(f"blk.{layer}.{_NAMES[leaf]}.{kind}", np.ascontiguousarray(w))
-    for (layer, proj), per_expert in experts.items():
-        stacked = np.stack([per_expert[e] for e in range(cfg.num_experts)])  # [E, out, in]
+    for (layer, proj), by_id in experts.items():
+        if per_expert:
+            for e, w in sorted(by_id.items()):
+                writer.add_tensor(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}.{e}.weight", w)
+            continue
+        stacked = np.stack([by_id[e] for e in range(cfg.num_experts)])  # [E, out, in]
         name = f"blk.{layer}.{_EXPERTS[proj]}.weight"
         if expert_type is None:
             writer.add_tensor(name, stacked)
@@ -118,13 +123,14 @@ def _logits(path: str, prompt: list[int], quantization: str = "none") -> torch.T
 PROMPT = list(range(5, 35))
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_gguf_logits_match_hf(family, tmp_path):
+@pytest.mark.parametrize("family, per_expert", [(f, False) for f in sorted(CASES)] + [
+    ("mixtral", True)])
+def test_gguf_logits_match_hf(family, per_expert, tmp_path):
     arch, overrides = CASES[family]
     model = make_hf_moe(family, **overrides)
     model.save_pretrained(tmp_path / "hf")
     path = tmp_path / f"{family}.gguf"
-    write_moe_gguf(path, arch, str(tmp_path / "hf"))
+    write_moe_gguf(path, arch, str(tmp_path / "hf"), per_expert=per_expert)
     cfg, _ = load_model(str(path))
     assert cfg.architecture == type(model).__name__ and cfg.num_experts == 8
     got = _logits(str(path), PROMPT)
