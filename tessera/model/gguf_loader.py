@@ -115,6 +115,8 @@ def load_gguf(
             continue
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
+        if plan is not None and not plan.holds(name):
+            continue  # another rank's expert (one tensor per expert): never read
         if name.endswith(".mlp.experts"):
             for part, array in _split_experts(tensor, name, quantization).items():
                 if plan is not None and not plan.holds(part):
