@@ -192,7 +192,7 @@ def server(num_requests: int, rounds: int) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        _send(url, prompts[:4], [8] * 4)  # warm-up
+        _send(url, prompts, out_lens)  # warm-up: one whole W1, discarded (first-run allocations)
         results: dict[str, list[float]] = {"closed": [], "open": []}
         for r in range(rounds):
             for mode in ("closed", "open") if r % 2 == 0 else ("open", "closed"):
