@@ -14,6 +14,7 @@ from core_fakes import FakeRunner, make_group, make_scheduler
 
 from tessera.config import PreemptionMode
 from tessera.core.scheduler_stats import SchedulerStats
+from tessera.lora.request import LoRARequest
 
 ROOT = Path(__file__).resolve().parents[2] / "tessera"
 
@@ -138,3 +139,17 @@ def test_the_scan_sees_a_reach_into_the_scheduler():
               "    self.scheduler.stats().num_running\n"
               "    engine.config.scheduler.max_num_seqs\n")
     assert sorted(reads_past_stats(source)) == [(2, "block_manager"), (3, "running")]
+
+
+def test_detail_names_the_adapters_running_and_waiting():
+    sched = make_scheduler(max_loras=1, num_gpu_blocks=64)
+    for i, (name, lora_id) in enumerate([("b", 2), ("a", 1), (None, 0), ("b", 2)]):
+        group = make_group(f"r{i}", 6, arrival=i)
+        if name is not None:
+            group = dataclasses.replace(group, lora_request=LoRARequest(name, lora_id, "/x"))
+        sched.add_seq_group(group)
+    # one adapter at a time: "b" runs; "a" waits, and so does the second "b" (drained for "a")
+    FakeRunner(sched).step()
+    d = sched.stats(detail=True).detail
+    assert d.running_lora_adapters == ("b",) and d.waiting_lora_adapters == ("a", "b")
+    assert {r.request_id: r.lora_name for r in d.requests} == {"r0": "b", "r2": None}
