@@ -33,10 +33,7 @@ class RequestStats:
         seq = group.seqs[0]
         num_prompt = len(seq.prompt_token_ids)
         max_tokens = group.sampling_params.max_tokens
-        if swapped:
-            state = "swapped"
-        else:
-            state = "prefill" if seq.get_len() - seq.num_computed_tokens > 1 else "decode"
+        state = "swapped" if swapped else "decode" if seq.is_decoding() else "prefill"
         return cls(
             request_id=group.request_id,
             state=state,
