@@ -714,7 +714,11 @@ def _drop_drafts(seqs: list[Sequence], plan: _Plan) -> _Plan:
 
 
 def _num_decodes(group: SequenceGroup) -> int:
-    return sum(1 for s in group.seqs if s.status is _RUNNING and s.is_decoding())
+    seqs = group.seqs
+    if len(seqs) == 1:  # the common case, once per running group per step: no generator
+        seq = seqs[0]
+        return 1 if seq.status is _RUNNING and seq.is_decoding() else 0
+    return sum(1 for s in seqs if s.status is _RUNNING and s.is_decoding())
 
 
 def _adapters(groups: Iterable[SequenceGroup]) -> tuple[str, ...]:
