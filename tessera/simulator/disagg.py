@@ -62,8 +62,8 @@ class _Instance:
         self.read_out: list[tuple[float, str]] = []  # producer: (when a pull read it, req_id)
 
     def has_work(self) -> bool:
-        s = self.scheduler
-        return bool(s.waiting or s.running or s.swapped)
+        s = self.scheduler.stats()
+        return bool(s.num_waiting or s.num_running or s.num_swapped)
 
     def next_event(self) -> float:
         """When this instance next has something to do (inf: nothing)."""
@@ -138,7 +138,7 @@ class DisaggSimulator:
                     tl.sample(d.free_at, d.scheduler, self._last_batch)
         counters: dict[str, float] = {}
         for name, inst in (("prefill", p), ("decode", d)):
-            s = inst.scheduler
+            s = inst.scheduler.stats()
             counters[f"{name}_num_preemptions"] = s.num_preemptions_total
             counters[f"{name}_prompt_tokens_computed"] = s.num_prompt_tokens_total
             counters[f"{name}_num_steps"] = inst.num_steps
