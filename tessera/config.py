@@ -124,11 +124,18 @@ class CacheConfig:
     # sequence's window has left are released while it runs (core/block_manager.py); None keeps
     # every block (no window, or local and global layers mixed)
     sliding_window: int | None = None
+    # each model layer's window (None: full attention) when the model mixes local and global
+    # layers (Gemma 2/3): the cache is split into KV cache groups with a block table each
+    # (core/kv_cache_groups.py). Empty: one group, every layer in it
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         resolve_kv_cache_dtype(self.cache_dtype, "float32")  # validates the name
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_windows and self.sliding_window is not None:
+            raise ValueError("CacheConfig: give sliding_window (every layer) or layer_windows "
+                             "(mixed layers), not both")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.kv_cache_space <= 0:

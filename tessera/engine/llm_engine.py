@@ -227,7 +227,7 @@ class LLMEngine:
         longest = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
         bm = self.scheduler.block_manager
         need, usable, _ = cache_fit(params.n, longest, bm.block_size, bm.num_gpu_blocks,
-                                    bm.watermark)
+                                    bm.watermark, bm.num_groups)
         if need > usable:
             most = max(usable // (need // params.n), 1)
             raise ValueError(

@@ -27,6 +27,7 @@ def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
         num_gpu_blocks, config.cache.block_size, config.cache.watermark,
         config.model.max_model_len, spec.block_bytes,
         overridden=config.cache.num_gpu_blocks_override is not None,
+        num_groups=spec.num_groups,
     )
     return num_gpu_blocks, spec.num_blocks_for(config.cache.swap_space)
 
