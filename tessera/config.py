@@ -576,6 +576,10 @@ class EngineArgs:
               "(--no-enable-chunked-prefill: a prompt is prefilled whole)")
     enable_prefix_caching: bool = _arg(
         True, "reuse KV blocks of shared prompt prefixes (--no-enable-prefix-caching: off)")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False, "for a model mixing sliding-window and full layers (Gemma 2/3), give every layer "
+               "a full-length block table instead of one table per KV cache group, whose window "
+               "groups free the blocks their window has left")
     scheduling_policy: str = _arg("fcfs", "request order", choices=["fcfs", "priority"])
     speculative_config: dict | str | None = _arg(
         None,
@@ -621,11 +625,13 @@ class EngineArgs:
 
     def create_engine_config(
         self, model_max_len: int | None = None, checkpoint_dtype: str | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, layer_windows: tuple[int | None, ...] = (),
     ) -> EngineConfig:
         """Resolve defaults against the model's context limit and stored dtype (what `--dtype
         auto` runs; float32 when not given) and validate the combination. `sliding_window`: the
-        model's window when every layer has one (`ModelArchConfig.uniform_window`)."""
+        model's window when every layer has one (`ModelArchConfig.uniform_window`);
+        `layer_windows`: each layer's (`ModelArchConfig.layer_windows`), which, when they differ,
+        split the cache into KV cache groups (core/kv_cache_groups.py)."""
         if self.max_model_len is None:  # the model's own limit, as in vLLM
             max_model_len = model_max_len or 2048
         else:
@@ -653,10 +659,13 @@ class EngineArgs:
         pooler = PoolerConfig.from_dict(self.pooler_config)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.device)
         draft = speculative is not None and speculative.method == "draft_model"
+        hybrid = len(set(layer_windows)) > 1 and not self.disable_hybrid_kv_cache_manager
         if draft or kv_transfer is not None:
             # a draft model attends to the whole context, and a KV connector moves whole tables:
-            # both read blocks a window would have released
+            # both read blocks a window would have released (and both share one block per
+            # token block with the target or the peer: one group)
             sliding_window = None
+            hybrid = False
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -674,6 +683,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype),
                 sliding_window=sliding_window,
+                layer_windows=tuple(layer_windows) if hybrid else (),
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=budget,

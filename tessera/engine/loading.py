@@ -57,7 +57,7 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     arch, weights = load_model(path, weight_quantization(
         early.model.quantization, early.model.dtype, early.device.device))
     config = args.create_engine_config(
-        arch.max_position_embeddings, stored_dtype, arch.uniform_window
+        arch.max_position_embeddings, stored_dtype, arch.uniform_window, arch.layer_windows
     )
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
@@ -95,7 +95,8 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     bundle = bundle or load_bundle(args)
     arch, path = bundle.arch, bundle.path
     config = args.create_engine_config(
-        arch.max_position_embeddings, bundle.checkpoint_dtype, arch.uniform_window
+        arch.max_position_embeddings, bundle.checkpoint_dtype, arch.uniform_window,
+        arch.layer_windows,
     )
     loaded = (bundle.dtype, bundle.device, bundle.quantization)
     if (config.model.dtype, config.device.device, config.model.quantization) != loaded or (

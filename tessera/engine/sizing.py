@@ -14,10 +14,12 @@ from tessera.worker.cache_engine import KVCacheSpec
 def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
     """(device blocks, swap blocks) of one worker from --kv-cache-space/--swap-space (GiB per
     worker) or --num-gpu-blocks-override; refuses a pool that cannot hold one max_model_len
-    request."""
-    num_gpu_blocks = config.cache.num_gpu_blocks_override or spec.num_blocks_for(
-        config.cache.kv_cache_space
-    )
+    request. With KV cache groups a block holds one group's layers, so the same memory holds
+    `num_groups` times more of them; --num-gpu-blocks-override keeps counting blocks of every
+    layer (the memory it always meant), so it gives `num_groups` pool blocks each."""
+    override = config.cache.num_gpu_blocks_override
+    num_gpu_blocks = (override * spec.num_groups if override
+                      else spec.num_blocks_for(config.cache.kv_cache_space))
     if num_gpu_blocks < 1:
         raise ValueError(
             f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
