@@ -82,3 +82,12 @@ def group_windows(layer_windows: Sequence[int | None]) -> tuple[int | None, ...]
     if not layer_windows:
         return ()
     return tuple(spec.window for spec in kv_cache_groups(layer_windows))
+
+
+def num_pool_blocks_for_override(num_gpu_blocks_override: int,
+                                 layer_windows: Sequence[int | None]) -> int:
+    """Pool blocks for --num-gpu-blocks-override. The flag counts blocks of every layer (the
+    memory it has always meant); with KV cache groups a pool block holds one group's layers, so
+    each is `num_groups` pool blocks. The engine's sizing and the simulator's both ask this."""
+    num_groups = len(kv_cache_groups(layer_windows)) if layer_windows else 1
+    return num_gpu_blocks_override * num_groups

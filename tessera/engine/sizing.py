@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from tessera.core.admission import check_cache_holds_max_model_len
+from tessera.core.kv_cache_groups import num_pool_blocks_for_override
 from tessera.worker.cache_engine import KVCacheSpec
 
 
@@ -18,8 +19,10 @@ def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
     `num_groups` times more of them; --num-gpu-blocks-override keeps counting blocks of every
     layer (the memory it always meant), so it gives `num_groups` pool blocks each."""
     override = config.cache.num_gpu_blocks_override
-    num_gpu_blocks = (override * spec.num_groups if override
-                      else spec.num_blocks_for(config.cache.kv_cache_space))
+    num_gpu_blocks = (
+        num_pool_blocks_for_override(override, config.cache.layer_windows) if override
+        else spec.num_blocks_for(config.cache.kv_cache_space)
+    )
     if num_gpu_blocks < 1:
         raise ValueError(
             f"--kv-cache-space {config.cache.kv_cache_space} GiB holds no block of "
