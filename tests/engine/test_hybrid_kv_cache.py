@@ -114,3 +114,17 @@ def test_invariant_under_batching_and_scheduling(gemma3, engine_args):
         assert llm.get_metrics()["tessera:prefix_cache_hits_total"] > metrics[
             "tessera:prefix_cache_hits_total"] >= hits
     llm.llm_engine.scheduler.block_manager.check_integrity()
+
+
+def test_sdpa_backend_attends_through_each_groups_tables(gemma3):
+    """The torch path (CUDA, and CPU without the C++ kernel): the same tokens, in a cache of 12
+    blocks of every layer."""
+    from tessera.attention.sdpa import SdpaBackend
+
+    path, _, expected = gemma3
+    llm = LLM(model=path, block_size=4, max_model_len=48, num_gpu_blocks_override=12,
+              enable_prefix_caching=False)
+    runner = llm.llm_engine.executor.runner
+    runner.attn_backend = SdpaBackend(runner.device, runner.block_size)
+    assert _generate(llm) == expected
+    llm.llm_engine.scheduler.block_manager.check_integrity()
