@@ -128,3 +128,31 @@ def test_sdpa_backend_attends_through_each_groups_tables(gemma3):
     runner.attn_backend = SdpaBackend(runner.device, runner.block_size)
     assert _generate(llm) == expected
     llm.llm_engine.scheduler.block_manager.check_integrity()
+
+
+def test_grouped_cache_gives_the_same_prompt_logits(gemma3):
+    """One forward pass over a prompt longer than the window: the grouped cache (3 slots shared
+    by 3 groups) and one slot per layer give the same logits at every position."""
+    from tessera.core.kv_cache_groups import kv_cache_groups
+    from tessera.model.loader import load_model
+    from tessera.model.registry import get_model_class
+    from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
+    from tessera.worker.model_runner import ModelRunner
+    from tessera.worker.static_batch import StaticBatch
+
+    path, _, _ = gemma3
+    cpu, bs = torch.device("cpu"), 4
+    cfg, weights = load_model(path)
+    model = get_model_class(cfg.architecture)(cfg, weights, torch.float32, cpu, 64)
+    logits = []
+    for groups in ((), kv_cache_groups(cfg.layer_windows)):
+        spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
+                           torch.float32, groups)
+        runner = ModelRunner(model, CacheEngine(spec, 3 * 16, 0, cpu), bs, cpu)
+        assert runner.num_kv_cache_groups == max(len(groups), 1)
+        batch = StaticBatch(runner, bs)
+        prompt = PROMPTS[-1]
+        seq = batch.new_seq(prompt, len(prompt))
+        logits.append(batch.logits([seq], all_positions=True))
+    assert len(kv_cache_groups(cfg.layer_windows)) == 3
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
