@@ -107,6 +107,7 @@ class BlockManager:
             group_windows if len(group_windows) > 1 else (sliding_window,)
         )
         self.num_groups = len(self.group_windows)
+        self._any_window = any(w is not None for w in self.group_windows)
         self.num_released_blocks = 0  # released by the sliding window, in all
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -420,6 +421,8 @@ class BlockManager:
         (`cache_computed_blocks`) to keep them reusable. Released entries are always a leading
         run of each group's table, so the scan walks back from the newest releasable entry and
         stops at the first one already released: a step costs what it releases."""
+        if not self._any_window:
+            return 0
         table = self._tables.get(seq.seq_id)
         if table is None:
             return 0

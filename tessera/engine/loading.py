@@ -139,12 +139,15 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     )
     logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
     logger.info(
-        "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
+        "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens of every layer%s), %d "
+        "swap blocks",
         time.perf_counter() - start,
         os.path.basename(path),
         config.model.dtype,
         num_gpu_blocks,
-        num_gpu_blocks * config.cache.block_size,
+        num_gpu_blocks // spec.num_groups * config.cache.block_size,
+        f"; {spec.num_groups} KV cache groups of {spec.num_slots} layers"
+        if spec.num_groups > 1 else "",
         num_cpu_blocks,
     )
     # long-lived objects out of the cyclic GC's way: full collections otherwise walk every
