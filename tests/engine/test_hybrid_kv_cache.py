@@ -156,3 +156,19 @@ def test_grouped_cache_gives_the_same_prompt_logits(gemma3):
         logits.append(batch.logits([seq], all_positions=True))
     assert len(kv_cache_groups(cfg.layer_windows)) == 3
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.heavy
+def test_tensor_parallel_2_keeps_the_groups(gemma3):
+    """Each rank holds its KV heads of the same grouped layout; the scheduler's tables (one per
+    group) drive both: the same tokens as one rank."""
+    path, _, expected = gemma3
+    llm = LLM(model=path, block_size=4, max_model_len=48, num_gpu_blocks_override=12,
+              tensor_parallel_size=2)
+    try:
+        bm = llm.llm_engine.scheduler.block_manager
+        assert bm.group_windows == (None, WINDOW, WINDOW) and bm.num_gpu_blocks == 36
+        assert _generate(llm) == expected
+        assert bm.num_released_blocks > 0
+    finally:
+        llm.llm_engine.shutdown()
