@@ -63,6 +63,7 @@ from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, Schedul
 from tessera.core.admission import never_fits_reason, reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
 from tessera.core.core_output import EngineCoreOutput
+from tessera.core.kv_cache_groups import group_windows
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.lora_admission import LoRAAdmission
 from tessera.core.progress import set_progress
@@ -120,6 +121,7 @@ class Scheduler:
             watermark=cache_config.watermark,
             enable_prefix_caching=cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
+            group_windows=group_windows(cache_config.layer_windows),
         )
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
@@ -309,7 +311,7 @@ class Scheduler:
                 # drafts take only budget that later groups' decodes do not need
                 reserve = pending_decodes if self.config.enable_chunked_prefill else len(queue)
                 # ... and only blocks beyond one per sequence of this group and per later group
-                spare = bm.gpu.num_free - len(seqs) - len(queue)
+                spare = bm.gpu.num_free // bm.num_groups - len(seqs) - len(queue)
                 plan = self._take_drafts(seqs, plan, left - sum(n for _, n in plan) - reserve,
                                          spare)
             if plan:
@@ -354,7 +356,8 @@ class Scheduler:
             if n == 1 and drafts and seq.is_decoding():
                 num_tokens = seq.get_len()
                 # slots already in the table (or in the block its next token needs) are free to use
-                have = max(len(self.block_manager.get_block_table(seq)), cdiv(num_tokens, bs)) * bs
+                have = max(self.block_manager.get_num_logical_blocks(seq),
+                           cdiv(num_tokens, bs)) * bs
                 k = min(len(drafts), max(room, 0), max_len - num_tokens - 1,
                         have - num_tokens + max(spare_blocks, 0) * bs)
                 max_tokens = self._max_tokens(seq)

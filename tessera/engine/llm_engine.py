@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
 from tessera.core.admission import cache_fit
+from tessera.core.kv_cache_groups import group_windows
 from tessera.core.kv_connector import PullConnectorScheduler, check_kv_transfer_params
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
@@ -227,7 +228,8 @@ class LLMEngine:
         longest = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
         cache = self.config.cache
         need, usable, _ = cache_fit(params.n, longest, cache.block_size,
-                                    self.executor.num_gpu_blocks, cache.watermark)
+                                    self.executor.num_gpu_blocks, cache.watermark,
+                                    max(1, len(group_windows(cache.layer_windows))))
         if need > usable:
             most = max(usable // (need // params.n), 1)
             raise ValueError(

@@ -55,7 +55,7 @@ class _Instance:
                                            engine_id=role)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks,
                                    num_cpu_blocks, clock=self.clock, kv_connector=connector)
-        self.runner = SyntheticRunner(cost.geometry.block_bytes(config.cache.block_size))
+        self.runner = SyntheticRunner(cost.geometry.pool_block_bytes(config.cache))
         self.free_at = 0.0
         self.num_steps = 0
         self.landing: list[tuple[float, str]] = []  # consumer: (when a pull lands, req_id)

@@ -138,7 +138,7 @@ class Simulator:
         self.clock = VirtualClock()
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks, num_cpu_blocks,
                                    clock=self.clock)
-        self.runner = SyntheticRunner(cost_model.geometry.block_bytes(config.cache.block_size),
+        self.runner = SyntheticRunner(cost_model.geometry.pool_block_bytes(config.cache),
                                       acceptance, config.speculative)
         self.max_concurrency = max_concurrency
 
