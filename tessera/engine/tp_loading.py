@@ -38,7 +38,8 @@ def build_tp_engine(engine_cls, args: EngineArgs):
     arch = read_model_config(path)
     n = parallel.tensor_parallel_size
     check_shardable(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, n)
-    config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window)
+    config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window,
+                                       arch.layer_windows)
     plan = ShardPlan.for_arch(arch, 0, n)
     # --kv-cache-space and --swap-space are per rank, as vLLM's memory fraction is per device
     spec = kv_cache_spec(arch, config, plan.num_local_kv_heads)
