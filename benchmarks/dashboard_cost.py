@@ -10,8 +10,10 @@ open) and sampled (`snapshot`, what one sample costs; a server takes at most one
 
 `--server` (the default model): `tessera serve` on W1 over HTTP, alternating runs with no page
 open and runs with one event stream open (an SSE client reading /dashboard/events, which is all
-the server sees of an open page); output tok/s of each, and the server's step count from
-/metrics. Run it under `flock -x /work/cpu.lock` on a shared machine.
+the server sees of an open page); output tok/s of each, the server's step count from /metrics,
+and the server process's CPU time per output token (user + system, all threads, from /proc):
+on a shared machine the CPU time is the steadier figure, since other processes move wall time
+far more than they move the work the server does. Run it under `flock -x /work/cpu.lock`.
 
     python benchmarks/dashboard_cost.py --direct
     flock -x /work/cpu.lock python benchmarks/dashboard_cost.py --server --num-requests 64
@@ -127,6 +129,15 @@ def _send(url: str, prompts, out_lens) -> tuple[int, float]:
     return asyncio.run(go())
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the server process (all its threads) has used so far: the
+    dashboard's cost as work done, which other processes on the machine disturb far less than
+    they disturb wall time."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _steps(url: str) -> float:
     import httpx
 
@@ -192,28 +203,36 @@ def server(num_requests: int, rounds: int) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        _send(url, prompts[:4], [8] * 4)  # warm-up
+        _send(url, prompts, out_lens)  # warm-up: one whole W1, discarded (first-run allocations)
         results: dict[str, list[float]] = {"closed": [], "open": []}
+        cpu_ms: dict[str, list[float]] = {"closed": [], "open": []}  # server CPU ms per token
         for r in range(rounds):
             for mode in ("closed", "open") if r % 2 == 0 else ("open", "closed"):
                 viewer = _Viewer(url) if mode == "open" else None
-                steps0 = _steps(url)
+                steps0, cpu0 = _steps(url), _cpu_seconds(proc.pid)
                 tokens, elapsed = _send(url, prompts, out_lens)
-                steps = _steps(url) - steps0
+                steps, cpu = _steps(url) - steps0, _cpu_seconds(proc.pid) - cpu0
                 events = viewer.events if viewer else 0
                 if viewer is not None:
                     viewer.stop.set()
                 results[mode].append(tokens / elapsed)
+                cpu_ms[mode].append(1e3 * cpu / tokens)
                 print(
                     f"round {r} page {mode:>6}: {tokens} tokens in {elapsed:.1f} s = "
                     f"{tokens / elapsed:.1f} tok/s, {steps:.0f} steps "
-                    f"({1e3 * elapsed / max(steps, 1):.0f} ms/step), {events} events",
+                    f"({1e3 * elapsed / max(steps, 1):.0f} ms/step), {events} events, "
+                    f"server CPU {1e3 * cpu / tokens:.2f} ms/token",
                     flush=True,
                 )
         closed, opened = (statistics.mean(results[m]) for m in ("closed", "open"))
         print(
             f"mean: closed {closed:.1f} tok/s, open {opened:.1f} tok/s: "
             f"{100 * (closed - opened) / closed:+.2f}% with the page open"
+        )
+        closed_cpu, open_cpu = (statistics.median(cpu_ms[m]) for m in ("closed", "open"))
+        print(
+            f"median server CPU: closed {closed_cpu:.3f} ms/token, open {open_cpu:.3f} ms/token: "
+            f"{100 * (open_cpu - closed_cpu) / closed_cpu:+.2f}% with the page open"
         )
     finally:
         proc.terminate()

@@ -3,8 +3,8 @@ decode, against llama.cpp's llama-bench on the same file in the same run.
 
     python benchmarks/gemma3.py [--dtype float32] [--llama-bench PATH] [--threads N]
 
-llama-bench is looked for at --llama-bench, then $LLAMA_BENCH, then
-/work/peers/llama.cpp/build/bin/llama-bench (the build recipe is in benchmarks/peers.py); without
+llama-bench is looked for at --llama-bench, then $LLAMA_BENCH, then the build cache of
+benchmarks/llamacpp_peer.py (which builds it: `python benchmarks/llamacpp_peer.py --help`); without
 it only Tessera's figures are printed. Decode: one request of a 16-token prompt generating 128
 tokens (llama-bench tg128); prefill: one 512-token prompt (pp512).
 """
@@ -12,19 +12,18 @@ tokens (llama-bench tg128); prefill: one 512-token prompt (pp512).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from llamacpp_peer import DEFAULT_BUILD_DIR, llama_bench, llama_bench_path  # noqa: E402
 from throughput import workload  # noqa: E402  (W1's prompts and output lengths)
 
 from tessera import LLM, SamplingParams  # noqa: E402
 
-DEFAULT_LLAMA_BENCH = "/work/peers/llama.cpp/build/bin/llama-bench"
+DEFAULT_LLAMA_BENCH = llama_bench_path(DEFAULT_BUILD_DIR)
 
 
 def tessera_figures(path: str, dtype: str) -> dict[str, float]:
@@ -46,16 +45,6 @@ def tessera_figures(path: str, dtype: str) -> dict[str, float]:
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     w1 = sum(out_lens) / (time.perf_counter() - start)
     return {"decode": decode, "prefill": prefill, "w1": w1}
-
-
-def llama_bench(binary: str, path: str, threads: int) -> dict[str, float]:
-    out = subprocess.run([binary, "-m", path, "-p", "512", "-n", "128", "-t", str(threads),
-                          "-o", "json"], capture_output=True, text=True, check=True).stdout
-    figures = {}
-    for row in json.loads(out):
-        key = "prefill" if row.get("n_prompt") else "decode"
-        figures[key] = float(row["avg_ts"])
-    return figures
 
 
 def main() -> None:

@@ -124,11 +124,18 @@ class CacheConfig:
     # sequence's window has left are released while it runs (core/block_manager.py); None keeps
     # every block (no window, or local and global layers mixed)
     sliding_window: int | None = None
+    # each model layer's window (None: full attention) when the model mixes local and global
+    # layers (Gemma 2/3): the cache is split into KV cache groups with a block table each
+    # (core/kv_cache_groups.py). Empty: one group, every layer in it
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         resolve_kv_cache_dtype(self.cache_dtype, "float32")  # validates the name
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_windows and self.sliding_window is not None:
+            raise ValueError("CacheConfig: give sliding_window (every layer) or layer_windows "
+                             "(mixed layers), not both")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.kv_cache_space <= 0:
@@ -572,6 +579,10 @@ class EngineArgs:
               "(--no-enable-chunked-prefill: a prompt is prefilled whole)")
     enable_prefix_caching: bool = _arg(
         True, "reuse KV blocks of shared prompt prefixes (--no-enable-prefix-caching: off)")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False, "for a model mixing sliding-window and full layers (Gemma 2/3), give every layer "
+               "a full-length block table instead of one table per KV cache group, whose window "
+               "groups free the blocks their window has left")
     scheduling_policy: str = _arg("fcfs", "request order", choices=["fcfs", "priority"])
     speculative_config: dict | str | None = _arg(
         None,
@@ -622,11 +633,13 @@ class EngineArgs:
 
     def create_engine_config(
         self, model_max_len: int | None = None, checkpoint_dtype: str | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, layer_windows: tuple[int | None, ...] = (),
     ) -> EngineConfig:
         """Resolve defaults against the model's context limit and stored dtype (what `--dtype
         auto` runs; float32 when not given) and validate the combination. `sliding_window`: the
-        model's window when every layer has one (`ModelArchConfig.uniform_window`)."""
+        model's window when every layer has one (`ModelArchConfig.uniform_window`);
+        `layer_windows`: each layer's (`ModelArchConfig.layer_windows`), which, when they differ,
+        split the cache into KV cache groups (core/kv_cache_groups.py)."""
         if self.max_model_len is None:  # the model's own limit, as in vLLM
             max_model_len = model_max_len or 2048
         else:
@@ -654,10 +667,13 @@ class EngineArgs:
         pooler = PoolerConfig.from_dict(self.pooler_config)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.device)
         draft = speculative is not None and speculative.method == "draft_model"
+        hybrid = len(set(layer_windows)) > 1 and not self.disable_hybrid_kv_cache_manager
         if draft or kv_transfer is not None:
             # a draft model attends to the whole context, and a KV connector moves whole tables:
-            # both read blocks a window would have released
+            # both read blocks a window would have released (and both share one block per
+            # token block with the target or the peer: one group)
             sliding_window = None
+            hybrid = False
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -675,6 +691,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype),
                 sliding_window=sliding_window,
+                layer_windows=tuple(layer_windows) if hybrid else (),
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=budget,

@@ -54,6 +54,13 @@ class AttentionMetadata(ABC):
     # the step's LoRA adapters by row (tessera/lora/mapping.py), set by the runner after the
     # backend built the rest; None: every row runs the base model
     lora_mapping: object | None = field(default=None, init=False)
+    # KV cache groups (tessera/core/kv_cache_groups.py): per model layer, the metadata of its
+    # group (its block tables and slot mapping), set by the runner; None: one group, this one
+    layer_metadata: list[AttentionMetadata] | None = field(default=None, init=False, repr=False)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata model layer `layer` attends with: its KV cache group's."""
+        return self if self.layer_metadata is None else self.layer_metadata[layer]
 
     def forward(
         self,

@@ -28,6 +28,22 @@ path of windowed layers gathers only the window's blocks (tessera/attention/wind
 
     window 20, block_size 16, next position 41:  keys 22..41 are visible
     block table      [ NULL ,    3     ,    12    ]    block 0 (tokens 0..15) released
+
+KV cache groups (`group_windows`, a model mixing local and global layers: core/kv_cache_groups.py):
+each sequence has one table per group, all drawing from the one device pool. They are kept
+interleaved in ONE list, entry `i * num_groups + g` holding logical block i of group g, so the
+tables grow together and every message to the runner (a table, a diff of appended ids, a
+swap or copy mapping) keeps its single-table shape; with one group it is exactly the single
+table above. Each window group releases its own entries; full groups keep theirs:
+
+    groups (full, window 20), block_size 16, next position 41
+    table [ 7, NULL,  3, 9,  12, 4 ]     logical 0: group 0 block 7, group 1 released; ...
+
+Admission, growth, copy-on-write and swap count every group's entries (a logical block costs
+`num_groups` pool blocks, each `num_groups` times smaller). Prefix caching keeps one chain of
+keys per group (each group's own root, core/prefix_cache.py) and a hit is the leading logical
+blocks that EVERY group still has cached; a window group's released blocks stay evictable, so a
+recent prefix still hits.
 """
 
 from __future__ import annotations
@@ -68,15 +84,30 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
+        group_windows: tuple[int | None, ...] = (),
     ) -> None:
+        """`sliding_window`: the window of every layer (one group). `group_windows`: with more
+        than one KV cache group, each group's window (None: full attention); it replaces
+        `sliding_window`."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if len(group_windows) > 1 and sliding_window is not None:
+            raise ValueError("give sliding_window (one group) or group_windows, not both")
+        for w in group_windows:
+            if w is not None and w < 1:
+                raise ValueError(f"group_windows must be >= 1 or None, got {group_windows}")
         self.block_size = block_size
         self.sliding_window = sliding_window
+        # per KV cache group, its window (None: full attention); one group unless hybrid
+        self.group_windows: tuple[int | None, ...] = (
+            group_windows if len(group_windows) > 1 else (sliding_window,)
+        )
+        self.num_groups = len(self.group_windows)
+        self._any_window = any(w is not None for w in self.group_windows)
         self.num_released_blocks = 0  # released by the sliding window, in all
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -87,12 +118,17 @@ class BlockManager:
         self.cpu = BlockPool(num_cpu_blocks)
         self._tables: dict[int, list[int]] = {}  # seq_id -> device block table
         self._cpu_tables: dict[int, list[int]] = {}  # seq_id -> CPU block table (swapped)
-        self.prefix_cache = PrefixCache(self.gpu, block_size) if enable_prefix_caching else None
+        self.prefix_caches: list[PrefixCache] = (
+            [PrefixCache(self.gpu, block_size, g, self.num_groups) for g in range(self.num_groups)]
+            if enable_prefix_caching else []
+        )
+        self.prefix_cache = self.prefix_caches[0] if self.prefix_caches else None
         self.num_prefix_cache_queries = 0  # tokens looked up at admission
         self.num_prefix_cache_hits = 0  # of which found computed in the cache
 
     def _num_blocks(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+        """Table entries for `num_tokens` tokens: a logical block per group."""
+        return cdiv(num_tokens, self.block_size) * self.num_groups
 
     # admission
 
@@ -131,11 +167,16 @@ class BlockManager:
             return []
         if group.pooling_params is not None and group.pooling_params.needs_every_position:
             return []
-        return self.prefix_cache.hit_blocks(seq)
+        if self.num_groups == 1:
+            return self.prefix_cache.hit_blocks(seq)
+        # a logical block is a hit only when every group has it cached
+        per_group = [pc.hit_blocks(seq) for pc in self.prefix_caches]
+        k = min(len(hits) for hits in per_group)
+        return [hits[i] for i in range(k) for hits in per_group]
 
     def get_num_cached_tokens(self, group: SequenceGroup, seq: Sequence) -> int:
         """Leading tokens of `seq` whose KV a prefix-cache hit would supply (no side effects)."""
-        return len(self._prefix_hits(group, seq)) * self.block_size
+        return len(self._prefix_hits(group, seq)) // self.num_groups * self.block_size
 
     def allocate(self, group: SequenceGroup) -> list[int]:
         """Give every waiting sequence of the group blocks for its whole length. With prefix
@@ -152,12 +193,13 @@ class BlockManager:
             tables.append(hits)
         num_hit_tokens = []
         for seq, table in zip(seqs, tables, strict=True):
-            hit_tokens = len(table) * self.block_size
+            hit_tokens = len(table) // self.num_groups * self.block_size
             for _ in range(self._num_blocks(seq.get_len()) - len(table)):
                 table.append(self.gpu.allocate())
             self._tables[seq.seq_id] = table
-            if self.prefix_cache is not None:
-                self.prefix_cache.admitted(seq, hit_tokens // self.block_size)
+            if self.prefix_caches:
+                for pc in self.prefix_caches:
+                    pc.admitted(seq, hit_tokens // self.block_size)
                 self.num_prefix_cache_queries += seq.get_len()
                 self.num_prefix_cache_hits += hit_tokens
             num_hit_tokens.append(hit_tokens)
@@ -169,6 +211,7 @@ class BlockManager:
         """Blocks `append_slots` will take for the group's running sequences: growth, plus one
         copy per writer of a shared block except that its last holder writes in place."""
         bs = self.block_size
+        ng = self.num_groups
         tables = self._tables
         ref_counts = self.gpu.ref_counts
         need = 0
@@ -178,14 +221,15 @@ class BlockManager:
                 continue
             table = tables[seq.seq_id]
             num_tokens = seq.get_len() + len(seq.spec_token_ids)
-            grow = cdiv(num_tokens, bs) - len(table)
+            grow = cdiv(num_tokens, bs) * ng - len(table)
             if grow > 0:
                 need += grow
             for i in range(
-                seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)
+                seq.num_computed_tokens // bs * ng,
+                min(len(table), ((num_tokens - 1) // bs + 1) * ng),
             ):
                 block = table[i]
-                if ref_counts[block] > 1:
+                if block != NULL_BLOCK and ref_counts[block] > 1:
                     writers[block] = writers.get(block, 0) + 1
         for block, w in writers.items():
             need += min(w, ref_counts[block] - 1)
@@ -202,6 +246,7 @@ class BlockManager:
         bs = self.block_size
         tables = self._tables
         ref_counts = self.gpu.ref_counts
+        ng = self.num_groups
         for seq in group.seqs:
             if seq.status is not _RUNNING:
                 continue
@@ -209,12 +254,19 @@ class BlockManager:
             last = (
                 len(seq.prompt_token_ids) + len(seq.output_token_ids) + len(seq.spec_token_ids) - 1
             ) // bs
-            if not (
-                last < len(table)
+            if ng == 1:
+                if not (
+                    last < len(table)
+                    and seq.num_computed_tokens // bs == last
+                    and ref_counts[table[last]] == 1
+                ):
+                    break  # needs a new block or a copy: take the careful path
+            elif not (
+                (last + 1) * ng <= len(table)
                 and seq.num_computed_tokens // bs == last
-                and ref_counts[table[last]] == 1
+                and all(ref_counts[b] == 1 for b in table[last * ng : (last + 1) * ng])
             ):
-                break  # needs a new block or a copy: take the careful path
+                break
         else:
             return []
         if self.num_append_blocks(group) > self.gpu.num_free:
@@ -230,19 +282,22 @@ class BlockManager:
         give the sequence its own copy of every shared block it is about to write. Returns the
         (src, dst) block copies to perform."""
         bs = self.block_size
+        ng = self.num_groups
         table = self._tables[seq.seq_id]
         num_tokens = seq.get_len() + len(seq.spec_token_ids)
         copies: list[tuple[int, int]] = []
         gpu = self.gpu
-        for i in range(seq.num_computed_tokens // bs, min(len(table), (num_tokens - 1) // bs + 1)):
+        for i in range(
+            seq.num_computed_tokens // bs * ng, min(len(table), ((num_tokens - 1) // bs + 1) * ng)
+        ):
             block = table[i]
-            if gpu.ref_counts[block] > 1:
+            if block != NULL_BLOCK and gpu.ref_counts[block] > 1:
                 assert not gpu.is_hashed(block), "a prefix-cached block is about to be written"
                 new = gpu.allocate()
                 gpu.decref(block)
                 table[i] = new
                 copies.append((block, new))
-        for _ in range(cdiv(num_tokens, bs) - len(table)):
+        for _ in range(cdiv(num_tokens, bs) * ng - len(table)):
             table.append(gpu.allocate())
         return copies
 
@@ -253,8 +308,8 @@ class BlockManager:
             if block != NULL_BLOCK:
                 self.gpu.incref(block)
         self._tables[child_seq.seq_id] = table
-        if self.prefix_cache is not None:
-            self.prefix_cache.fork(parent_seq, child_seq)
+        for pc in self.prefix_caches:
+            pc.fork(parent_seq, child_seq)
 
     def free(self, seq: Sequence) -> None:
         """Release whatever the sequence holds (device or CPU). Idempotent."""
@@ -271,8 +326,8 @@ class BlockManager:
             for block in reversed(cpu_table):
                 if block != NULL_BLOCK:
                     self.cpu.decref(block)
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget(seq)
+        for pc in self.prefix_caches:
+            pc.forget(seq)
 
     # swap
 
@@ -295,9 +350,10 @@ class BlockManager:
         )
 
     def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
-        """Room for the swapped blocks plus one block per sequence for its next token."""
+        """Room for the swapped blocks plus one logical block per sequence for its next token."""
         seqs = [s for s in group.seqs if s.status is _SWAPPED]
-        need = self._distinct([self._cpu_tables[s.seq_id] for s in seqs]) + len(seqs)
+        need = (self._distinct([self._cpu_tables[s.seq_id] for s in seqs])
+                + len(seqs) * self.num_groups)
         reserve = self.watermark_blocks if use_watermark else 0
         return self.gpu.num_free - need >= reserve
 
@@ -309,10 +365,11 @@ class BlockManager:
         mapping = self._move(
             group, _SWAPPED, self._cpu_tables, self._tables, self.cpu, self.gpu, mapping
         )
-        if self.prefix_cache is not None:  # fresh device blocks: offer their computed KV again
+        if self.prefix_caches:  # fresh device blocks: offer their computed KV again
             for seq in group.seqs:
                 if seq.status is _SWAPPED:
-                    self.prefix_cache.admitted(seq, 0)
+                    for pc in self.prefix_caches:
+                        pc.admitted(seq, 0)
                     self.cache_computed_blocks(seq)
         return mapping
 
@@ -351,25 +408,36 @@ class BlockManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's blocks that are now full and computed to other requests."""
-        if self.prefix_cache is not None:
+        if self.prefix_caches:
             table = self._tables.get(seq.seq_id)
             if table is not None:
-                self.prefix_cache.register(seq, table)
+                for pc in self.prefix_caches:
+                    pc.register(seq, table)
 
     def release_out_of_window(self, seq: Sequence) -> int:
-        """Sliding window: release the sequence's leading blocks that no query from its next
-        position on can see (their last token is at or before next - window). Returns how many.
-        Offer them to the prefix cache first (`cache_computed_blocks`) to keep them reusable."""
-        window = self.sliding_window
-        table = self._tables.get(seq.seq_id)
-        if window is None or table is None:
+        """Sliding window: release the sequence's leading blocks, in each window group, that no
+        query from its next position on can see (their last token is at or before
+        next - window). Returns how many. Offer them to the prefix cache first
+        (`cache_computed_blocks`) to keep them reusable. Released entries are always a leading
+        run of each group's table, so the scan walks back from the newest releasable entry and
+        stops at the first one already released: a step costs what it releases."""
+        if not self._any_window:
             return 0
-        first_visible = seq.num_computed_tokens - window + 1
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return 0
+        bs = self.block_size
+        ng = self.num_groups
         released = 0
-        for i in range(min(first_visible // self.block_size, len(table))):
-            block = table[i]
-            if block != NULL_BLOCK:
-                table[i] = NULL_BLOCK
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                continue
+            first_visible = seq.num_computed_tokens - window + 1
+            for i in range(min(first_visible // bs, len(table) // ng) - 1, -1, -1):
+                block = table[i * ng + g]
+                if block == NULL_BLOCK:
+                    break
+                table[i * ng + g] = NULL_BLOCK
                 self.gpu.decref(block)
                 released += 1
         self.num_released_blocks += released
@@ -382,8 +450,13 @@ class BlockManager:
     # queries
 
     def get_block_table(self, seq: Sequence) -> list[int]:
-        """The live device block table (mutated by later `append_slots`; read it this step)."""
+        """The live device block table (mutated by later `append_slots`; read it this step); with
+        several KV cache groups, their tables interleaved (entry i * num_groups + g)."""
         return self._tables[seq.seq_id]
+
+    def get_num_logical_blocks(self, seq: Sequence) -> int:
+        """Token blocks the table covers (each is one pool block per KV cache group)."""
+        return len(self._tables[seq.seq_id]) // self.num_groups
 
     def has_blocks(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables or seq.seq_id in self._cpu_tables

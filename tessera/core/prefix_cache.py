@@ -11,6 +11,11 @@ need two different prefixes whose chained SHA-256 digests are equal.)
 
 Only full blocks whose KV is computed are registered; the pool keeps them reusable after they are
 freed until it evicts them (LRU).
+
+With KV cache groups (core/kv_cache_groups.py) each group has its own `PrefixCache`: group g's
+chain starts from its own root (`group_root_hash`), so the same tokens key a different block in
+each group, and it reads its entries of the interleaved table (i * num_groups + g). Group 0 keeps
+the plain chain, so one-group keys are those of a model without groups.
 """
 
 from __future__ import annotations
@@ -37,6 +42,15 @@ def lora_root_hash(lora_int_id: int) -> bytes | None:
     return hashlib.sha256(b"tessera prefix cache v1 lora" + struct.pack("<q", lora_int_id)).digest()
 
 
+def group_root_hash(root: bytes | None, group: int) -> bytes | None:
+    """The parent of the first block in KV cache group `group`, given the sequence's root (None:
+    ROOT_HASH): unchanged for group 0, a distinct digest per group otherwise."""
+    if group == 0:
+        return root
+    head = ROOT_HASH if root is None else root
+    return hashlib.sha256(head + b"kv cache group" + struct.pack("<q", group)).digest()
+
+
 def hash_block_tokens(parent: bytes | None, token_ids: SequenceABC[int]) -> bytes:
     """The prefix-cache key of a block: the 32-byte SHA-256 digest of `parent` (the previous
     block's key, or ROOT_HASH for the first block when None) followed by the token ids as
@@ -46,11 +60,17 @@ def hash_block_tokens(parent: bytes | None, token_ids: SequenceABC[int]) -> byte
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, group: int = 0,
+                 num_groups: int = 1) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.group = group  # the KV cache group whose table entries this cache reads
+        self.num_groups = num_groups
         self._hashes: dict[int, list[bytes]] = {}  # seq_id -> chained hashes of its full blocks
         self._num_cached: dict[int, int] = {}  # seq_id -> leading blocks already registered
+
+    def _root(self, seq: Sequence) -> bytes | None:
+        return group_root_hash(lora_root_hash(seq.lora_int_id), self.group)
 
     def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
         return seq.get_token_ids_range(i * self.block_size, (i + 1) * self.block_size)
@@ -60,7 +80,7 @@ class PrefixCache:
         ever appended, so the chain only grows)."""
         hashes = self._hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_full_blocks:
-            parent = hashes[-1] if hashes else lora_root_hash(seq.lora_int_id)
+            parent = hashes[-1] if hashes else self._root(seq)
             for i in range(len(hashes), num_full_blocks):
                 parent = hash_block_tokens(parent, self._block_tokens(seq, i))
                 hashes.append(parent)
@@ -75,7 +95,7 @@ class PrefixCache:
         if full == 0:
             return []
         hits = []
-        parent = lora_root_hash(seq.lora_int_id)
+        parent = self._root(seq)
         for i, h in enumerate(self._seq_hashes(seq, full)[:full]):
             block = self.pool.lookup(h, parent, self._block_tokens(seq, i))
             if block is None:
@@ -91,18 +111,21 @@ class PrefixCache:
         self._num_cached[seq.seq_id] = num_hit_blocks
 
     def register(self, seq: Sequence, table: list[int]) -> None:
-        """Offer the sequence's blocks that are now full and computed to other requests."""
-        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        """Offer the sequence's blocks that are now full and computed to other requests (`table`:
+        the sequence's whole table, groups interleaved)."""
+        ng, g = self.num_groups, self.group
+        full = min(seq.num_computed_tokens // self.block_size, len(table) // ng)
         start = self._num_cached.get(seq.seq_id, 0)
         if full <= start:
             return
         hashes = self._seq_hashes(seq, full)
-        root = lora_root_hash(seq.lora_int_id)
+        root = self._root(seq)
         for i in range(start, full):
-            if table[i] < 0:  # released by the sliding window (block_manager.NULL_BLOCK)
+            block = table[i * ng + g]
+            if block < 0:  # released by the sliding window (block_manager.NULL_BLOCK)
                 continue
             parent = hashes[i - 1] if i else root
-            self.pool.register(table[i], hashes[i], parent, self._block_tokens(seq, i))
+            self.pool.register(block, hashes[i], parent, self._block_tokens(seq, i))
         self._num_cached[seq.seq_id] = full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

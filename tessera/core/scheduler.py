@@ -27,15 +27,23 @@ runner after its last step, `seq.spec_token_ids`) gets 1 + k new tokens, listed 
 never pass `max_tokens` or `max_model_len`, and are dropped rather than preempt anyone when their
 lookahead slots are not free; `update_from_output` advances the sequence by the accepted ones.
 
+The scheduler is composed of parts, each with its own state, that it calls and that never call
+back: the `BlockManager` (blocks, prefix cache, swap), the `RemoteKVTracker` (core/remote_kv.py:
+requests parked for a peer's KV or held for a peer to pull), the `StepUpdate` (core/step_update.py:
+a step's results applied to the sequences it scheduled), the `RunnerView` (core/runner_view.py:
+what the runner already holds, so that a step sends diffs) and `LoRAAdmission`. The scheduler
+itself owns the queues and the live requests, and it alone frees them.
+
 One writer of progress: a sequence's `status` and `num_computed_tokens` change only through
-`set_progress` (core/progress.py, which lists the events), called only from the scheduler's
-files; tests/core/test_single_writer.py fails on any other assignment. Admission starts the counter
-at the prefix-cache hits `BlockManager.allocate` returns; a landed remote KV moves it to the
-prompt's last token; recompute resets it to zero; after the forward pass `update_from_output`
-advances it by the tokens actually computed and accepted, appends the sampled tokens,
-applies the token-id stop rules (core/stop_conditions.py), forks the children of n > 1 requests,
-frees what finished and offers full blocks to the prefix cache. The runner is told only plain
-diffs (core/runner_view.py); it never sees these objects.
+`set_progress` (core/progress.py, which lists the events), called only from the scheduler and its
+parts; tests/core/test_single_writer.py fails on any other assignment. Admission starts the
+counter at the prefix-cache hits `BlockManager.allocate` returns; a landed remote KV moves it to
+the prompt's last token; recompute resets it to zero; after the forward pass `update_from_output`
+advances it by the tokens actually computed and accepted, appends the sampled tokens, applies the
+token-id stop rules (core/stop_conditions.py), forks the children of n > 1 requests, frees what
+finished and offers full blocks to the prefix cache. The runner is told only plain diffs; it never
+sees these objects. The engine reads the scheduler's state through `stats()`
+(core/scheduler_stats.py).
 
 Cost: the hot path reads counters. It walks `running` (the sequences it schedules) and only the
 head of `waiting` it admits, so a step costs the same with 1,000 or 10,000 requests waiting.
@@ -54,14 +62,18 @@ from dataclasses import dataclass
 from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from tessera.core.admission import never_fits_reason, reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
+from tessera.core.core_output import EngineCoreOutput
+from tessera.core.kv_cache_groups import group_windows
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.lora_admission import LoRAAdmission
 from tessera.core.progress import set_progress
+from tessera.core.remote_kv import RemoteKVTracker
 from tessera.core.request_queue import create_request_queue
+from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.runner_view import RunnerView
-from tessera.core.scheduler_kv import RemoteKVStates
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.core.scheduler_update import UpdateFromOutput
+from tessera.core.scheduler_stats import RequestStats, SchedulerDetail, SchedulerStats
+from tessera.core.step_update import StepUpdate, request_metrics
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
 from tessera.utils import cdiv
 
@@ -84,7 +96,7 @@ class _Budget:
     num_seqs: int = 0  # seats taken, against max_num_seqs
 
 
-class Scheduler(RemoteKVStates, UpdateFromOutput):
+class Scheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -109,6 +121,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             watermark=cache_config.watermark,
             enable_prefix_caching=cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
+            group_windows=group_windows(cache_config.layer_windows),
         )
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
@@ -119,14 +132,10 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         self._runner = RunnerView()
         self._ignored: list[SequenceGroup] = []  # rejected this step, reported by the update
         self.num_preemptions_total = 0
-        self.num_prompt_tokens_total = 0  # prompt tokens computed (chunks, recomputes; not hits)
-        self.num_generation_tokens_total = 0
-        # speculative decoding (vLLM's counters): verified requests, draft tokens, accepted ones
-        self.num_spec_drafts_total = 0
-        self.num_spec_draft_tokens_total = 0
-        self.num_spec_accepted_tokens_total = 0
-        self.num_spec_accepted_tokens_per_pos: list[int] = []  # [i]: drafts accepted at position i
-        self._init_remote_kv(kv_connector)  # disaggregated prefill/decode (core/scheduler_kv.py)
+        # disaggregated prefill/decode; without a connector it never parks or holds anything
+        self.remote_kv = RemoteKVTracker(kv_connector, self.block_manager)
+        self._update = StepUpdate(self.block_manager, scheduler_config.max_model_len,
+                                  self.eos_token_ids)
 
     def _key(self, group: SequenceGroup) -> tuple[int, float]:
         return (group.priority, group.arrival_time) if self._priority else (0, group.arrival_time)
@@ -154,7 +163,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
                 self.waiting.remove(group)
             elif group in self.swapped:
                 self.swapped.remove(group)
-            elif self._abort_remote(group):
+            elif self.remote_kv.abort(group):
                 pass  # was waiting for its remote KV
             else:
                 self.running.remove(group)
@@ -182,21 +191,35 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         if done:
             self._sweep_finished()
 
+    @property
+    def waiting_for_remote_kvs(self) -> dict[str, SequenceGroup]:
+        """Requests parked until a peer's KV lands, by the stream's req_id (read-only)."""
+        return self.remote_kv.waiting
+
     def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.waiting_for_remote_kvs)
+        return bool(self.waiting or self.running or self.swapped or self.remote_kv.waiting)
 
     def get_num_unfinished_seq_groups(self) -> int:
         return (len(self.waiting) + len(self.running) + len(self.swapped)
-                + len(self.waiting_for_remote_kvs))
+                + len(self.remote_kv.waiting))
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks held for a peer or KV on its way: the engine keeps stepping to hear back."""
+        return self.remote_kv.has_pending()
+
+    def request_id_of(self, req_id: str) -> str | None:
+        """The request a stream (req_id) belongs to, while it is unfinished."""
+        entry = self._live.get(req_id)
+        return None if entry is None else entry[0].request_id
 
     # the step
 
     def schedule(self) -> SchedulerOutput:
         """Decide one step (see the module docstring)."""
-        self._schedule_remote_kv()
+        self.remote_kv.expire()
         out = SchedulerOutput(finished_req_ids=self._runner.take_finished())
         # a request waiting for its remote KV holds a seat
-        budget = _Budget(self.config.max_num_batched_tokens, len(self.waiting_for_remote_kvs))
+        budget = _Budget(self.config.max_num_batched_tokens, len(self.remote_kv.waiting))
         scheduled: list[tuple[SequenceGroup, _Plan]] = []
         if self._priority and self.waiting and self.running:
             self._preempt_for_priority(out)
@@ -212,8 +235,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         if scheduled:
             self._describe(out, scheduled)
         out.num_running_reqs = len(self.running)
-        if self.kv_connector is not None:
-            out.kv_connector_metadata = self.kv_connector.build_connector_meta()
+        out.kv_connector_metadata = self.remote_kv.connector_meta()
         return out
 
     def _describe(self, out: SchedulerOutput, scheduled: list[tuple[SequenceGroup, _Plan]]) -> None:
@@ -289,7 +311,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
                 # drafts take only budget that later groups' decodes do not need
                 reserve = pending_decodes if self.config.enable_chunked_prefill else len(queue)
                 # ... and only blocks beyond one per sequence of this group and per later group
-                spare = bm.gpu.num_free - len(seqs) - len(queue)
+                spare = bm.gpu.num_free // bm.num_groups - len(seqs) - len(queue)
                 plan = self._take_drafts(seqs, plan, left - sum(n for _, n in plan) - reserve,
                                          spare)
             if plan:
@@ -334,7 +356,8 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             if n == 1 and drafts and seq.is_decoding():
                 num_tokens = seq.get_len()
                 # slots already in the table (or in the block its next token needs) are free to use
-                have = max(len(self.block_manager.get_block_table(seq)), cdiv(num_tokens, bs)) * bs
+                have = max(self.block_manager.get_num_logical_blocks(seq),
+                           cdiv(num_tokens, bs)) * bs
                 k = min(len(drafts), max(room, 0), max_len - num_tokens - 1,
                         have - num_tokens + max(spare_blocks, 0) * bs)
                 max_tokens = self._max_tokens(seq)
@@ -461,7 +484,7 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
             out.num_prefix_cache_hit_tokens += hits
             if group.first_scheduled_time is None:
                 group.num_cached_tokens = hits
-            if self._admit_remote(group, seqs):  # parked until its peer's KV arrives
+            if self.remote_kv.park(group, seqs):  # until its peer's KV arrives
                 budget.num_seqs += n
                 continue
             for seq in seqs:
@@ -538,6 +561,149 @@ class Scheduler(RemoteKVStates, UpdateFromOutput):
         self._ignored.append(group)
 
 
+    # the step's results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results (core/step_update.py), free what finished, and take back the
+        requests whose remote KV landed. Returns, per request that changed, what its sequences
+        gained."""
+        now = self.clock()
+        step = self._update.apply(scheduler_output, runner_output, self._live, now)
+        for group, child in step.forked:
+            self._live[child.req_id] = (group, child)
+        for group, seq in step.finished:
+            if self.remote_kv.hold_for_peer(group, seq):  # its blocks wait for the peer's pull
+                self._runner.finished(seq)
+                self._live.pop(seq.req_id, None)
+            else:
+                self._free_seq(seq)
+        for group in self.remote_kv.update(runner_output):
+            bisect.insort(self.running, group, key=self._key)
+        touched = step.outputs
+        for group in self._ignored:
+            touched[group.request_id] = (group, EngineCoreOutput(group.request_id,
+                                                                 error=group.error))
+        self._ignored = []
+        if step.finished:
+            self._sweep_finished()
+        groups = self._groups
+        for group, out in touched.values():
+            if group.request_id not in groups:  # dropped: finished (or rejected)
+                out.finished = True
+                out.kv_transfer_params = self.remote_kv.take_params(group.request_id)
+                if group.finished_time is None:
+                    group.finished_time = now
+                out.metrics = request_metrics(group)
+        return [out for _, out in touched.values()]
+
+    def _free_seq(self, seq: Sequence) -> None:
+        if not self.remote_kv.is_held(seq):  # a finished prefill's blocks wait for its peer
+            self.block_manager.free(seq)
+        self._runner.finished(seq)
+        self._live.pop(seq.req_id, None)
+
+    def _drop(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            self._free_seq(seq)
+        self._groups.pop(group.request_id, None)
+
+    def _sweep_finished(self) -> None:
+        """Drop finished groups from `running` (their sequences are already freed)."""
+        kept = []
+        for group in self.running:
+            if group.is_finished():
+                self._drop(group)
+            else:
+                kept.append(group)
+        self.running = kept
+
+    def resend_whole(
+        self, scheduler_output: SchedulerOutput, req_ids: list[str]
+    ) -> SchedulerOutput:
+        """For a step that raised (engine/step_recovery.py): the part of its `scheduler_output`
+        that concerns `req_ids`, each request sent whole (the runner's copy may hold half-applied
+        diffs; a whole one replaces it). No cache operations and no finished ids: the runner
+        applied those before the forward pass that failed. Writes no progress."""
+        sub = SchedulerOutput()
+        table = self.block_manager.get_block_table
+        for req_id in req_ids:
+            group, seq = self._live[req_id]
+            self._runner.preempted(seq)  # marks it to be described whole
+            self._runner.describe(group, seq, table(seq), sub)
+            n = scheduler_output.num_scheduled_tokens[req_id]
+            sub.num_scheduled_tokens[req_id] = n
+            sub.total_num_scheduled_tokens += n
+            if req_id in scheduler_output.num_samples:
+                sub.num_samples[req_id] = scheduler_output.num_samples[req_id]
+            if req_id in scheduler_output.scheduled_spec_decode_tokens:
+                sub.scheduled_spec_decode_tokens[req_id] = (
+                    scheduler_output.scheduled_spec_decode_tokens[req_id])
+        return sub
+
+    # what the engine may read
+
+    def stats(self, detail: bool = False, max_requests: int = 256) -> SchedulerStats:
+        """The queues, the KV pools and the counters (core/scheduler_stats.py): counters only,
+        cheap enough for every step. `detail`: also the block maps, up to `max_requests` request
+        rows and the adapters in use; walks the queues, so once per sample or scrape."""
+        bm, update, remote = self.block_manager, self._update, self.remote_kv
+        return SchedulerStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_swapped=len(self.swapped),
+            num_waiting_for_remote_kvs=len(remote.waiting),
+            num_gpu_blocks=bm.num_gpu_blocks,
+            num_free_gpu_blocks=bm.get_num_free_gpu_blocks(),
+            num_cpu_blocks=bm.num_cpu_blocks,
+            num_free_cpu_blocks=bm.get_num_free_cpu_blocks(),
+            num_preemptions_total=self.num_preemptions_total,
+            num_prompt_tokens_total=update.num_prompt_tokens_total,
+            num_generation_tokens_total=update.num_generation_tokens_total,
+            num_prefix_cache_queries_total=bm.num_prefix_cache_queries,
+            num_prefix_cache_hits_total=bm.num_prefix_cache_hits,
+            num_spec_drafts_total=update.num_spec_drafts_total,
+            num_spec_draft_tokens_total=update.num_spec_draft_tokens_total,
+            num_spec_accepted_tokens_total=update.num_spec_accepted_tokens_total,
+            num_spec_accepted_tokens_per_pos=tuple(update.num_spec_accepted_tokens_per_pos),
+            kv_transfer=remote.connector is not None,
+            num_kv_transfer_requests_total=remote.num_requests_total,
+            num_kv_transfer_bytes_total=remote.num_bytes_total,
+            num_kv_transfer_failures_total=remote.num_failures_total,
+            detail=self._detail(max_requests) if detail else None,
+        )
+
+    def _detail(self, max_requests: int) -> SchedulerDetail:
+        bm = self.block_manager
+        if not self.waiting:
+            oldest = None
+        elif self._priority:  # no single head by arrival: walk the queue
+            oldest = min(g.arrival_time for g in self.waiting)
+        else:
+            oldest = self.waiting.peek().arrival_time  # a preempted request keeps its place first
+        rows: list[RequestStats] = []
+        max_len = self.config.max_model_len
+        for swapped, groups in ((False, self.running), (True, self.swapped)):
+            for group in groups:
+                if len(rows) == max_requests:
+                    break
+                rows.append(RequestStats.of(group, swapped, max_len))
+        return SchedulerDetail(
+            gpu_block_states=bm.gpu.block_states(),
+            cpu_block_states=bm.cpu.block_states(),
+            oldest_waiting_arrival=oldest,
+            oldest_swapped_arrival=self.swapped[0].arrival_time if self.swapped else None,
+            requests=tuple(rows),
+            running_lora_adapters=_adapters(self.running) if self.lora is not None else (),
+            waiting_lora_adapters=_adapters(self.waiting) if self.lora is not None else (),
+        )
+
+    def check_remote_kv_integrity(self) -> None:
+        """For tests: every parked or held request holds blocks and is in one place only."""
+        self.remote_kv.check_integrity(self.running, self._live)
+
+
 def _any_drafts(seqs: list[Sequence]) -> bool:
     return any(s.spec_token_ids for s in seqs)
 
@@ -551,4 +717,13 @@ def _drop_drafts(seqs: list[Sequence], plan: _Plan) -> _Plan:
 
 
 def _num_decodes(group: SequenceGroup) -> int:
-    return sum(1 for s in group.seqs if s.status is _RUNNING and s.is_decoding())
+    seqs = group.seqs
+    if len(seqs) == 1:  # the common case, once per running group per step: no generator
+        seq = seqs[0]
+        return 1 if seq.status is _RUNNING and seq.is_decoding() else 0
+    return sum(1 for s in seqs if s.status is _RUNNING and s.is_decoding())
+
+
+def _adapters(groups: Iterable[SequenceGroup]) -> tuple[str, ...]:
+    """The distinct adapters of `groups`, in name order."""
+    return tuple(sorted({g.lora_request.lora_name for g in groups if g.lora_request is not None}))

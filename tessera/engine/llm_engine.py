@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
 from tessera.core.admission import cache_fit
+from tessera.core.kv_cache_groups import group_windows
 from tessera.core.kv_connector import PullConnectorScheduler, check_kv_transfer_params
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
@@ -120,9 +121,9 @@ class LLMEngine:
         request: a replay needs every arrival."""
         if self.step_log is not None:
             self.step_log.close()
-        bm = self.scheduler.block_manager
-        self.step_log = StepLog(path, self.config, bm.num_gpu_blocks, bm.num_cpu_blocks,
-                                self.model_name, getattr(self.executor, "block_bytes", None))
+        self.step_log = StepLog(path, self.config, self.executor.num_gpu_blocks,
+                                self.executor.num_cpu_blocks, self.model_name,
+                                getattr(self.executor, "block_bytes", None))
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -225,9 +226,10 @@ class LLMEngine:
             return
         max_len = self.config.model.max_model_len
         longest = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
-        bm = self.scheduler.block_manager
-        need, usable, _ = cache_fit(params.n, longest, bm.block_size, bm.num_gpu_blocks,
-                                    bm.watermark)
+        cache = self.config.cache
+        need, usable, _ = cache_fit(params.n, longest, cache.block_size,
+                                    self.executor.num_gpu_blocks, cache.watermark,
+                                    max(1, len(group_windows(cache.layer_windows))))
         if need > usable:
             most = max(usable // (need // params.n), 1)
             raise ValueError(
@@ -281,7 +283,7 @@ class LLMEngine:
             runner_output, failed = self._recover(scheduler_output, e)
         t2 = time.perf_counter()
         watched = self.dashboard.active
-        accepted = self.scheduler.num_spec_accepted_tokens_total if watched else 0
+        accepted = self.scheduler.stats().num_spec_accepted_tokens_total if watched else 0
         if runner_output.kv_transfer_stats is not None:
             self.stats.observe_kv_transfers(runner_output.kv_transfer_stats.transfer_seconds)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -301,8 +303,9 @@ class LLMEngine:
                                self.has_unfinished_requests())
         if watched:
             end = self.clock()
-            self.dashboard.record_step(scheduler_output, end - (t3 - t0), end,
-                                       self.scheduler.num_spec_accepted_tokens_total - accepted)
+            self.dashboard.record_step(
+                scheduler_output, end - (t3 - t0), end,
+                self.scheduler.stats().num_spec_accepted_tokens_total - accepted)
         if (
             not scheduler_output.total_num_scheduled_tokens
             and self.scheduler.has_pending_kv_transfers()
@@ -369,34 +372,35 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, float]:
         """Current values keyed by the Prometheus names `/metrics` serves; a labelled sample is
         keyed `name{label="value"}`, as Prometheus prints it."""
-        s = self.scheduler
-        bm = s.block_manager
+        lora = self.config.lora
+        s = self.scheduler.stats(detail=lora is not None)  # detail: the adapters in use
         metrics = {
-            "tessera:num_requests_running": float(len(s.running)),
-            "tessera:num_requests_waiting": float(len(s.waiting)),
-            "tessera:num_requests_swapped": float(len(s.swapped)),
-            "tessera:kv_cache_usage_perc": float(bm.gpu_usage()),
-            "tessera:cpu_cache_usage_perc": float(bm.cpu_usage()),
+            "tessera:num_requests_running": float(s.num_running),
+            "tessera:num_requests_waiting": float(s.num_waiting),
+            "tessera:num_requests_swapped": float(s.num_swapped),
+            "tessera:kv_cache_usage_perc": float(s.gpu_usage),
+            "tessera:cpu_cache_usage_perc": float(s.cpu_usage),
             "tessera:num_preemptions_total": float(s.num_preemptions_total),
             "tessera:prompt_tokens_total": float(s.num_prompt_tokens_total),
             "tessera:generation_tokens_total": float(s.num_generation_tokens_total),
-            "tessera:prefix_cache_hits_total": float(bm.num_prefix_cache_hits),
-            "tessera:prefix_cache_queries_total": float(bm.num_prefix_cache_queries),
-            "tessera:prompt_tokens_cached_total": float(bm.num_prefix_cache_hits),
+            "tessera:prefix_cache_hits_total": float(s.num_prefix_cache_hits_total),
+            "tessera:prefix_cache_queries_total": float(s.num_prefix_cache_queries_total),
+            "tessera:prompt_tokens_cached_total": float(s.num_prefix_cache_hits_total),
         }
-        if s.kv_connector is not None:  # disaggregated prefill/decode
+        if s.kv_transfer:  # disaggregated prefill/decode
             metrics["tessera:kv_transfer_requests_total"] = float(s.num_kv_transfer_requests_total)
             metrics["tessera:kv_transfer_bytes_total"] = float(s.num_kv_transfer_bytes_total)
             metrics["tessera:kv_transfer_failures_total"] = float(s.num_kv_transfer_failures_total)
             metrics["tessera:num_requests_waiting_for_remote_kvs"] = float(
-                len(s.waiting_for_remote_kvs)
+                s.num_waiting_for_remote_kvs
             )
-        if self.config.lora is not None:  # vLLM's info gauge: labels say, the value is the time
-            running, waiting = _adapter_names(s.running), _adapter_names(s.waiting)
+        if lora is not None and s.detail is not None:  # vLLM's info gauge: the labels say
+            running = _label(s.detail.running_lora_adapters)
+            waiting = _label(s.detail.waiting_lora_adapters)
             metrics[
-                f'tessera:lora_requests_info{{max_lora="{self.config.lora.max_loras}",'
+                f'tessera:lora_requests_info{{max_lora="{lora.max_loras}",'
                 f'running_lora_adapters="{running}",waiting_lora_adapters="{waiting}"}}'
-            ] = time.time()
+            ] = time.time()  # ... and the value is the time
         spec = self.config.speculative
         if spec is not None:  # vLLM's names; accepted per draft position as a labelled counter
             metrics["tessera:spec_decode_num_drafts_total"] = float(s.num_spec_drafts_total)
@@ -432,10 +436,6 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def _adapter_names(groups: Iterable[SequenceGroup]) -> str:
-    """The distinct adapters of `groups`, comma-separated in name order (vLLM's label format).
-    Walks the groups: only with --enable-lora, once per step."""
-    names = ",".join(
-        sorted({g.lora_request.lora_name for g in groups if g.lora_request is not None})
-    )
-    return names.replace("\\", "\\\\").replace('"', '\\"')  # as a label value
+def _label(names: tuple[str, ...]) -> str:
+    """Adapter names as one Prometheus label value, comma-separated (vLLM's format)."""
+    return ",".join(names).replace("\\", "\\\\").replace('"', '\\"')

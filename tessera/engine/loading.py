@@ -57,7 +57,7 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
     arch, weights = load_model(path, weight_quantization(
         early.model.quantization, early.model.dtype, early.device.device))
     config = args.create_engine_config(
-        arch.max_position_embeddings, stored_dtype, arch.uniform_window
+        arch.max_position_embeddings, stored_dtype, arch.uniform_window, arch.layer_windows
     )
     device = torch.device(config.device.device)
     model_cls = get_model_class(arch.architecture)
@@ -95,7 +95,8 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     bundle = bundle or load_bundle(args)
     arch, path = bundle.arch, bundle.path
     config = args.create_engine_config(
-        arch.max_position_embeddings, bundle.checkpoint_dtype, arch.uniform_window
+        arch.max_position_embeddings, bundle.checkpoint_dtype, arch.uniform_window,
+        arch.layer_windows,
     )
     if config.parallel.enable_expert_parallel:  # accepted, as vLLM does; nothing to place
         logger.info("--enable-expert-parallel with one rank: every expert is on it")
@@ -140,12 +141,15 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
     )
     logger.info("resolved engine configuration: model=%s, %s", path, describe_config(config))
     logger.info(
-        "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens), %d swap blocks",
+        "engine ready in %.1fs: %s, %s, %d device blocks (%d tokens of every layer%s), %d "
+        "swap blocks",
         time.perf_counter() - start,
         os.path.basename(path),
         config.model.dtype,
         num_gpu_blocks,
-        num_gpu_blocks * config.cache.block_size,
+        num_gpu_blocks // spec.num_groups * config.cache.block_size,
+        f"; {spec.num_groups} KV cache groups of {spec.num_slots} layers"
+        if spec.num_groups > 1 else "",
         num_cpu_blocks,
     )
     # long-lived objects out of the cyclic GC's way: full collections otherwise walk every

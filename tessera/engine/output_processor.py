@@ -64,11 +64,13 @@ class RequestState:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     pooling: bool = False  # an embedding request: one output, its vector, when it finishes
+    # characters of text held back while a stop string may still be completing; set once, since
+    # it is read for every request every step
+    holdback: int = field(init=False)
 
-    @property
-    def holdback(self) -> int:
+    def __post_init__(self) -> None:
         p = self.params
-        return 0 if p.include_stop_str_in_output else max(0, p.max_stop_str_len - 1)
+        self.holdback = 0 if p.include_stop_str_in_output else max(0, p.max_stop_str_len - 1)
 
 
 class OutputProcessor:

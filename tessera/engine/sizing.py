@@ -8,15 +8,20 @@ from __future__ import annotations
 import dataclasses
 
 from tessera.core.admission import check_cache_holds_max_model_len
+from tessera.core.kv_cache_groups import num_pool_blocks_for_override
 from tessera.worker.cache_engine import KVCacheSpec
 
 
 def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
     """(device blocks, swap blocks) of one worker from --kv-cache-space/--swap-space (GiB per
     worker) or --num-gpu-blocks-override; refuses a pool that cannot hold one max_model_len
-    request."""
-    num_gpu_blocks = config.cache.num_gpu_blocks_override or spec.num_blocks_for(
-        config.cache.kv_cache_space
+    request. With KV cache groups a block holds one group's layers, so the same memory holds
+    `num_groups` times more of them; --num-gpu-blocks-override keeps counting blocks of every
+    layer (the memory it always meant), so it gives `num_groups` pool blocks each."""
+    override = config.cache.num_gpu_blocks_override
+    num_gpu_blocks = (
+        num_pool_blocks_for_override(override, config.cache.layer_windows) if override
+        else spec.num_blocks_for(config.cache.kv_cache_space)
     )
     if num_gpu_blocks < 1:
         raise ValueError(
@@ -27,6 +32,7 @@ def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
         num_gpu_blocks, config.cache.block_size, config.cache.watermark,
         config.model.max_model_len, spec.block_bytes,
         overridden=config.cache.num_gpu_blocks_override is not None,
+        num_groups=spec.num_groups,
     )
     return num_gpu_blocks, spec.num_blocks_for(config.cache.swap_space)
 

@@ -42,7 +42,8 @@ def build_tp_engine(engine_cls, args: EngineArgs):
     if parallel.enable_expert_parallel and not plan.expert_parallel:
         logger.info("--enable-expert-parallel: %s is dense, no experts to place",
                     arch.architecture)
-    config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window)
+    config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window,
+                                       arch.layer_windows)
     # --kv-cache-space and --swap-space are per rank, as vLLM's memory fraction is per device
     spec = kv_cache_spec(arch, config, plan.num_local_kv_heads)
     num_gpu_blocks, num_cpu_blocks = size_kv_pools(config, spec)

@@ -41,6 +41,7 @@ forever, so under the flock it is removed.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -115,11 +116,16 @@ def load_extension(name: str, source: Path, depends: Sequence[Path] = ()) -> Mod
 
 def supported_isas(flags: str | None = None, machine: str | None = None) -> list[str]:
     """The instruction sets this CPU can run, best first (always ends with "portable")."""
-    machine = machine or platform.machine()
+    return list(_isas_of(_cpu_flags() if flags is None else flags,
+                         machine or platform.machine()))
+
+
+@functools.lru_cache(maxsize=16)
+def _isas_of(flags: str, machine: str) -> tuple[str, ...]:
     if machine not in ("x86_64", "AMD64"):
-        return ["portable"]
-    have = set((_cpu_flags() if flags is None else flags).split())
-    return [isa for isa in ISAS if all(f in have for f in _ISA_NEEDS[isa])]
+        return ("portable",)
+    have = set(flags.split())
+    return tuple(isa for isa in ISAS if all(f in have for f in _ISA_NEEDS[isa]))
 
 
 def cpu_isa() -> str:
@@ -191,8 +197,11 @@ def _digest(inputs: dict[str, object]) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=8)
 def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's feature flags, sorted (x86 "flags", arm "Features"); else platform's CPU name."""
+    """The CPU's feature flags, sorted (x86 "flags", arm "Features"); else platform's CPU name.
+    Cached: every kernel call asks which build serves it (`cpu_isa`), and reading /proc/cpuinfo
+    costs tens of microseconds to milliseconds on a VM, 30 times a decode step."""
     try:
         with open(cpuinfo) as f:
             for line in f:  # the first core's line is enough: all cores of a machine match

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
 from tessera.model.registry import hf_architecture, supported_architectures, traits
+from tessera.utils import hf_windows
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def read_hf_config(path: str, has_lm_head: bool) -> ModelArchConfig:
     num_layers = int(cfg["num_hidden_layers"])
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     rope_theta, rope_scaling, local_theta, partial = _rope_of(cfg, path, max_pos)
-    sliding, layer_types = _windows_of(cfg, architecture, num_layers)
+    sliding, layer_types = hf_windows(cfg, architecture, num_layers)
 
     if not family.qkv_bias and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ValueError(f"{path}: attention_bias/mlp_bias is not supported for {architecture}")
@@ -300,40 +301,3 @@ def _rope_of(cfg: dict, path: str, max_pos: int) -> tuple[float, dict | None, fl
         params.setdefault("max_position_embeddings", max_pos)
     scaling = params if kind != "default" else None
     return rope_theta, scaling, None if local_theta is None else float(local_theta), partial
-
-
-def _windows_of(
-    cfg: dict, architecture: str, num_layers: int
-) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding_window, layer_types) as `ModelArchConfig` reads them: Gemma's interleaved local
-    layers, Mistral's window on every layer, Qwen's `use_sliding_window` (off by default)."""
-    window = cfg.get("sliding_window")
-    types = tuple(cfg.get("layer_types") or ())
-    if architecture == "Qwen2MoeForCausalLM":  # a window is refused (see _moe_of)
-        return None, ()
-    if architecture == "Qwen3MoeForCausalLM":  # HF: the window on every layer, if used
-        if not cfg.get("use_sliding_window"):
-            return None, ()
-    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not cfg.get("use_sliding_window"):
-            return None, ()
-        if not types:  # HF: layers from max_window_layers on use the window
-            first = int(cfg.get("max_window_layers", num_layers))
-            types = tuple(
-                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
-            )
-    elif architecture == "Gemma2ForCausalLM" and not types:
-        types = tuple(
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
-        )
-    elif architecture == "Gemma3ForCausalLM" and not types:
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
-        types = tuple(
-            "sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(num_layers)
-        )
-    if window is None:
-        return None, ()
-    if types and "sliding_attention" not in types:
-        return None, ()
-    return int(window), types

@@ -273,11 +273,12 @@ class LlamaForCausalLM:
         if self.local_rope is not None:
             local = (self.local_rope, *self.local_rope.lookup(positions))
         pending = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            m = meta.for_layer(i)  # its KV cache group's block tables
             if local is not None and layer.window is not None:
-                h, pending = layer(h, pending, *local, k_cache, v_cache, meta)
+                h, pending = layer(h, pending, *local, k_cache, v_cache, m)
             else:
-                h, pending = layer(h, pending, self.rope, cos, sin, k_cache, v_cache, meta)
+                h, pending = layer(h, pending, self.rope, cos, sin, k_cache, v_cache, m)
         return self.norm(h) if pending is None else self.norm.add_and_norm(h, pending)
 
     def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import math
 import shlex
 
 from tessera.config import EngineConfig, GiB, resolve_dtype, resolve_kv_cache_dtype
+from tessera.core.kv_cache_groups import num_pool_blocks_for_override
 from tessera.simulator.serving import TRACE_RATE
 
 # engine flags the simulator replaces or does not model: the model and device are the cost
@@ -164,11 +165,15 @@ def engine_setup(args: argparse.Namespace, cost_model) -> tuple[EngineConfig, in
 
     engine_args = dataclasses.replace(engine_args_from(args), dtype=cost_model.dtype, device="meta")
     config = engine_args.create_engine_config(
-        cost_model.max_model_len, sliding_window=getattr(cost_model, "sliding_window", None))
-    block_bytes = cost_model.geometry.block_bytes(config.cache.block_size)
+        cost_model.max_model_len, sliding_window=getattr(cost_model, "sliding_window", None),
+        layer_windows=getattr(cost_model, "layer_windows", ()))
+    # with KV cache groups a block holds one group's layers, and the override counts blocks of
+    # every layer, each `num_groups` pool blocks (tessera/engine/sizing.py)
+    block_bytes = cost_model.geometry.pool_block_bytes(config.cache)
+    override = config.cache.num_gpu_blocks_override
     num_gpu = (
-        config.cache.num_gpu_blocks_override
-        or int(config.cache.kv_cache_space * GiB) // block_bytes
+        num_pool_blocks_for_override(override, config.cache.layer_windows) if override
+        else int(config.cache.kv_cache_space * GiB) // block_bytes
     )
     num_cpu = int(config.cache.swap_space * GiB) // block_bytes
     if num_gpu < 1:

@@ -19,6 +19,8 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from tessera.config import CacheConfig
+from tessera.core.kv_cache_groups import kv_cache_groups
 from tessera.simulator.batch import BatchShape
 from tessera.simulator.parallel import LinkSpec, TensorParallelCost, parse_link
 from tessera.utils import kv_bytes_per_token
@@ -59,6 +61,15 @@ class KVGeometry:
     def block_bytes(self, block_size: int) -> int:
         return block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
                                                self.elem_size)
+
+    def pool_block_bytes(self, cache: CacheConfig) -> int:
+        """Bytes of one pool block under `cache`: every layer's, or, with KV cache groups (a
+        model mixing local and global layers, `cache.layer_windows`), one group's layers."""
+        if not cache.layer_windows:
+            return self.block_bytes(cache.block_size)
+        group_size = len(kv_cache_groups(cache.layer_windows)[0].layers)
+        return cache.block_size * kv_bytes_per_token(group_size, self.num_kv_heads,
+                                                     self.head_dim, self.elem_size)
 
 
 class CostModel(ABC):

@@ -41,12 +41,12 @@ class DashboardFrames:
         self.frames: list[dict[str, Any]] = []
         self._next = -float("inf")
         self._last_end: float | None = None
-        self._accepted = scheduler.num_spec_accepted_tokens_total
+        self._accepted = scheduler.stats().num_spec_accepted_tokens_total
         self._num_tokens: dict[str, int] = {}  # request id -> tokens so far (all its sequences)
 
     def on_step(self, out: SchedulerOutput, core_outputs: list[EngineCoreOutput], start: float,
                 end: float) -> None:
-        accepted = self.scheduler.num_spec_accepted_tokens_total
+        accepted = self.scheduler.stats().num_spec_accepted_tokens_total
         self.recorder.record_step(out, start, end, accepted - self._accepted)
         self._accepted = accepted
         counts = self._num_tokens

@@ -55,15 +55,15 @@ class _Instance:
                                            engine_id=role)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks,
                                    num_cpu_blocks, clock=self.clock, kv_connector=connector)
-        self.runner = SyntheticRunner(cost.geometry.block_bytes(config.cache.block_size))
+        self.runner = SyntheticRunner(cost.geometry.pool_block_bytes(config.cache))
         self.free_at = 0.0
         self.num_steps = 0
         self.landing: list[tuple[float, str]] = []  # consumer: (when a pull lands, req_id)
         self.read_out: list[tuple[float, str]] = []  # producer: (when a pull read it, req_id)
 
     def has_work(self) -> bool:
-        s = self.scheduler
-        return bool(s.waiting or s.running or s.swapped)
+        s = self.scheduler.stats()
+        return bool(s.num_waiting or s.num_running or s.num_swapped)
 
     def next_event(self) -> float:
         """When this instance next has something to do (inf: nothing)."""
@@ -138,7 +138,7 @@ class DisaggSimulator:
                     tl.sample(d.free_at, d.scheduler, self._last_batch)
         counters: dict[str, float] = {}
         for name, inst in (("prefill", p), ("decode", d)):
-            s = inst.scheduler
+            s = inst.scheduler.stats()
             counters[f"{name}_num_preemptions"] = s.num_preemptions_total
             counters[f"{name}_prompt_tokens_computed"] = s.num_prompt_tokens_total
             counters[f"{name}_num_steps"] = inst.num_steps

@@ -85,6 +85,7 @@ class RooflineCostModel(CostModel):
         )
         self.max_model_len = model.max_position_embeddings
         self.sliding_window = model.sliding_window
+        self.layer_windows = model.layer_windows  # mixed local and global layers: KV cache groups
         self._flops = hardware.flops(dtype) * hardware.compute_efficiency * n  # n devices
         self._bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
         self._kv_bytes_per_token = self.geometry.block_bytes(1)

@@ -107,11 +107,12 @@ class Timeline:
     def sample(self, t: float, sched: Scheduler, batch: BatchShape) -> None:
         """One row: the queues after a step that ended at `t` (a request waiting for its
         remote KV counts as waiting), and that step's batch."""
+        s = sched.stats()
         self.time.append(t)
-        self.num_waiting.append(len(sched.waiting) + len(sched.waiting_for_remote_kvs))
-        self.num_running.append(len(sched.running))
-        self.num_swapped.append(len(sched.swapped))
-        self.kv_usage.append(sched.block_manager.gpu_usage())
+        self.num_waiting.append(s.num_waiting + s.num_waiting_for_remote_kvs)
+        self.num_running.append(s.num_running)
+        self.num_swapped.append(s.num_swapped)
+        self.kv_usage.append(s.gpu_usage)
         self.batch_seqs.append(batch.num_seqs)
         self.batch_tokens.append(batch.num_tokens)
 
@@ -137,7 +138,7 @@ class Simulator:
         self.clock = VirtualClock()
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks, num_cpu_blocks,
                                    clock=self.clock)
-        self.runner = SyntheticRunner(cost_model.geometry.block_bytes(config.cache.block_size),
+        self.runner = SyntheticRunner(cost_model.geometry.pool_block_bytes(config.cache),
                                       acceptance, config.speculative)
         self.max_concurrency = max_concurrency
 
@@ -240,15 +241,15 @@ class Simulator:
                                        "to arrive")
             else:
                 idle_steps = 0
-        bm = sched.block_manager
+        s = sched.stats()
         counters = {
-            "num_preemptions": sched.num_preemptions_total,
-            "prompt_tokens_computed": sched.num_prompt_tokens_total,
-            "generation_tokens": sched.num_generation_tokens_total,
-            "prefix_cache_queries": bm.num_prefix_cache_queries,
-            "prefix_cache_hits": bm.num_prefix_cache_hits,
-            "spec_decode_num_draft_tokens": sched.num_spec_draft_tokens_total,
-            "spec_decode_num_accepted_tokens": sched.num_spec_accepted_tokens_total,
+            "num_preemptions": s.num_preemptions_total,
+            "prompt_tokens_computed": s.num_prompt_tokens_total,
+            "generation_tokens": s.num_generation_tokens_total,
+            "prefix_cache_queries": s.num_prefix_cache_queries_total,
+            "prefix_cache_hits": s.num_prefix_cache_hits_total,
+            "spec_decode_num_draft_tokens": s.num_spec_draft_tokens_total,
+            "spec_decode_num_accepted_tokens": s.num_spec_accepted_tokens_total,
         }
         first = min((r.sent for r in records), default=0.0)
         return SimOutcome(records, tl, max(t - first, 1e-9), time.perf_counter() - start_wall,

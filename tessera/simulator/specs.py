@@ -26,7 +26,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from tessera.utils import kv_bytes_per_token
+from tessera.utils import hf_windows, kv_bytes_per_token
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -121,6 +121,9 @@ class ModelSpec:
     # the window every layer attends within (Mistral): the scheduler releases the blocks behind
     # it, as the engine does; None with no window or with local and global layers mixed
     sliding_window: int | None = None
+    # each layer's window when local and global layers are mixed (Gemma 2/3): the KV cache is
+    # split into groups, priced and released per group as the engine does; () otherwise
+    layer_windows: tuple[int | None, ...] = ()
     # mixture of experts: 0 experts is a dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k
@@ -244,16 +247,18 @@ def _stored_dtype(config: dict) -> str | None:
     return stored if stored in DTYPE_BYTES else None
 
 
-def _uniform_window(config: dict) -> int | None:
-    """config.json's sliding window when every layer uses it (no `layer_types`, or all
-    "sliding_attention"; Qwen's only with use_sliding_window)."""
-    window = config.get("sliding_window")
-    if window is None or config.get("use_sliding_window") is False:
-        return None
-    types = config.get("layer_types") or []
-    if any(t != "sliding_attention" for t in types):
-        return None
-    return int(window)
+def _windows(config: dict) -> tuple[int | None, tuple[int | None, ...]]:
+    """(the window of every layer, or None; each layer's window when they differ, or ()) from
+    config.json, by the loader's rule (`tessera.utils.hf_windows`)."""
+    if config.get("use_sliding_window") is False:
+        return None, ()
+    architecture = (config.get("architectures") or [""])[0]
+    window, types = hf_windows(config, architecture, config["num_hidden_layers"])
+    if window is None:
+        return None, ()
+    if all(t == "sliding_attention" for t in types):
+        return window, ()
+    return None, tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _moe_fields(config: dict) -> dict:
@@ -301,6 +306,7 @@ def load_model_config(name_or_path: str) -> ModelSpec:
                          f"{', '.join(model_config_names())}")
     try:
         heads = config["num_attention_heads"]
+        window, layer_windows = _windows(config)
         return ModelSpec(
             name=name,
             hidden_size=config["hidden_size"],
@@ -313,7 +319,8 @@ def load_model_config(name_or_path: str) -> ModelSpec:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             torch_dtype=_stored_dtype(config),
-            sliding_window=_uniform_window(config),
+            sliding_window=window,
+            layer_windows=layer_windows,
             **_moe_fields(config),
         )
     except KeyError as e:

@@ -1,10 +1,13 @@
 """The KV tensors: a device pool and a CPU swap pool, and the block moves the scheduler asks for.
 
-Both pools are one tensor each, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`,
-so
-`kv_caches[layer] = (K, V)` are views and a swap or copy of any set of blocks is a single batched
-index operation over all layers (no Python loop per block, nor per layer). Decides nothing: it
-applies the block-id mappings in a `SchedulerOutput`.
+Both pools are one tensor each, `[num_slots, 2, num_blocks, block_size, num_kv_heads, head_dim]`,
+so `kv_caches[layer] = (K, V)` are views and a swap or copy of any set of blocks is a single
+batched index operation over all layers (no Python loop per block, nor per layer). Decides
+nothing: it applies the block-id mappings in a `SchedulerOutput`.
+
+One slot per layer, except with KV cache groups (a model mixing local and global layers,
+core/kv_cache_groups.py): then there are `group_size` slots, slot j shared by layer j of every
+group, and a block id is that row in every slot (the KV of one group's `group_size` layers).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import GiB, resolve_kv_cache_dtype
+from tessera.core.kv_cache_groups import KVCacheGroupSpec, kv_cache_groups, layer_slots
 from tessera.model.config import ModelArchConfig
 from tessera.utils import kv_bytes_per_token
 
@@ -32,12 +36,30 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # KV cache groups (more than one: a hybrid model); empty: one group of every layer
+    groups: tuple[KVCacheGroupSpec, ...] = ()
+
+    @property
+    def num_groups(self) -> int:
+        return max(len(self.groups), 1)
+
+    @property
+    def num_slots(self) -> int:
+        """Layers one block id holds: every layer, or one group's."""
+        return len(self.groups[0].layers) if self.groups else self.num_layers
+
+    @property
+    def layer_slots(self) -> list[int]:
+        """Per model layer, the slot (tensor) holding its K/V."""
+        if not self.groups:
+            return list(range(self.num_layers))
+        return [slot for _, slot in layer_slots(self.groups)]
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across its slots, K and V."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads,
+        return self.block_size * kv_bytes_per_token(self.num_slots, self.num_kv_heads,
                                                     self.head_dim, elem)
 
     def num_blocks_for(self, gib: float) -> int:
@@ -45,10 +67,13 @@ class KVCacheSpec:
 
 
 def kv_cache_spec(arch: ModelArchConfig, config, num_kv_heads: int) -> KVCacheSpec:
-    """The KV cache of one worker: `num_kv_heads` are its own (a tensor-parallel rank's)."""
+    """The KV cache of one worker: `num_kv_heads` are its own (a tensor-parallel rank's); KV
+    cache groups when the configuration gives layer windows (`CacheConfig.layer_windows`)."""
+    layer_windows = config.cache.layer_windows
     return KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=num_kv_heads,
                        head_dim=arch.head_dim, block_size=config.cache.block_size,
-                       dtype=kv_cache_torch_dtype(config))
+                       dtype=kv_cache_torch_dtype(config),
+                       groups=kv_cache_groups(layer_windows) if layer_windows else ())
 
 
 class CacheEngine:
@@ -59,7 +84,8 @@ class CacheEngine:
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        shape = (spec.num_layers, 2, 0, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_slots, 2, 0, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self._layer_slots = spec.layer_slots
         # zeros, not empty: padding slots are read (then masked) by decode attention, and garbage
         # could hold NaN/Inf that a mask does not neutralise in every kernel
         self.gpu_cache = torch.zeros(
@@ -77,8 +103,10 @@ class CacheEngine:
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim] (views)."""
-        return [(layer[0], layer[1]) for layer in self.gpu_cache]
+        """Per model layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim] (views
+        of its slot)."""
+        cache = self.gpu_cache
+        return [(cache[j][0], cache[j][1]) for j in self._layer_slots]
 
     def swap_in(self, mapping: dict[int, int]) -> None:
         """CPU block -> device block, for every layer at once."""

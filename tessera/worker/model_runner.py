@@ -35,6 +35,7 @@ import torch
 
 from tessera.attention import SeqSpan, is_decode, select_attention_backend
 from tessera.config import LoRAConfig, SpeculativeConfig
+from tessera.core.kv_cache_groups import layer_slots
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.grammar import DraftWalk, GrammarBackend
@@ -121,6 +122,9 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(
             device, cache_engine.spec.dtype, block_size, name=attention_backend
         )
+        # KV cache groups (a hybrid model): block tables arrive interleaved, one per group
+        self.num_kv_cache_groups = cache_engine.spec.num_groups
+        self._layer_groups = [g for g, _ in layer_slots(cache_engine.spec.groups)]
 
     # ---- input preparation -------------------------------------------------------------------
     def prepare_input(self, out: SchedulerOutput) -> ModelInput:
@@ -147,6 +151,7 @@ class ModelRunner:
         spec = out.scheduled_spec_decode_tokens
         spec_drafts: dict[str, list[int]] = {}
         pool_rows: list[tuple[str, int, int]] = []
+        one_group = self.num_kv_cache_groups == 1  # else the slots are per group (below)
         for state, n in decodes + prefills:
             start = state.num_computed_tokens
             end = start + n
@@ -156,7 +161,8 @@ class ModelRunner:
                 input_ids.extend(state.token_ids_range(start, state.num_tokens))
                 input_ids.extend(drafts)
                 positions.extend(range(start, end))
-                slot_mapping.extend(_slots(state.block_ids, bs, start, end))
+                if one_group:
+                    slot_mapping.extend(_slots(state.block_ids, bs, start, end))
                 spans.append(SeqSpan(offset, n, start, state.block_ids))
                 logits_indices.extend(range(offset, offset + n))
                 sampled.append(state.req_id)
@@ -164,7 +170,8 @@ class ModelRunner:
                 continue
             input_ids.extend(state.token_ids_range(start, end))
             positions.extend(range(start, end))
-            slot_mapping.extend(_slots(state.block_ids, bs, start, end))
+            if one_group:
+                slot_mapping.extend(_slots(state.block_ids, bs, start, end))
             spans.append(SeqSpan(offset, n, start, state.block_ids))
             if state.pooling is not None:  # an embedding request: pooled, never sampled
                 pool_rows.append((state.req_id, offset, start))
@@ -178,8 +185,11 @@ class ModelRunner:
                 sampled.append(state.req_id)
 
         dev = self.device
-        slots = torch.tensor(slot_mapping, dtype=torch.long, device=dev)
-        meta = self.attn_backend.build_metadata(spans, slots, positions)
+        if one_group:
+            slots = torch.tensor(slot_mapping, dtype=torch.long, device=dev)
+            meta = self.attn_backend.build_metadata(spans, slots, positions)
+        else:
+            meta = self._group_metadata(spans, positions)
         if self.lora_manager is not None:
             meta.lora_mapping = self._lora_mapping(decodes + prefills)
         return ModelInput(
@@ -192,6 +202,26 @@ class ModelRunner:
             spec_drafts=spec_drafts,
             pool_rows=pool_rows,
         )
+
+    def _group_metadata(self, spans: list[SeqSpan], positions: list[int]):
+        """KV cache groups: one metadata per group, from that group's entries of each interleaved
+        table (its own blocks and slots); the layers of a group attend with its metadata
+        (`AttentionMetadata.for_layer`)."""
+        bs, ng = self.block_size, self.num_kv_cache_groups
+        metas = []
+        for g in range(ng):
+            group_spans = []
+            slot_mapping: list[int] = []
+            for s in spans:
+                table = s.block_table[g::ng]
+                group_spans.append(SeqSpan(s.query_start, s.num_new_tokens, s.num_computed_tokens,
+                                           table))
+                slot_mapping.extend(_slots(table, bs, s.num_computed_tokens, s.num_tokens))
+            slots = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
+            metas.append(self.attn_backend.build_metadata(group_spans, slots, positions))
+        meta = metas[0]
+        meta.layer_metadata = [metas[g] for g in self._layer_groups]
+        return meta
 
     def _lora_mapping(self, scheduled: list[tuple[CachedRequestState, int]]):
         """Each row's adapter, in flat-batch order, as the model's segments."""

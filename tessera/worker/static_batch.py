@@ -35,7 +35,8 @@ class StaticBatch:
 
     def new_seq(self, prompt: list[int], max_len: int) -> StaticSeq:
         """A sequence with blocks for `max_len` tokens, its whole prompt to compute next."""
-        n = cdiv(max_len, self.block_size)
+        # one block per token block in each KV cache group (their tables interleaved)
+        n = cdiv(max_len, self.block_size) * self.runner.num_kv_cache_groups
         table = list(range(self.next_block, self.next_block + n))
         self.next_block += n
         return StaticSeq(f"static-{next(self._ids)}", list(prompt), table, len(prompt))

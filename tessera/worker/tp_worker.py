@@ -193,7 +193,8 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
 
     args = init.engine_args
     arch = read_model_config(init.model_path)
-    config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window)
+    config = args.create_engine_config(arch.max_position_embeddings, None, arch.uniform_window,
+                                       arch.layer_windows)
     plan = ShardPlan.for_arch(arch, rank, world_size, config.parallel.enable_expert_parallel)
     tp = TensorParallelGroup(plan, device)
     quantization = weight_quantization(config.model.quantization, config.model.dtype,

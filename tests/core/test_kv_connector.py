@@ -85,7 +85,7 @@ def test_consumer_waits_holding_blocks_without_blocking_others_then_decodes_from
         assert "r" not in out.num_scheduled_tokens
     assert "local" in runner.finished
     assert sched.get_num_unfinished_seq_groups() == 1
-    prompt_before = sched.num_prompt_tokens_total
+    prompt_before = sched.stats().num_prompt_tokens_total
     runner.recved = ["r"]
     runner.step()  # the report lands; the request joins running
     assert not sched.waiting_for_remote_kvs
@@ -93,7 +93,7 @@ def test_consumer_waits_holding_blocks_without_blocking_others_then_decodes_from
     assert out.num_scheduled_tokens == {"r": 1}  # only the last prompt token, to sample
     new = out.scheduled_new_reqs[0]
     assert new.req_id == "r" and new.num_computed_tokens == 9 and list(new.block_ids) == table
-    assert sched.num_prompt_tokens_total - prompt_before == 1
+    assert sched.stats().num_prompt_tokens_total - prompt_before == 1
     runner.run()
     assert "r" in runner.finished
     assert sched.block_manager.get_num_free_gpu_blocks() == 64
@@ -198,7 +198,7 @@ def test_producer_hold_times_out():
     out = runner.step()
     assert out.kv_connector_metadata.reqs_to_cancel == ["p"]
     assert sched.block_manager.get_num_free_gpu_blocks() == 64
-    assert sched.num_kv_transfer_failures_total == 1
+    assert sched.stats().num_kv_transfer_failures_total == 1
     runner.sent = ["p"]  # a report racing the timeout changes nothing
     runner.step()
     assert sched.block_manager.get_num_free_gpu_blocks() == 64
@@ -209,8 +209,9 @@ def test_transfer_stats_are_summed():
     out = sched.schedule()
     sched.update_from_output(out, ModelRunnerOutput(kv_transfer_stats=KVTransferStats(
         num_requests=2, num_bytes=100, num_failures=1, transfer_seconds=[0.1, 0.2])))
-    assert (sched.num_kv_transfer_requests_total, sched.num_kv_transfer_bytes_total,
-            sched.num_kv_transfer_failures_total) == (2, 100, 1)
+    stats = sched.stats()
+    assert (stats.num_kv_transfer_requests_total, stats.num_kv_transfer_bytes_total,
+            stats.num_kv_transfer_failures_total) == (2, 100, 1)
 
 
 @pytest.mark.parametrize("params, key", [

@@ -52,7 +52,8 @@ def test_chunked_prefill_only_request_finishes_with_its_prompt_and_frees_everyth
     assert group.seqs[0].status is SequenceStatus.FINISHED_STOPPED
     assert group.seqs[0].output_token_ids == []  # nothing was sampled
     assert sched.block_manager.get_num_free_gpu_blocks() == 16 and not sched.running
-    assert sched.num_generation_tokens_total == 0 and sched.num_prompt_tokens_total == 20
+    stats = sched.stats()
+    assert stats.num_generation_tokens_total == 0 and stats.num_prompt_tokens_total == 20
 
 
 def test_no_decode_seat_is_held_beside_generation():

@@ -40,13 +40,13 @@ def test_drafts_are_scheduled_counted_and_advance_by_accepted():
     # accepted 1 draft + the target's token: 2 tokens; KV valid for 6 (the old last) and 7
     assert seq.get_len() == 9 and seq.num_computed_tokens == 8
     assert seq.output_token_ids[1] == 7
-    m = sched
+    m = sched.stats()
     assert (
         m.num_spec_drafts_total,
         m.num_spec_draft_tokens_total,
         m.num_spec_accepted_tokens_total,
         m.num_spec_accepted_tokens_per_pos,
-    ) == (1, 3, 1, [1, 0, 0])
+    ) == (1, 3, 1, (1, 0, 0))
     out = runner.step()  # position 8 onward: the rejected drafts' slots are written again
     assert out.num_scheduled_tokens == {"r": 4}
     assert len(sched.block_manager.get_block_table(seq)) == 3  # 8..11 fit block 2: no growth

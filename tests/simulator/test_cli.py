@@ -215,3 +215,40 @@ def test_dtype_auto_is_the_model_configs():
         make_cost_model(_parse("--dtype", "half", "--kv-cache-space", "10"))  # refusal
     shipped = make_cost_model(_parse("--dtype", "float32", "--kv-cache-space", "10"))
     assert shipped.dtype == "float32"
+
+
+def test_gemma3_prices_kv_blocks_by_group_and_holds_more_long_requests():
+    """Gemma 3 1B mixes 4 global and 22 local layers: 13 KV cache groups of 2 layers, so the same
+    memory is 13 times as many (smaller) blocks, the override counts blocks of every layer, and
+    long requests decode more at once than with one full-length table per layer."""
+    from tessera.simulator.simulator import SimRequest
+
+    flags = ["--model-config", "Gemma-3-1B", "--dtype", "bfloat16", "--kv-cache-space", "0.05",
+             "--max-model-len", "4096", "--no-enable-chunked-prefill"]
+    hybrid_args, plain_args = _parse(*flags), _parse(*flags, "--disable-hybrid-kv-cache-manager")
+    cost = make_cost_model(hybrid_args)
+    assert cost.layer_windows.count(None) == 4 and cost.sliding_window is None
+    config, num_gpu, num_cpu = engine_setup(hybrid_args, cost)
+    plain_config, num_plain, _ = engine_setup(plain_args, make_cost_model(plain_args))
+    # bf16, 1 KV head of 256: 1 KiB a token per layer; a pool block is 2 layers of 16 tokens
+    assert num_gpu == int(0.05 * 2**30) // (16 * 1024 * 2)
+    assert num_plain == int(0.05 * 2**30) // (16 * 1024 * 26) and num_gpu >= 13 * num_plain
+    _, override, _ = engine_setup(_parse(*flags, "--num-gpu-blocks-override", "300"), cost)
+    assert override == 13 * 300
+
+    requests = [SimRequest(list(range(5, 3005)), 200, 0.0) for _ in range(12)]
+    peaks = []
+    for cfg, n_gpu in ((plain_config, num_plain), (config, num_gpu)):
+        sim = Simulator(cfg, cost, n_gpu, num_cpu)
+        seen = []
+        schedule = sim.scheduler.schedule
+
+        def counting(schedule=schedule, sim=sim, seen=seen):
+            out = schedule()
+            seen.append(len(sim.scheduler.running))
+            return out
+
+        sim.scheduler.schedule = counting
+        sim.run(requests, record_timeline=False)
+        peaks.append(max(seen))
+    assert peaks[1] >= 2 * peaks[0], peaks

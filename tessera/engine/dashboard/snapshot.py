@@ -5,10 +5,11 @@ Cost, because nothing here may slow the engine:
 - per step, only while someone watches (`active`): one pass over the step's scheduled requests
   (prefill or decode tokens) and one small tuple appended to a bounded deque; while nobody
   watches, one attribute test per step;
-- per sample (at most one per `--dashboard-interval`): the block map, one byte per block from
-  `BlockPool.block_states()` (C-level passes; ~1 ms for 20,000 blocks here), the queues' lengths
-  and oldest arrival (the FCFS head; the priority policy has no such head and walks its queue),
-  and one row per running or swapped request (at most `MAX_REQUEST_ROWS`).
+- per sample (at most one per `--dashboard-interval`): `Scheduler.stats(detail=True)`: the block
+  map, one byte per block from `BlockPool.block_states()` (C-level passes; ~1 ms for 20,000
+  blocks here), the queues' lengths and oldest arrival (the FCFS head; the priority policy has
+  no such head and walks its queue), and one row per running or swapped request (at most
+  `MAX_REQUEST_ROWS`).
 
 Nothing about a request's content is read: ids, counts and states only.
 """
@@ -18,10 +19,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from tessera.config import SchedulingPolicy
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.sequence import SequenceGroup
+from tessera.core.scheduler_stats import RequestStats
 
 SCHEMA_VERSION = 1
 MAX_STEPS = 64  # steps kept between two samples (the latest ones)
@@ -78,51 +78,53 @@ class DashboardRecorder:
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """One sample (docs/dashboard.md); drains the steps recorded since the last one."""
-        s = self.scheduler
-        bm = s.block_manager
+        sched = self.scheduler
+        s = sched.stats(detail=True, max_requests=MAX_REQUEST_ROWS)
+        detail = s.detail
+        assert detail is not None
+        config, block_size = sched.config, sched.cache_config.block_size
         self._seq += 1
         steps = [{"step": i, "start": t0, "step_ms": 1e3 * (t1 - t0), "prefill_tokens": p,
                   "decode_tokens": d, "spec_drafted": k, "spec_accepted": a,
                   "num_tokens": n, "num_seqs": q, "preempted": r}
                  for i, t0, t1, p, d, k, a, n, q, r in self._steps]
         self._steps.clear()
-        gpu = _block_map(bm.gpu.block_states(), self._swap_gpu)
-        cpu = _block_map(bm.cpu.block_states(), self._swap_cpu)
+        gpu = _block_map(detail.gpu_block_states, self._swap_gpu)
+        cpu = _block_map(detail.cpu_block_states, self._swap_cpu)
         num_swapping = len(self._swap_gpu)
         self._swap_gpu, self._swap_cpu = set(), set()
-        num_free = bm.get_num_free_gpu_blocks()
         return {
             "version": SCHEMA_VERSION,
             "seq": self._seq,
             "time": now,
-            "config": {"model": self.model_name, "block_size": bm.block_size,
-                       "num_gpu_blocks": bm.num_gpu_blocks, "num_cpu_blocks": bm.num_cpu_blocks,
-                       "max_num_batched_tokens": s.config.max_num_batched_tokens,
-                       "max_num_seqs": s.config.max_num_seqs,
-                       "scheduling_policy": s.config.scheduling_policy.value},
-            "queues": {"waiting": len(s.waiting), "running": len(s.running),
-                       "swapped": len(s.swapped),
-                       "waiting_for_remote_kv": len(s.waiting_for_remote_kvs),
-                       "oldest_waiting_s": _oldest_wait(s, now),
-                       "oldest_swapped_s": (max(0.0, now - s.swapped[0].arrival_time)
-                                            if s.swapped else None)},
-            "kv": {"num_blocks": bm.num_gpu_blocks, "num_free": num_free,
-                   "num_used": bm.num_gpu_blocks - num_free,
+            "config": {"model": self.model_name, "block_size": block_size,
+                       "num_gpu_blocks": s.num_gpu_blocks, "num_cpu_blocks": s.num_cpu_blocks,
+                       "max_num_batched_tokens": config.max_num_batched_tokens,
+                       "max_num_seqs": config.max_num_seqs,
+                       "scheduling_policy": config.scheduling_policy.value},
+            "queues": {"waiting": s.num_waiting, "running": s.num_running,
+                       "swapped": s.num_swapped,
+                       "waiting_for_remote_kv": s.num_waiting_for_remote_kvs,
+                       "oldest_waiting_s": _age(detail.oldest_waiting_arrival, now),
+                       "oldest_swapped_s": _age(detail.oldest_swapped_arrival, now)},
+            "kv": {"num_blocks": s.num_gpu_blocks, "num_free": s.num_free_gpu_blocks,
+                   "num_used": s.num_gpu_blocks - s.num_free_gpu_blocks,
                    "num_cached": gpu.count(CACHED) + gpu.count(CACHED_USED),
                    "num_swapping": num_swapping, "blocks": gpu,
-                   "cpu": {"num_blocks": bm.num_cpu_blocks,
-                           "num_used": bm.num_cpu_blocks - bm.get_num_free_cpu_blocks(),
+                   "cpu": {"num_blocks": s.num_cpu_blocks,
+                           "num_used": s.num_cpu_blocks - s.num_free_cpu_blocks,
                            "blocks": cpu}},
             "steps": steps,
             "counters": {"prompt_tokens": s.num_prompt_tokens_total,
                          "generation_tokens": s.num_generation_tokens_total,
                          "preemptions": s.num_preemptions_total,
                          "swap_preemptions": self._num_swap_preemptions,
-                         "prefix_cache_queries": bm.num_prefix_cache_queries,
-                         "prefix_cache_hits": bm.num_prefix_cache_hits,
+                         "prefix_cache_queries": s.num_prefix_cache_queries_total,
+                         "prefix_cache_hits": s.num_prefix_cache_hits_total,
                          "spec_draft_tokens": s.num_spec_draft_tokens_total,
                          "spec_accepted_tokens": s.num_spec_accepted_tokens_total},
-            "requests": _request_rows(s),
+            "requests": {"rows": [_row(r) for r in detail.requests],
+                         "num_more": s.num_running + s.num_swapped - len(detail.requests)},
         }
 
 
@@ -136,38 +138,11 @@ def _block_map(states: bytes, swapping: set[int]) -> str:
     return states.translate(_DIGITS).decode("ascii")
 
 
-def _oldest_wait(s: Scheduler, now: float) -> float | None:
-    if not s.waiting:
-        return None
-    if s.config.scheduling_policy is SchedulingPolicy.FCFS:
-        oldest = s.waiting.peek().arrival_time  # a preempted request keeps its place at the front
-    else:
-        oldest = min(g.arrival_time for g in s.waiting)
-    return max(0.0, now - oldest)
+def _age(since: float | None, now: float) -> float | None:
+    return None if since is None else max(0.0, now - since)
 
 
-def _request_rows(s: Scheduler) -> dict[str, Any]:
-    """Running requests first, then swapped ones; ids and counts only."""
-    rows = []
-    for state_of, groups in ((None, s.running), ("swapped", s.swapped)):
-        for group in groups:
-            if len(rows) == MAX_REQUEST_ROWS:
-                break
-            rows.append(_row(group, state_of, s.config.max_model_len))
-    total = len(s.running) + len(s.swapped)
-    return {"rows": rows, "num_more": total - len(rows)}
-
-
-def _row(group: SequenceGroup, state: str | None, max_model_len: int) -> dict[str, Any]:
-    seq = group.seqs[0]
-    num_prompt = len(seq.prompt_token_ids)
-    max_tokens = group.sampling_params.max_tokens
-    total = min(num_prompt + max_tokens, max_model_len) if max_tokens else max_model_len
-    if state is None:
-        state = "prefill" if seq.get_len() - seq.num_computed_tokens > 1 else "decode"
-    lora = getattr(group, "lora_request", None)
-    adapter = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
-    return {"id": group.request_id, "adapter": adapter, "prompt_tokens": num_prompt,
-            "output_tokens": max(len(q.output_token_ids) for q in group.seqs),
-            "tokens_done": seq.num_computed_tokens, "tokens_total": total,
-            "num_seqs": len(group.seqs), "state": state}
+def _row(r: RequestStats) -> dict[str, Any]:
+    return {"id": r.request_id, "adapter": r.lora_name, "prompt_tokens": r.num_prompt_tokens,
+            "output_tokens": r.num_output_tokens, "tokens_done": r.num_computed_tokens,
+            "tokens_total": r.max_num_tokens, "num_seqs": r.num_seqs, "state": r.state}

@@ -1,0 +1,103 @@
+"""`SchedulerStats`: what the scheduler tells the rest of the engine about itself, from one method,
+`Scheduler.stats()`. Metrics, the dashboard, the step log and the simulator read these plain,
+frozen values instead of the scheduler's queues, block manager or counters.
+
+The plain call reads counters only (a handful of lengths and totals: cheap enough for every
+step). `stats(detail=True)` adds what a sample of the live view needs and walks the queues for it:
+the block maps, a row per running or swapped request, the oldest waiting request and the adapters
+in use. Call it per sample or per scrape, not per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.sequence import SequenceGroup
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """One running or swapped request: ids and counts only, nothing of its content."""
+
+    request_id: str
+    state: str  # "prefill" | "decode" | "swapped"
+    lora_name: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # the longest of its sequences
+    num_computed_tokens: int  # of its first sequence
+    max_num_tokens: int  # prompt + max_tokens, at most max_model_len
+    num_seqs: int
+
+    @classmethod
+    def of(cls, group: SequenceGroup, swapped: bool, max_model_len: int) -> RequestStats:
+        seq = group.seqs[0]
+        num_prompt = len(seq.prompt_token_ids)
+        max_tokens = group.sampling_params.max_tokens
+        state = "swapped" if swapped else "decode" if seq.is_decoding() else "prefill"
+        return cls(
+            request_id=group.request_id,
+            state=state,
+            lora_name=None if group.lora_request is None else group.lora_request.lora_name,
+            num_prompt_tokens=num_prompt,
+            num_output_tokens=max(len(s.output_token_ids) for s in group.seqs),
+            num_computed_tokens=seq.num_computed_tokens,
+            max_num_tokens=(min(num_prompt + max_tokens, max_model_len) if max_tokens
+                            else max_model_len),
+            num_seqs=len(group.seqs),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerDetail:
+    """The walks `stats(detail=True)` adds."""
+
+    gpu_block_states: bytes  # one byte per device block: BlockPool.block_states()
+    cpu_block_states: bytes
+    oldest_waiting_arrival: float | None  # arrival time of the longest-waiting request
+    oldest_swapped_arrival: float | None
+    requests: tuple[RequestStats, ...]  # running (best first), then swapped; at most max_requests
+    running_lora_adapters: tuple[str, ...]  # distinct, sorted; empty without --enable-lora
+    waiting_lora_adapters: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    # queues
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_waiting_for_remote_kvs: int
+    # the KV pools
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    # counters since start
+    num_preemptions_total: int
+    num_prompt_tokens_total: int  # prompt tokens computed (chunks, recomputes; not cache hits)
+    num_generation_tokens_total: int
+    num_prefix_cache_queries_total: int  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hits_total: int  # of which found there
+    num_spec_drafts_total: int  # requests that verified drafts, summed over steps
+    num_spec_draft_tokens_total: int
+    num_spec_accepted_tokens_total: int
+    num_spec_accepted_tokens_per_pos: tuple[int, ...]  # [i]: drafts accepted at position i
+    kv_transfer: bool  # a KV connector is configured (disaggregated prefill/decode)
+    num_kv_transfer_requests_total: int
+    num_kv_transfer_bytes_total: int
+    num_kv_transfer_failures_total: int
+    detail: SchedulerDetail | None = None  # stats(detail=True) only
+
+    @property
+    def gpu_usage(self) -> float:
+        """Fraction of device blocks in use (0..1)."""
+        return _usage(self.num_free_gpu_blocks, self.num_gpu_blocks)
+
+    @property
+    def cpu_usage(self) -> float:
+        """Fraction of CPU swap blocks in use (0..1)."""
+        return _usage(self.num_free_cpu_blocks, self.num_cpu_blocks)
+
+
+def _usage(num_free: int, num_blocks: int) -> float:
+    return 1.0 - num_free / num_blocks if num_blocks else 0.0
