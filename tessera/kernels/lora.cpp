@@ -9,17 +9,19 @@
 // one per projection and layer, and the segments' loop runs in C++.
 //
 // Layout (a bank of `L` slots, fp32 whatever the compute dtype; tessera/model/lora_layers.py):
-//   a      [L, T * R, K]   target t's A in rows [t * R, t * R + rank[slot, t])
+//   a      [L, K, T * R]   A^T: target t's A [rank, K] in columns [t * R, t * R + rank[slot, t])
 //   bt     [L, R * N]      target t's B^T [R, N_t] (row stride N_t) from R * out_offsets[t]:
 //                          the targets' out ranges side by side, no block-diagonal zeros
 //   ranks  [L, T]          int64; 0: the adapter leaves the target out (nothing is read)
 //   out_offsets [T + 1]    target t writes columns [out_offsets[t], out_offsets[t + 1])
-// Only the slots named by the step's segments are read, and only their ranks' rows.
+// Only the slots named by the step's segments are read: the shrink runs every column up to the
+// slot's last targeted one in one pass over x (q|k|v together, as vLLM merges them), the
+// expand only the ranks' rows of each target.
 //
 // Batch invariance: a row's delta is computed by the same chain of operations whatever else is in
-// the batch: each shrink output is one fp32 dot product over K in vector chunks (then a fixed
-// lane sum), each expand output one fp32 chain over the rank in order; the tiles only decide how
-// many rows share a weight load. So mixing adapters in a step changes no bit of any row.
+// the batch: each shrink output is one fp32 chain of fmas over K in order, each expand output
+// one over the rank in order (no horizontal sums); the tiles only decide how many rows share a
+// weight load. So mixing adapters in a step changes no bit of any row.
 //
 // Written once on at::vec (kernel_vec.h): 16 lanes in the avx512 build, 8 in avx2, scalar loops
 // in the portable build.
@@ -39,43 +41,48 @@ using tessera_vec::kLanes;
 using tessera_vec::VecF;
 
 constexpr int64_t kRows = 4;                  // rows of x per tile
-constexpr int kRanks = kLanes >= 16 ? 4 : 2;  // A rows per shrink tile (registers)
+constexpr int kShrinkVecs = 3;                // vectors of shrink output per tile
 constexpr int kCols = 2;                       // vectors of output per expand tile
 
-// t[r][j] = x[r, :] . a[j, :] for r < RR, j < JJ (x rows and a rows of length K).
-template <int RR, int JJ>
-inline void dots(const float* x, int64_t ldx, const float* a, int64_t K, float* t, int64_t ldt) {
-  VecF acc[RR][JJ];
+// t[r][c0 : c0 + CV * kLanes] (columns below n) = x[r, :] @ a[:, c0 : ...] for the RR rows of
+// a tile; a is [K, lda] (A^T: ranks along the lanes). Each output is one chain of fmas over K in
+// order.
+template <int RR, int CV>
+inline void shrink_tile(const float* x, int64_t ldx, const float* a, int64_t K, int64_t lda,
+                        int64_t n, int64_t c0, float* t, int64_t ldt) {
+  VecF acc[RR][CV];
   for (int r = 0; r < RR; ++r)
-    for (int j = 0; j < JJ; ++j) acc[r][j] = VecF(0.f);
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    VecF av[JJ];
-    for (int j = 0; j < JJ; ++j) av[j] = VecF::loadu(a + j * K + k);
+    for (int c = 0; c < CV; ++c) acc[r][c] = VecF(0.f);
+  const int64_t n_last = n - (c0 + (CV - 1) * kLanes);  // valid lanes of the last vector
+  for (int64_t k = 0; k < K; ++k) {
+    const float* ak = a + k * lda + c0;
+    VecF av[CV];
+    for (int c = 0; c < CV - 1; ++c) av[c] = VecF::loadu(ak + c * kLanes);
+    av[CV - 1] = tessera_vec::load(ak + (CV - 1) * kLanes, n_last);
     for (int r = 0; r < RR; ++r) {
-      const VecF xv = VecF::loadu(x + r * ldx + k);
-      for (int j = 0; j < JJ; ++j) acc[r][j] = at::vec::fmadd(xv, av[j], acc[r][j]);
+      const VecF xb(x[r * ldx + k]);
+      for (int c = 0; c < CV; ++c) acc[r][c] = at::vec::fmadd(xb, av[c], acc[r][c]);
     }
   }
-  if (k < K) {  // the tail, zero-filled past K: the same sums for every row
-    VecF av[JJ];
-    for (int j = 0; j < JJ; ++j) av[j] = VecF::loadu(a + j * K + k, K - k);
-    for (int r = 0; r < RR; ++r) {
-      const VecF xv = VecF::loadu(x + r * ldx + k, K - k);
-      for (int j = 0; j < JJ; ++j) acc[r][j] = at::vec::fmadd(xv, av[j], acc[r][j]);
-    }
+  for (int r = 0; r < RR; ++r) {
+    for (int c = 0; c < CV - 1; ++c) acc[r][c].store(t + r * ldt + c0 + c * kLanes);
+    tessera_vec::store(t + r * ldt + c0 + (CV - 1) * kLanes, acc[r][CV - 1], n_last);
   }
-  for (int r = 0; r < RR; ++r)
-    for (int j = 0; j < JJ; ++j) t[r * ldt + j] = tessera_vec::hsum(acc[r][j]);
 }
 
-// Shrink: t[r][0:rank] = x[r] @ a[0:rank]^T for the RR rows of a tile.
+// Shrink: t[r][0:n] = x[r] @ a[:, 0:n] for the RR rows of a tile: every target of a fused
+// projection in one pass over x (q|k|v: 48 columns at rank 16, three vectors at 16 lanes).
 template <int RR>
-void shrink(const float* x, int64_t ldx, const float* a, int64_t K, int64_t rank, float* t,
-            int64_t ldt) {
-  int64_t j = 0;
-  for (; j + kRanks <= rank; j += kRanks) dots<RR, kRanks>(x, ldx, a + j * K, K, t + j, ldt);
-  for (; j < rank; ++j) dots<RR, 1>(x, ldx, a + j * K, K, t + j, ldt);
+void shrink(const float* x, int64_t ldx, const float* a, int64_t K, int64_t lda, int64_t n,
+            float* t, int64_t ldt) {
+  for (int64_t c0 = 0; c0 < n; c0 += kShrinkVecs * kLanes) {
+    const int64_t vecs = std::min<int64_t>(kShrinkVecs, (n - c0 + kLanes - 1) / kLanes);
+    switch (vecs) {
+      case 3: shrink_tile<RR, 3>(x, ldx, a, K, lda, n, c0, t, ldt); break;
+      case 2: shrink_tile<RR, 2>(x, ldx, a, K, lda, n, c0, t, ldt); break;
+      default: shrink_tile<RR, 1>(x, ldx, a, K, lda, n, c0, t, ldt); break;
+    }
+  }
 }
 
 // Expand: y[r, 0:width] += t[r][0:rank] @ bt[0:rank, 0:width] (bt rows of stride width).
@@ -133,20 +140,19 @@ void tile(const T* x, int64_t ldx, T* y, int64_t ldy, int64_t m0, int64_t slot, 
     xr = xf;
     ldxr = bank.K;
   }
-  const int64_t ldt = bank.num_targets * bank.max_rank;
+  const int64_t C = bank.num_targets * bank.max_rank;
   const int64_t* ranks = bank.ranks + slot * bank.num_targets;
-  for (int64_t tg = 0; tg < bank.num_targets; ++tg) {
-    const int64_t rank = ranks[tg];
-    if (rank == 0) continue;
-    const float* a = bank.a + (slot * ldt + tg * bank.max_rank) * bank.K;
-    shrink<RR>(xr, ldxr, a, bank.K, rank, t + tg * bank.max_rank, ldt);
-  }
+  // the used columns: up to the last targeted one (a slot that leaves out v_proj stops at k)
+  int64_t used = 0;
+  for (int64_t tg = 0; tg < bank.num_targets; ++tg)
+    if (ranks[tg] > 0) used = tg * bank.max_rank + ranks[tg];
+  shrink<RR>(xr, ldxr, bank.a + slot * bank.K * C, bank.K, C, used, t, C);
   for (int64_t tg = 0; tg < bank.num_targets; ++tg) {
     const int64_t rank = ranks[tg];
     if (rank == 0) continue;
     const int64_t o0 = bank.out_offsets[tg], width = bank.out_offsets[tg + 1] - o0;
     const float* bt = bank.bt + slot * bank.max_rank * bank.N + bank.max_rank * o0;
-    expand<RR>(t + tg * bank.max_rank, ldt, rank, bt, width, y + m0 * ldy + o0, ldy);
+    expand<RR>(t + tg * bank.max_rank, C, rank, bt, width, y + m0 * ldy + o0, ldy);
   }
 }
 
@@ -196,9 +202,9 @@ void lora_add_(torch::Tensor y, torch::Tensor x, torch::Tensor segments, torch::
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
   const int64_t L = ranks.size(0), T = ranks.size(1);
   TORCH_CHECK(T > 0 && out_offsets.numel() == T + 1, "out_offsets must hold T + 1 offsets");
-  TORCH_CHECK(a.dim() == 3 && a.size(0) == L && a.size(1) % T == 0 && a.size(2) == K,
-              "a must be [L, T * R, K] with K as x");
-  const int64_t R = a.size(1) / T;
+  TORCH_CHECK(a.dim() == 3 && a.size(0) == L && a.size(1) == K && a.size(2) % T == 0,
+              "a must be [L, K, T * R] with K as x");
+  const int64_t R = a.size(2) / T;
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == L && bt.size(1) == R * N,
               "bt must be [L, R * N] with N as y");
   const int64_t* off = out_offsets.data_ptr<int64_t>();

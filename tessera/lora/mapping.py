@@ -28,13 +28,15 @@ class LoRAMapping:
         return bool(self.segments)
 
 
-def row_segments(row_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of equal ids in `row_ids` (one id per row) as (start, end, id), id 0 left out."""
+def row_segments(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(adapter id, number of rows) runs in flat-batch order -> segments (start, end, id), equal
+    neighbours merged, id 0 (the base model) left out. One entry per request, not per row."""
     segments: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(row_ids) + 1):
-        if i == len(row_ids) or row_ids[i] != row_ids[start]:
-            if row_ids[start]:
-                segments.append((start, i, row_ids[start]))
-            start = i
+    row = 0
+    for lid, n in runs:
+        if lid and segments and segments[-1][1] == row and segments[-1][2] == lid:
+            segments[-1] = (segments[-1][0], row + n, lid)
+        elif lid and n:
+            segments.append((row, row + n, lid))
+        row += n
     return segments

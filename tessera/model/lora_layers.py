@@ -5,9 +5,10 @@ output over that adapter's rows only, shrink then expand, as in Punica and S-LoR
     for (start, end, slot) in the step's segments, for each target t of the projection:
         y[start:end, out_t] += (x[start:end] @ A_t^T) @ (B_t^T * scaling)   shrink [m, r], expand
 
-The active adapters live in a `LoRABank`: per layer and projection, the slots' A stacked
-[max_loras, targets * max_rank, in] and B^T [max_loras, max_rank * out] (vLLM's
-`lora_a_stacked` / `lora_b_stacked`), fp32 whatever the compute dtype (an adapter of the default
+The active adapters live in a `LoRABank`: per layer and projection, the slots' A^T stacked
+[max_loras, in, targets * max_rank] and B^T [max_loras, max_rank * out] (vLLM's
+`lora_a_stacked` / `lora_b_stacked`; A transposed, ranks along the kernel's vector lanes),
+fp32 whatever the compute dtype (an adapter of the default
 model is ~20 MB at rank 16). A fused projection (q|k|v, gate|up) holds its targets side by side,
 so one call shrinks x once against all of them and expands each into its own output columns.
 
@@ -73,8 +74,8 @@ class ProjectionBank:
         self.in_features = in_features
         self.out_offsets_list = offsets
         self.ranks_list = [[0] * num_targets for _ in range(max_loras)]
-        # [L, T * R, K] and [L, R * N]; zeros are never read (ranks bound every read)
-        self.a = torch.zeros(max_loras, num_targets * max_rank, in_features, device=device)
+        # [L, K, T * R] (A^T) and [L, R * N]; columns and rows past a slot's ranks never reach y
+        self.a = torch.zeros(max_loras, in_features, num_targets * max_rank, device=device)
         self.bt = torch.zeros(max_loras, max_rank * offsets[-1], device=device)
         self.ranks = torch.zeros(max_loras, num_targets, dtype=torch.long)  # host: the kernel's
         self.out_offsets = torch.tensor(offsets, dtype=torch.long)
@@ -91,7 +92,7 @@ class ProjectionBank:
                 a, bt = part
                 o0, o1 = offsets[t], offsets[t + 1]
                 r0 = t * self.max_rank
-                self.a[slot, r0 : r0 + rank].copy_(a)
+                self.a[slot, :, r0 : r0 + rank].copy_(a.t())
                 self.bt[slot, self.max_rank * o0 : self.max_rank * o1].view(
                     self.max_rank, o1 - o0)[:rank].copy_(bt)
                 nbytes += (a.numel() + bt.numel()) * self.a.element_size()

@@ -82,12 +82,13 @@ class LoRAManager:
             self._active[lid] = LoRAWeights(lid, slot, self.bank.write(slot, adapter))
         return {lid: self._active[lid] for lid in requests}
 
-    def mapping(self, row_ids: list[int], requests: dict[int, LoRARequest]) -> LoRAMapping | None:
-        """The step's segments from each row's adapter id (rows of one adapter contiguous in
-        runs); None when every row runs the base model."""
+    def mapping(self, runs: list[tuple[int, int]],
+                requests: dict[int, LoRARequest]) -> LoRAMapping | None:
+        """The step's mapping from its (adapter id, number of rows) runs in flat-batch order
+        (one per request); None when every row runs the base model."""
         if not requests:
             return None
         weights = self.activate(requests)
-        segments = [(a, b, weights[lid].slot) for a, b, lid in row_segments(row_ids)]
+        segments = [(a, b, weights[lid].slot) for a, b, lid in row_segments(runs)]
         table = torch.tensor(segments, dtype=torch.long).view(-1, 3)  # [S, 3], host
         return LoRAMapping(segments, table, self.bank)

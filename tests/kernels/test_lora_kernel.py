@@ -1,6 +1,7 @@
 """The batched LoRA kernel (tessera/kernels/lora.cpp) against a float64 reference and against its
 torch fallback; a row's result does not depend on the other segments of the step (bit for bit);
-slots the step does not name are never read; bad indices are refused."""
+slots the step does not name are never read, weights past a slot's rank never used; bad indices
+are refused."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _bank(ranks: list[list[int]]):
     gen = torch.Generator().manual_seed(7)
     num_targets = len(OUT)
     offsets = [0, *torch.tensor(OUT).cumsum(0).tolist()]
-    a = torch.randn(NUM_SLOTS, num_targets * MAX_RANK, K, generator=gen)
+    a = torch.randn(NUM_SLOTS, K, num_targets * MAX_RANK, generator=gen)  # A^T
     bt = torch.randn(NUM_SLOTS, MAX_RANK * offsets[-1], generator=gen)
     return a, bt, ranks, offsets
 
@@ -43,9 +44,9 @@ def _reference64(y, x, segments, a, bt, ranks, offsets):
     for start, end, slot in segments:
         for t, rank in enumerate(ranks[slot]):
             o0, o1 = offsets[t], offsets[t + 1]
-            a_t = a[slot, t * MAX_RANK : t * MAX_RANK + rank].double()
+            a_t = a[slot, :, t * MAX_RANK : t * MAX_RANK + rank].double()  # [K, rank]
             bt_t = bt[slot, MAX_RANK * o0 : MAX_RANK * o1].view(MAX_RANK, o1 - o0)[:rank].double()
-            out[start:end, o0:o1] += (x[start:end].double() @ a_t.t()) @ bt_t
+            out[start:end, o0:o1] += (x[start:end].double() @ a_t) @ bt_t
     return out
 
 
@@ -107,8 +108,8 @@ def test_slots_the_step_does_not_name_are_never_read():
     again = y0.clone()
     _call(module, again, x, [(0, 8, 1)], a, bt, ranks, offsets)
     assert torch.equal(again, y)
-    # rows past a slot's rank are never read either
-    a[1, MAX_RANK - 1].fill_(float("nan"))  # q_proj's last row: read at rank 16, not at 15
+    # weights past a slot's rank never reach the output
+    a[1, :, MAX_RANK - 1].fill_(float("nan"))  # q_proj's last rank: used at rank 16, not at 15
     short = [[16, 16, 16], [15, 16, 16], [16, 16, 16]]
     fine = y0.clone()
     _call(module, fine, x, [(0, 8, 1)], a, bt, short, offsets)
