@@ -2,9 +2,13 @@
 step needs them, and described to the model as row segments of the step's flat batch.
 
     disk (PEFT dir) --load_adapter--> CPU cache: float32 A/B as stored, LRU, --max-cpu-loras
-                    --prepare_weights--> active: fused, TP-sharded, scaled, compute dtype, on the
-                                         device; LRU, --max-loras (the scheduler never puts more
-                                         distinct adapters in one step)
+                    --LoRABank.write--> active: a slot of the bank (stacked per projection,
+                                        TP-sharded, scaled, on the device); LRU, --max-loras
+                                        slots (the scheduler never puts more distinct adapters
+                                        in one step)
+
+The step's `LoRAMapping` (segments of rows by slot, and their int64 table for the kernel) is
+built here once per step; every layer of the model reuses it.
 
 Each rank of a tensor-parallel group runs its own manager from the same `LoRARequest`s (they
 travel in `NewRequestData`), so no weights cross processes.
@@ -21,7 +25,7 @@ from tessera.config import LoRAConfig
 from tessera.lora.mapping import LoRAMapping, row_segments
 from tessera.lora.peft import LoRAAdapter, load_adapter
 from tessera.lora.request import LoRARequest
-from tessera.model.lora_layers import LoRAWeights, attach_lora, prepare_weights
+from tessera.model.lora_layers import LoRABank, LoRAWeights, attach_lora
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,9 @@ class LoRAManager:
         tp = getattr(model, "tp", None)
         self.plan = None if tp is None else tp.plan
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, LRU first
-        self._active: OrderedDict[int, LoRAWeights] = OrderedDict()
+        self.bank = LoRABank(self.arch, config.max_loras, config.max_lora_rank, self.dtype,
+                             self.device, self.plan)
+        self._active: OrderedDict[int, LoRAWeights] = OrderedDict()  # by lora_int_id, LRU first
         self.num_loads = 0  # adapters read from disk (tests and benchmarks read it)
 
     def _adapter(self, request: LoRARequest) -> LoRAAdapter:
@@ -58,24 +64,31 @@ class LoRAManager:
         and evicting the least recently used others beyond --max-loras."""
         assert len(requests) <= self.config.max_loras, (
             f"{len(requests)} adapters in one step, more than --max-loras")
+        for lid in requests:  # the step's adapters are the most recently used: never evicted
+            if lid in self._active:
+                self._active.move_to_end(lid)
+                if lid in self._cpu:
+                    self._cpu.move_to_end(lid)
         for lid, request in requests.items():
-            if lid not in self._active:
-                self._active[lid] = prepare_weights(self._adapter(request), lid, self.arch,
-                                                    self.dtype, self.device, self.plan)
-            elif lid in self._cpu:
-                self._cpu.move_to_end(lid)
-            self._active.move_to_end(lid)
-        for lid in list(self._active):
-            if len(self._active) <= self.config.max_loras:
-                break
-            if lid not in requests:
-                del self._active[lid]
+            if lid in self._active:
+                continue
+            adapter = self._adapter(request)
+            free = set(range(self.config.max_loras)) - {w.slot for w in self._active.values()}
+            if free:
+                slot = min(free)
+            else:  # the least recently used adapter not in this step gives up its slot
+                victim = next(v for v in self._active if v not in requests)
+                slot = self._active.pop(victim).slot
+            self._active[lid] = LoRAWeights(lid, slot, self.bank.write(slot, adapter))
         return {lid: self._active[lid] for lid in requests}
 
-    def mapping(self, row_ids: list[int], requests: dict[int, LoRARequest]) -> LoRAMapping | None:
-        """The step's segments from each row's adapter id (rows of one adapter contiguous in
-        runs); None when every row runs the base model."""
+    def mapping(self, runs: list[tuple[int, int]],
+                requests: dict[int, LoRARequest]) -> LoRAMapping | None:
+        """The step's mapping from its (adapter id, number of rows) runs in flat-batch order
+        (one per request); None when every row runs the base model."""
         if not requests:
             return None
         weights = self.activate(requests)
-        return LoRAMapping([(a, b, weights[lid]) for a, b, lid in row_segments(row_ids)])
+        segments = [(a, b, weights[lid].slot) for a, b, lid in row_segments(runs)]
+        table = torch.tensor(segments, dtype=torch.long).view(-1, 3)  # [S, 3], host
+        return LoRAMapping(segments, table, self.bank)

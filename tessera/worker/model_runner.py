@@ -224,16 +224,16 @@ class ModelRunner:
         return meta
 
     def _lora_mapping(self, scheduled: list[tuple[CachedRequestState, int]]):
-        """Each row's adapter, in flat-batch order, as the model's segments."""
+        """Each request's adapter and rows, in flat-batch order, as the model's segments."""
         assert self.lora_manager is not None
-        row_ids: list[int] = []
+        runs: list[tuple[int, int]] = []
         requests = {}
         for state, n in scheduled:
             lid = state.lora_int_id
-            row_ids.extend([lid] * n)
+            runs.append((lid, n))
             if lid:
                 requests[lid] = state.lora_request
-        return self.lora_manager.mapping(row_ids, requests)
+        return self.lora_manager.mapping(runs, requests)
 
     # ---- execution ---------------------------------------------------------------------------
     @torch.inference_mode()
