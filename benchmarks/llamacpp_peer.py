@@ -135,7 +135,7 @@ def tessera_child(model: str, quantization: str, threads: int) -> dict[str, floa
         t = time.perf_counter()
         ours.prefill(prompt)
         prefill = 512 / (time.perf_counter() - t)
-        tok = ours.prefill([prompt[0][:16]])
+        tok = ours.prefill([prompt[0][:16]], max_new_tokens=130)
         tok = ours.decode(tok)
         t = time.perf_counter()
         for _ in range(128):

@@ -11,6 +11,10 @@ to the smallest by aborting requests (one prefill for every batch size). For eac
    elementwise (norms, RoPE, SiLU*up, embedding, residual adds), logits, sampling, metadata and the
    engine's bookkeeping (schedule, update_from_output, output processor, Python in between).
 
+`--cpu-time` (benchmarks/runner.py) times everything in this thread's CPU time instead
+(`time.thread_time`) with one thread: on cores shared with other jobs the wall clock counts the
+time this process waits for a core, the thread's CPU time does not.
+
 `perf_counter` and not `torch.profiler`: CPU ops are synchronous, and the profiler's own per-op
 cost distorted small ops here (DESIGN.md). The wrappers cost ~1 us a call (~400 calls a step):
 compare the instrumented total with the plain one.
@@ -33,6 +37,15 @@ import torch
 
 import tessera.attention.backend as attn_backend
 
+# the clock of every timer here: time.perf_counter, or time.thread_time (set_clock)
+CLOCK = time.perf_counter
+
+
+def set_clock(clock) -> None:
+    global CLOCK
+    CLOCK = clock
+
+
 CATEGORIES = ("linear", "attention", "elementwise", "logits+sampling", "metadata", "bookkeeping")
 
 
@@ -45,7 +58,7 @@ class ExclusiveTimers:
         self._stack: list[float] = []  # time spent in children of each open call
 
     def wrap(self, name: str, fn: Callable) -> Callable:
-        seconds, stack, clock = self.seconds, self._stack, time.perf_counter
+        seconds, stack, clock = self.seconds, self._stack, CLOCK
 
         def timed(*args, **kwargs):
             stack.append(0.0)
@@ -251,9 +264,9 @@ def _fill(engine, batch: int, ctx: int, seed: int = 0, repeat: bool = False) -> 
 def _steps(engine, n: int) -> list[float]:
     times = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return times
 
 
@@ -273,9 +286,9 @@ def profile_engine(engine, batches: list[int], ctx: int, steps: int) -> list[dic
         try:
             timed = statistics.median(_steps(engine, steps))
             timers.reset()  # the parts of exactly `steps` more steps
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             _steps(engine, steps)
-            total = (time.perf_counter() - t0) / steps
+            total = (CLOCK() - t0) / steps
         finally:
             patches.undo()
         patches = stub_kernels(engine)
@@ -414,11 +427,14 @@ def format_rows(rows: list[dict], title: str) -> str:
 
 
 def main_profile(batches: list[int], dtype: str, quantization: str, ctx: int, steps: int,
-                 speculative_config: dict | None = None) -> None:
+                 speculative_config: dict | None = None, cpu_time: bool = False) -> None:
     from tessera.entrypoints.llm import LLM
 
     t0 = time.perf_counter()
     extra = {} if speculative_config is None else {"speculative_config": speculative_config}
+    if cpu_time:  # one thread: its CPU time is the step's
+        set_clock(time.thread_time)
+        extra["num_threads"] = 1
     llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max(batches),
               max_model_len=max(2048, ctx + 64 * steps), kv_cache_space=1.0, **extra)
     engine = llm.llm_engine
@@ -426,5 +442,6 @@ def main_profile(batches: list[int], dtype: str, quantization: str, ctx: int, st
           flush=True)
     rows = profile_engine(engine, batches, ctx, steps)
     what = "" if speculative_config is None else f", speculative {speculative_config}"
+    what += ", thread CPU time, 1 thread" if cpu_time else ""
     print(format_rows(rows, f"decode step, {quantization} weights, {dtype}, ctx {ctx}{what}"),
           flush=True)

@@ -8,7 +8,7 @@
 // their codes.
 //
 // Two loops, by the weight's arrangement (quant_int8.py):
-//   interleaved (the 4-bit kinds, 8 output rows a record): 32-bit lane r of the products is
+//   interleaved (U4H, U4F, S8H: 8 output rows a record): 32-bit lane r of the products is
 //     output row r; 4 bytes of x broadcast against 4 codes of each of the 8 rows, 8 such
 //     instructions a block, give the block's exact integer sums of 8 outputs at once; the scales
 //     then apply once a block as vectors (8 d, 8 m). ~4x fewer instructions than row by row.
@@ -23,11 +23,12 @@
 //   U4H    f16 d, f16 m, 16 B nibbles (20)         Q4_0 (m = -8d), Q4_1   d q + m       8
 //   U4F    f32 d, f32 m, 16 B nibbles (24)         Q4_K (d sc, -dmin m)   d q + m       8
 //   U8F    f32 d, f32 m, 32 B codes 0..31 (40)     Q5_K                   d q + m       1
-//   S8H    f16 d, 32 int8 (34)                     Q8_0                   d q           1
+//   S8H    f16 d, 32 int8 (34)                     Q8_0                   d q           8
 //   S8F2   f32 d0, f32 d1 (per 16), 32 int8 (40)   Q6_K (q - 32)          d_(k/16) q    1
 //
 // Nibbles as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). An interleaved
-// record: d[8] | m[8] | 4 chunks of 32 B, chunk t byte 4 r + i = row r's byte j = 4 t + i.
+// record: d[8] | m[8] (unsigned kinds) | chunks of 32 B (4 of nibbles, or 8 of int8), chunk t
+// byte 4 r + i = row r's code byte 4 t + i.
 //   unsigned kinds: sum += d dx <q, qx> + m dx sum(qx)      (q 0..31: no int16 saturation)
 //   signed kinds:   sum += dx sum_g d_g <q, qx>_g            (|q| <= 127 via the sign trick)
 #pragma once
@@ -63,20 +64,24 @@ struct IFmt {
   static constexpr int64_t kHead = Unsigned ? 2 * sizeof(S) : Groups * sizeof(S);
   static constexpr int64_t kRecord = kHead + 32;
 };
-// The interleaved 4-bit kinds: kCols output rows a record (d[8], m[8], 128 B of nibbles).
+// The interleaved kinds: kCols output rows a record. Unsigned 4-bit codes with a min (d[8], m[8],
+// 4 chunks of nibbles), or signed 8-bit codes (d[8], 8 chunks of int8); chunk t, byte 4 r + i is
+// row r's code byte 4 t + i.
 constexpr int64_t kCols = 8;
-template <Kind Id, typename S>
+template <Kind Id, typename S, bool Signed>
 struct XFmt {
   static constexpr Kind kId = Id;
   using Scale = S;
-  static constexpr int64_t kHead = 2 * kCols * sizeof(S);
-  static constexpr int64_t kRecord = kHead + kCols * 16;  // a group's block
-  static constexpr int64_t kRowRecord = kRecord / kCols;  // bytes a row a block
+  static constexpr bool kSigned = Signed;
+  static constexpr int kChunks = Signed ? 8 : 4;  // 32-byte loads of codes a block
+  static constexpr int64_t kHead = (Signed ? 1 : 2) * kCols * sizeof(S);
+  static constexpr int64_t kRecord = kHead + kChunks * 32;  // a group's block
+  static constexpr int64_t kRowRecord = kRecord / kCols;    // bytes a row a block
 };
-using U4H = XFmt<kU4H, c10::Half>;
-using U4F = XFmt<kU4F, float>;
+using U4H = XFmt<kU4H, c10::Half, false>;
+using U4F = XFmt<kU4F, float, false>;
+using S8H = XFmt<kS8H, c10::Half, true>;
 using U8F = IFmt<kU8F, float, true, 1>;
-using S8H = IFmt<kS8H, c10::Half, false, 1>;
 using S8F2 = IFmt<kS8F2, float, false, 2>;
 
 template <typename Fn>
@@ -93,7 +98,7 @@ decltype(auto) with_kind(int64_t kind, Fn&& fn) {
 
 template <typename F>
 constexpr bool is_interleaved() {
-  return F::kId == kU4H || F::kId == kU4F;
+  return F::kId == kU4H || F::kId == kU4F || F::kId == kS8H;
 }
 
 // Bytes a row a block (the packed tensor holds rows rounded up to whole groups).
@@ -166,18 +171,39 @@ inline __m256i broadcast4(const int8_t* p) {
 }
 
 // The exact integer sums of one block for the 8 rows of a group: lane r = <codes of row r, qx>.
-// codes[j] holds K positions 4 j .. 4 j + 3 of each row (unsigned 0..15).
+// codes[j] holds K positions 4 j .. 4 j + 3 of each row: unsigned 0..15 (F::kSigned false), or
+// int8 (then |code| against x with the code's sign, so vpmaddubsw's pairs stay in int16).
+template <typename F>
 inline __m256i block_sums8(const __m256i* codes, const int8_t* qx) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   __m256i s = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j) s = _mm256_dpbusd_epi32(s, codes[j], broadcast4(qx + 4 * j));
+  for (int j = 0; j < 8; ++j) {
+    const __m256i x = broadcast4(qx + 4 * j);
+    if constexpr (F::kSigned) {
+      s = _mm256_dpbusd_epi32(s, _mm256_sign_epi8(codes[j], codes[j]), _mm256_sign_epi8(x, codes[j]));
+    } else {
+      s = _mm256_dpbusd_epi32(s, codes[j], x);
+    }
+  }
   return s;
 #else
-  // int16 pairs: |15 * 127 * 2| * 8 products summed = 30480 < 32767, no saturation
-  __m256i s16 = _mm256_maddubs_epi16(codes[0], broadcast4(qx));
-  for (int j = 1; j < 8; ++j)
-    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(codes[j], broadcast4(qx + 4 * j)));
-  return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (F::kSigned) {  // pairs up to 2 * 128 * 127: widened to int32 every step
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i x = broadcast4(qx + 4 * j);
+      const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes[j], codes[j]),
+                                             _mm256_sign_epi8(x, codes[j]));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+    }
+    return s;
+  } else {
+    // int16 pairs: |15 * 127 * 2| * 8 products summed = 30480 < 32767, no saturation
+    __m256i s16 = _mm256_maddubs_epi16(codes[0], broadcast4(qx));
+    for (int j = 1; j < 8; ++j)
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(codes[j], broadcast4(qx + 4 * j)));
+    return _mm256_madd_epi16(s16, ones);
+  }
 #endif
 }
 
@@ -188,18 +214,27 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
-    const __m256 d = load_scales8<F>(w), m = load_scales8<F>(w + kCols * sizeof(typename F::Scale));
+    const __m256 d = load_scales8<F>(w);
     __m256i codes[8];
-    for (int t = 0; t < 4; ++t) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + F::kHead + 32 * t));
-      codes[t] = _mm256_and_si256(raw, low);
-      codes[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    const uint8_t* c = w + F::kHead;
+    for (int t = 0; t < F::kChunks; ++t) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
+      if constexpr (F::kSigned) {
+        codes[t] = raw;
+      } else {
+        codes[t] = _mm256_and_si256(raw, low);
+        codes[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i s = block_sums8(codes, xr[r].q + b * kQK);
-      const float dx = xr[r].d[b], sx = dx * static_cast<float>(xr[r].sum[b]);
+      const __m256i s = block_sums8<F>(codes, xr[r].q + b * kQK);
+      const float dx = xr[r].d[b];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[r]);
+      if constexpr (!F::kSigned) {
+        const __m256 m = load_scales8<F>(w + kCols * sizeof(typename F::Scale));
+        const float sx = dx * static_cast<float>(xr[r].sum[b]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r], acc[r]);
@@ -286,23 +321,30 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
   float acc[R][kCols] = {};
   for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
     int32_t q[kCols][32];  // row c's codes in K order
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < F::kChunks; ++t) {
       for (int c = 0; c < kCols; ++c) {
         for (int i = 0; i < 4; ++i) {
           const uint8_t byte = w[F::kHead + 32 * t + 4 * c + i];
-          q[c][4 * t + i] = byte & 15;
-          q[c][16 + 4 * t + i] = byte >> 4;
+          if constexpr (F::kSigned) {
+            q[c][4 * t + i] = static_cast<int8_t>(byte);
+          } else {
+            q[c][4 * t + i] = byte & 15;
+            q[c][16 + 4 * t + i] = byte >> 4;
+          }
         }
       }
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* qx = xr[r].q + b * kQK;
-      const float dx = xr[r].d[b], sx = dx * static_cast<float>(xr[r].sum[b]);
+      const float dx = xr[r].d[b];
       for (int c = 0; c < kCols; ++c) {
         int32_t s = 0;
         for (int k = 0; k < 32; ++k) s += q[c][k] * qx[k];
         acc[r][c] = std::fma(static_cast<float>(s), scale8<F>(w, c) * dx, acc[r][c]);
-        acc[r][c] = std::fma(scale8<F>(w, kCols + c), sx, acc[r][c]);
+        if constexpr (!F::kSigned) {
+          const float sx = dx * static_cast<float>(xr[r].sum[b]);
+          acc[r][c] = std::fma(scale8<F>(w, kCols + c), sx, acc[r][c]);
+        }
       }
     }
   }

@@ -3,9 +3,9 @@ the canonical codes/scales/mins of tessera/model/gguf_quant.py, and decoding in 
 
 Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`):
 
-- the 4-bit kinds (u4h, u4f): groups of 8 output rows interleaved, one record of a group holds
-  the 8 rows' scales side by side, then their codes so that one 32-byte load holds 4 consecutive
-  K positions of each of the 8 rows. The kernel then computes 8 outputs at once, one output a
+- u4h, u4f (4-bit codes) and s8h (Q8_0): groups of 8 output rows interleaved, one record of a
+  group holds the 8 rows' scales side by side, then their codes so that one 32-byte load holds 4
+  consecutive K positions of each of the 8 rows. The kernel then computes 8 outputs at once, one output a
   32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of x broadcast): the block's integer sum
   comes out exact for the 8 rows together, and scales apply once a block as a vector (llama.cpp's
   repacked Q4_0x8 does the same). Row by row it took ~22 instructions a block of one row.
@@ -17,14 +17,15 @@ Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`
 | u4h | f16 d, f16 m, 16 B nibbles | Q4_0 (m = -8 d), Q4_1 | 5 | 8 |
 | u4f | f32 d, f32 m, 16 B nibbles | Q4_K | 6 | 8 |
 | u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K | 10 | 1 |
-| s8h | f16 d, 32 int8 | Q8_0 | 8.5 | 1 |
+| s8h | f16 d, 32 int8 | Q8_0 | 8.5 | 8 |
 | s8f2 | f32 d per 16 (two), 32 int8 (q - 32) | Q6_K | 10 | 1 |
 
 Nibbles of a row as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). An
 interleaved record of a group of 8 rows (r = 0..7) is those rows' records rearranged:
 
-    d[r] for r = 0..7 | m[r] for r = 0..7 | 4 chunks of 32 B: chunk t, byte 4 r + i = row r's
-                                             nibble byte j = 4 t + i (k = j low, k = j + 16 high)
+    d[r] for r = 0..7 | m[r] for r = 0..7 (unsigned kinds) | chunks of 32 B: chunk t, byte
+    4 r + i = row r's code byte 4 t + i (u4h/u4f: 4 chunks of nibble bytes, k = j low and
+    k = j + 16 high; s8h: 8 chunks, byte j is k = j)
 
 A weight whose rows are not a multiple of 8 is padded with zero rows (d = m = 0). The values are
 gguf's (code * d + m), so `dequantize_int8` equals gguf's dequantization; only the activations
@@ -76,7 +77,7 @@ class Int8Format:
 U4H = Int8Format("u4h", 10, np.float16, True, True, 1, interleave=8)
 U4F = Int8Format("u4f", 11, np.float32, True, True, 1, interleave=8)
 U8F = Int8Format("u8f", 12, np.float32, True, False, 1)
-S8H = Int8Format("s8h", 13, np.float16, False, False, 1)
+S8H = Int8Format("s8h", 13, np.float16, False, False, 1, interleave=8)
 S8F2 = Int8Format("s8f2", 14, np.float32, False, False, 2)
 
 
@@ -114,10 +115,13 @@ def _interleave(fmt: Int8Format, rows: torch.Tensor) -> torch.Tensor:
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, nb, r)])
     grouped = rows.view(-1, g, nb, r).transpose(1, 2)  # [G, nb, 8, R]
-    s = fmt.head_bytes // 2  # one scale's bytes (d, then m)
-    codes = grouped[..., fmt.head_bytes :].reshape(-1, nb, g, 4, 4).transpose(2, 3)
-    parts = [grouped[..., :s], grouped[..., s : 2 * s], codes]
-    return torch.cat([t.reshape(-1, nb, t[0, 0].numel()) for t in parts], dim=-1).contiguous()
+    h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
+    # scales: [8 rows, scalars, bytes] -> [scalars, 8 rows, bytes] (d[8], then m[8])
+    head = grouped[..., :h].reshape(-1, nb, g, h // s, s).transpose(2, 3)
+    # codes: [8 rows, chunks, 4 bytes] -> [chunks, 8 rows, 4 bytes]
+    codes = grouped[..., h:].reshape(-1, nb, g, (r - h) // 4, 4).transpose(2, 3)
+    parts = [head.reshape(-1, nb, g * h), codes.reshape(-1, nb, g * (r - h))]
+    return torch.cat(parts, dim=-1).contiguous()
 
 
 def _rows(fmt: Int8Format, packed: torch.Tensor, nb: int) -> torch.Tensor:
@@ -127,12 +131,11 @@ def _rows(fmt: Int8Format, packed: torch.Tensor, nb: int) -> torch.Tensor:
     if g == 1:
         return packed.view(-1, nb, r)
     grouped = packed.view(-1, nb, g * r)
-    s = fmt.head_bytes // 2
-    d = grouped[..., : g * s].reshape(-1, nb, g, s)
-    m = grouped[..., g * s : 2 * g * s].reshape(-1, nb, g, s)
-    codes = grouped[..., 2 * g * s :].reshape(-1, nb, 4, g, 4).transpose(2, 3)
-    rows = torch.cat([d, m, codes.reshape(-1, nb, g, 16)], dim=-1)  # [G, nb, 8, R]
-    return rows.transpose(1, 2).reshape(-1, nb, r)
+    h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
+    head = grouped[..., : g * h].reshape(-1, nb, h // s, g, s).transpose(2, 3)
+    codes = grouped[..., g * h :].reshape(-1, nb, (r - h) // 4, g, 4).transpose(2, 3)
+    rows = torch.cat([head.reshape(-1, nb, g, h), codes.reshape(-1, nb, g, r - h)], dim=-1)
+    return rows.transpose(1, 2).reshape(-1, nb, r)  # [G, nb, 8, R] -> [N, nb, R]
 
 
 def concat_int8(fmt: Int8Format, packed: list[torch.Tensor], ns: list[int], k: int) -> torch.Tensor:
