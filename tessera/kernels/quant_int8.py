@@ -5,10 +5,11 @@ Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`
 
 - u4h, u4f (4-bit codes) and s8h (Q8_0): groups of 8 output rows interleaved, one record of a
   group holds the 8 rows' scales side by side, then their codes so that one 32-byte load holds 4
-  consecutive K positions of each of the 8 rows. The kernel then computes 8 outputs at once, one output a
-  32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of x broadcast): the block's integer sum
-  comes out exact for the 8 rows together, and scales apply once a block as a vector (llama.cpp's
-  repacked Q4_0x8 does the same). Row by row it took ~22 instructions a block of one row.
+  consecutive K positions of each of the 8 rows. The kernel then computes 8 outputs at once, one
+  output a 32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of x broadcast): the block's
+  integer sum comes out exact for the 8 rows together, and scales apply once a block as a vector
+  (llama.cpp's repacked Q4_0x8 does the same). Row by row it took ~22 instructions a block of one
+  row.
 - the other kinds: row-major, output row n is K/32 records (the kernel computes one output a dot
   product).
 
