@@ -1,7 +1,7 @@
 """llama.cpp as a peer: batch-1 decode and 512-token prefill on the same GGUF, in one run.
 
     flock -x /work/cpu.lock python benchmarks/llamacpp_peer.py [--model FILE.gguf ...] \\
-        [--isa avx2,avx512] [--quantization gguf_int8] [--threads 2] [--build-dir DIR]
+        [--isa avx2,avx512] [--quantization gguf,gguf_int8] [--threads 2] [--build-dir DIR]
 
 llama.cpp: `llama-bench -p 512 -n 128 -t THREADS` (pp512 and tg128, tok/s), built once from the
 llama-cpp-python 0.3.36 sdist's vendored llama.cpp (`build_llama_cpp`: pip download, CMake with
@@ -135,7 +135,7 @@ def tessera_child(model: str, quantization: str, threads: int) -> dict[str, floa
         t = time.perf_counter()
         ours.prefill(prompt)
         prefill = 512 / (time.perf_counter() - t)
-        tok = ours.prefill([prompt[0][:16]])
+        tok = ours.prefill([prompt[0][:16]], max_new_tokens=130)
         tok = ours.decode(tok)
         t = time.perf_counter()
         for _ in range(128):
@@ -167,35 +167,37 @@ def run_tessera(model: str, quantization: str, threads: int, isa: str) -> dict[s
 
 
 def compare(
-    models: list[str], isas: list[str], quantization: str, threads: int, build_dir: str
+    models: list[str], isas: list[str], quantizations: list[str], threads: int, build_dir: str
 ) -> list[dict]:
-    """Every model: llama.cpp once, Tessera once per ISA; prints a table, returns its rows."""
+    """Every model: llama.cpp once, Tessera once per ISA and quantization; prints a table,
+    returns its rows."""
     bench = build_llama_cpp(build_dir)
     rows = []
     for model in models:
         peer = llama_bench(bench, model, threads)
         for isa in isas:
-            ours = run_tessera(model, quantization, threads, isa)
-            rows.append(
-                {
-                    "model": os.path.basename(model),
-                    "isa": isa,
-                    "quantization": quantization,
-                    "threads": threads,
-                    "tessera": ours,
-                    "llama.cpp": peer,
-                }
-            )
+            for quantization in quantizations:
+                ours = run_tessera(model, quantization, threads, isa)
+                rows.append(
+                    {
+                        "model": os.path.basename(model),
+                        "isa": isa,
+                        "quantization": quantization,
+                        "threads": threads,
+                        "tessera": ours,
+                        "llama.cpp": peer,
+                    }
+                )
     print(
-        f"{'model':<34}{'isa':<9}{'figure':<9}{'tessera':>9}{'llama.cpp':>11}{'ratio':>8}"
-        f"  (llama.cpp repack {rows[0]['llama.cpp']['repack'] if rows else '-'})"
+        f"{'model':<34}{'isa':<9}{'quant':<10}{'figure':<7}{'tessera':>9}{'llama.cpp':>11}"
+        f"{'ratio':>8}  (llama.cpp repack {rows[0]['llama.cpp']['repack'] if rows else '-'})"
     )
     for r in rows:
         for key, label in (("decode", "tg128"), ("prefill", "pp512")):
             ours, peer = r["tessera"][key], r["llama.cpp"][key]
             print(
-                f"{r['model']:<34}{r['isa']:<9}{label:<9}{ours:>9.1f}{peer:>11.1f}"
-                f"{ours / peer:>7.2f}x"
+                f"{r['model']:<34}{r['isa']:<9}{r['quantization']:<10}{label:<7}{ours:>9.1f}"
+                f"{peer:>11.1f}{ours / peer:>7.2f}x"
             )
     return rows
 
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         help="GGUF file (repeatable); default: the default model",
     )
     ap.add_argument("--isa", default="avx512,avx2", help="TESSERA_CPU_ISA values, comma list")
-    ap.add_argument("--quantization", default="gguf_int8", choices=["gguf", "gguf_int8", "none"])
+    ap.add_argument("--quantization", default="gguf_int8",
+                    help="Tessera's --quantization values (gguf, gguf_int8, none), comma list")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--build-dir", default=DEFAULT_BUILD_DIR)
     ap.add_argument("--result-file", default=None)
@@ -225,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(tessera_child(models[0], args.quantization, args.threads), f)
         return 0
     isas = [i.strip() for i in args.isa.split(",") if i.strip()]
-    rows = compare(models, isas, args.quantization, args.threads, args.build_dir)
+    quantizations = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    for q in quantizations:
+        if q not in ("gguf", "gguf_int8", "none"):
+            raise ValueError(f"--quantization {q!r}: expected gguf, gguf_int8 or none")
+    rows = compare(models, isas, quantizations, args.threads, args.build_dir)
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(rows, f, indent=1)

@@ -69,9 +69,9 @@ class Ours:
         self.runner = ModelRunner(self.model, self.cache, block_size, torch.device("cpu"))
         self.block_size = block_size
 
-    def prefill(self, prompts):
+    def prefill(self, prompts, max_new_tokens=64):
         self.batch = StaticBatch(self.runner, self.block_size)  # fresh blocks and request ids
-        max_len = max(len(p) for p in prompts) + 64
+        max_len = max(len(p) for p in prompts) + max_new_tokens
         self.seqs = [self.batch.new_seq(p, max_len) for p in prompts]
         return self.batch.logits(self.seqs).argmax(-1)
 
@@ -216,6 +216,8 @@ def main() -> None:
         help="only profile whole engine decode steps at these batches (e.g. 8,16,32,64): "
         "ms and %% per part (benchmarks/step_profile.py)",
     )
+    ap.add_argument("--cpu-time", action="store_true", help="with --profile: one thread, every "
+                    "part in the thread's CPU time (robust to other jobs on shared cores)")
     ap.add_argument("--speculative-config", help="with --profile: the engine's speculative "
                     "config (JSON), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     args = ap.parse_args()
@@ -230,7 +232,7 @@ def main() -> None:
 
         spec = json.loads(args.speculative_config) if args.speculative_config else None
         main_profile([int(b) for b in args.profile.split(",")], args.dtype, args.quantization,
-                     args.ctx, args.steps, spec)
+                     args.ctx, args.steps, spec, cpu_time=args.cpu_time)
         return
     cfg, weights = load_model(resolve_model_path(None), args.quantization)
     peak = matmul_peak(dtype)

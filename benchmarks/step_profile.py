@@ -11,9 +11,17 @@ to the smallest by aborting requests (one prefill for every batch size). For eac
    elementwise (norms, RoPE, SiLU*up, embedding, residual adds), logits, sampling, metadata and the
    engine's bookkeeping (schedule, update_from_output, output processor, Python in between).
 
+`--cpu-time` (benchmarks/runner.py) times everything in this thread's CPU time instead
+(`time.thread_time`) with one thread: on cores shared with other jobs the wall clock counts the
+time this process waits for a core, the thread's CPU time does not.
+
 `perf_counter` and not `torch.profiler`: CPU ops are synchronous, and the profiler's own per-op
 cost distorted small ops here (DESIGN.md). The wrappers cost ~1 us a call (~400 calls a step):
 compare the instrumented total with the plain one.
+
+3. the same steps with every C++ kernel call a no-op that only allocates its output
+   (`stub_kernels`): what remains is the Python, dispatch and allocation around the kernels, and
+   the plain step minus it is the kernels' own time.
 
     python benchmarks/runner.py --profile 8,16,32,64 [--dtype bfloat16] [--quantization none]
 """
@@ -29,6 +37,15 @@ import torch
 
 import tessera.attention.backend as attn_backend
 
+# the clock of every timer here: time.perf_counter, or time.thread_time (set_clock)
+CLOCK = time.perf_counter
+
+
+def set_clock(clock) -> None:
+    global CLOCK
+    CLOCK = clock
+
+
 CATEGORIES = ("linear", "attention", "elementwise", "logits+sampling", "metadata", "bookkeeping")
 
 
@@ -41,7 +58,7 @@ class ExclusiveTimers:
         self._stack: list[float] = []  # time spent in children of each open call
 
     def wrap(self, name: str, fn: Callable) -> Callable:
-        seconds, stack, clock = self.seconds, self._stack, time.perf_counter
+        seconds, stack, clock = self.seconds, self._stack, CLOCK
 
         def timed(*args, **kwargs):
             stack.append(0.0)
@@ -151,6 +168,68 @@ def instrument(engine, timers: ExclusiveTimers) -> Patches:
     return p
 
 
+class _NoFusedOps:
+    """fused.py's ops as no-ops that only allocate their outputs (see `stub_kernels`)."""
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def add_rms_norm_(residual, delta, weight, eps):
+        return torch.empty_like(residual)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @staticmethod
+    def rope_(qkv, cos, sin, num_heads, head_dim):
+        return None
+
+
+def stub_kernels(engine) -> Patches:
+    """Every C++ kernel call of the model's forward (linears, lm_head, norms, SiLU*up, RoPE,
+    attention) replaced by a no-op that allocates its output: what is left of a step is the
+    Python, torch dispatch and allocation around the kernels (the engine's bookkeeping and
+    metadata included). The tokens are garbage (the logits are zeros), the path is the same."""
+    import tessera.attention.paged_kernel as paged_kernel
+
+    def noop(*args, **kwargs):
+        return None
+
+    p = Patches()
+    model = engine.executor.runner.model
+    fake = _NoFusedOps()
+    linears = []
+    for layer in model.layers:
+        linears += [layer.wqkv, layer.wo, layer.w13, layer.w2]
+        for norm in {id(n): n for n in (layer.input_norm, layer.post_attn_norm)}.values():
+            if norm._fused is not None:
+                p.set(norm, "_fused", fake)
+        if getattr(layer.act, "_fused", None) is not None:
+            p.set(layer.act, "_fused", fake)
+    if model.norm._fused is not None:
+        p.set(model.norm, "_fused", fake)
+    if model.rope._fused is not None:
+        p.set(model.rope, "_fused", fake)
+    for lin in linears:
+        if getattr(lin, "_kernel", None) is not None:  # QuantLinear: writes into its output
+            p.set(lin, "_kernel", noop)
+            p.set(lin, "_int8_kernel", noop)
+        elif getattr(lin, "kernel", None) is not None:  # Linear: the packed dense kernel
+            n = lin.out_features
+            p.set(lin, "kernel", lambda x, n=n: x.new_empty(x.shape[0], n))
+    vocab = model.lm_head.out_features
+    p.set(model, "lm_head", lambda h: h.new_zeros(h.shape[0], vocab))
+
+    def no_attention(q, *args, out=None, **kwargs):
+        return torch.empty_like(q) if out is None else out
+
+    p.set(paged_kernel, "paged_attention", no_attention)
+    return p
+
+
 def _metadata_class(backend) -> type:
     from tessera.attention.paged_kernel import PagedKernelBackend, PagedKernelMetadata
     from tessera.attention.sdpa import SdpaMetadata
@@ -185,9 +264,9 @@ def _fill(engine, batch: int, ctx: int, seed: int = 0, repeat: bool = False) -> 
 def _steps(engine, n: int) -> list[float]:
     times = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return times
 
 
@@ -207,9 +286,15 @@ def profile_engine(engine, batches: list[int], ctx: int, steps: int) -> list[dic
         try:
             timed = statistics.median(_steps(engine, steps))
             timers.reset()  # the parts of exactly `steps` more steps
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             _steps(engine, steps)
-            total = (time.perf_counter() - t0) / steps
+            total = (CLOCK() - t0) / steps
+        finally:
+            patches.undo()
+        patches = stub_kernels(engine)
+        try:
+            _steps(engine, 2)
+            stubbed = statistics.median(_steps(engine, steps))
         finally:
             patches.undo()
         sched = engine.scheduler
@@ -228,6 +313,7 @@ def profile_engine(engine, batches: list[int], ctx: int, steps: int) -> list[dic
             {
                 "batch": b,
                 "plain_ms": plain * 1e3,
+                "stub_ms": stubbed * 1e3,
                 "instr_ms": timed * 1e3,
                 "total_ms": total * 1e3,
                 "context": context,
@@ -315,6 +401,14 @@ def format_rows(rows: list[dict], title: str) -> str:
             "decode tok/s, plain (requests / step)",
             lambda r: f"{1e3 * r['batch'] / r['plain_ms']:.0f}",
         ),
+        (
+            "step with every C++ kernel a no-op: Python, dispatch, allocation (median)",
+            lambda r: f"{r['stub_ms']:.2f}",
+        ),
+        (
+            "kernels: plain step minus the no-op step",
+            lambda r: f"{r['plain_ms'] - r['stub_ms']:.2f}",
+        ),
         ("tokens computed per step", lambda r: f"{r['tokens']:.1f}"),
         (
             "async probe: engine-side bookkeeping B (schedule, update, outputs)",
@@ -333,11 +427,14 @@ def format_rows(rows: list[dict], title: str) -> str:
 
 
 def main_profile(batches: list[int], dtype: str, quantization: str, ctx: int, steps: int,
-                 speculative_config: dict | None = None) -> None:
+                 speculative_config: dict | None = None, cpu_time: bool = False) -> None:
     from tessera.entrypoints.llm import LLM
 
     t0 = time.perf_counter()
     extra = {} if speculative_config is None else {"speculative_config": speculative_config}
+    if cpu_time:  # one thread: its CPU time is the step's
+        set_clock(time.thread_time)
+        extra["num_threads"] = 1
     llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max(batches),
               max_model_len=max(2048, ctx + 64 * steps), kv_cache_space=1.0, **extra)
     engine = llm.llm_engine
@@ -345,5 +442,6 @@ def main_profile(batches: list[int], dtype: str, quantization: str, ctx: int, st
           flush=True)
     rows = profile_engine(engine, batches, ctx, steps)
     what = "" if speculative_config is None else f", speculative {speculative_config}"
+    what += ", thread CPU time, 1 thread" if cpu_time else ""
     print(format_rows(rows, f"decode step, {quantization} weights, {dtype}, ctx {ctx}{what}"),
           flush=True)

@@ -1,18 +1,34 @@
 """The weight layout of the integer path (`--quantization gguf_int8`, quant_int8.h): packing from
 the canonical codes/scales/mins of tessera/model/gguf_quant.py, and decoding in torch.
 
-Row-major: output row n is K/32 records in K order (no panels: the integer kernel computes one
-output a dot product, llama.cpp's way, and rows of several parts concatenate as they are).
+Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`):
 
-| kind | record | GGUF types | bits a weight |
-| --- | --- | --- | ---: |
-| u4h | f16 d, f16 m, 16 B nibbles | Q4_0 (m = -8 d), Q4_1 | 5 |
-| u4f | f32 d, f32 m, 16 B nibbles | Q4_K | 6 |
-| u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K | 10 |
-| s8h | f16 d, 32 int8 | Q8_0 | 8.5 |
-| s8f2 | f32 d per 16 (two), 32 int8 (q - 32) | Q6_K | 10 |
+- u4h, u4f (4-bit codes) and s8h (Q8_0): groups of 8 output rows interleaved, one record of a
+  group holds the 8 rows' scales side by side, then their codes so that one 32-byte load holds 4
+  consecutive K positions of each of the 8 rows. The kernel then computes 8 outputs at once, one
+  output a 32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of x broadcast): the block's
+  integer sum comes out exact for the 8 rows together, and scales apply once a block as a vector
+  (llama.cpp's repacked Q4_0x8 does the same). Row by row it took ~22 instructions a block of one
+  row.
+- the other kinds: row-major, output row n is K/32 records (the kernel computes one output a dot
+  product).
 
-Nibbles as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). The values are
+| kind | record of one row | GGUF types | bits a weight | rows a group |
+| --- | --- | ---: | ---: | ---: |
+| u4h | f16 d, f16 m, 16 B nibbles | Q4_0 (m = -8 d), Q4_1 | 5 | 8 |
+| u4f | f32 d, f32 m, 16 B nibbles | Q4_K | 6 | 8 |
+| u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K | 10 | 1 |
+| s8h | f16 d, 32 int8 | Q8_0 | 8.5 | 8 |
+| s8f2 | f32 d per 16 (two), 32 int8 (q - 32) | Q6_K | 10 | 1 |
+
+Nibbles of a row as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). An
+interleaved record of a group of 8 rows (r = 0..7) is those rows' records rearranged:
+
+    d[r] for r = 0..7 | m[r] for r = 0..7 (unsigned kinds) | chunks of 32 B: chunk t, byte
+    4 r + i = row r's code byte 4 t + i (u4h/u4f: 4 chunks of nibble bytes, k = j low and
+    k = j + 16 high; s8h: 8 chunks, byte j is k = j)
+
+A weight whose rows are not a multiple of 8 is padded with zero rows (d = m = 0). The values are
 gguf's (code * d + m), so `dequantize_int8` equals gguf's dequantization; only the activations
 are rounded (to Q8 blocks, in the kernel).
 """
@@ -37,8 +53,9 @@ class Int8Format:
     unsigned: bool  # codes >= 0 with a min per block; else signed codes, no min
     nibbles: bool
     groups: int  # scales a block (signed kinds)
+    interleave: int = 1  # output rows a group of records (8: the 4-bit kinds; 1: row-major)
 
-    row_major = True  # QuantPart users tell the layouts apart by this (panels: False)
+    row_major = True  # the integer path's layout, not panels (QuantPart users tell them apart)
     block = QK
 
     @property
@@ -50,14 +67,18 @@ class Int8Format:
     def record_bytes(self) -> int:
         return self.head_bytes + (16 if self.nibbles else 32)
 
+    def padded_rows(self, n: int) -> int:
+        """Rows the packed tensor holds: n rounded up to whole groups."""
+        return -(-n // self.interleave) * self.interleave
+
     def packed_bytes(self, n: int, k: int) -> int:
-        return n * (k // QK) * self.record_bytes
+        return self.padded_rows(n) * (k // QK) * self.record_bytes
 
 
-U4H = Int8Format("u4h", 10, np.float16, True, True, 1)
-U4F = Int8Format("u4f", 11, np.float32, True, True, 1)
+U4H = Int8Format("u4h", 10, np.float16, True, True, 1, interleave=8)
+U4F = Int8Format("u4f", 11, np.float32, True, True, 1, interleave=8)
 U8F = Int8Format("u8f", 12, np.float32, True, False, 1)
-S8H = Int8Format("s8h", 13, np.float16, False, False, 1)
+S8H = Int8Format("s8h", 13, np.float16, False, False, 1, interleave=8)
 S8F2 = Int8Format("s8f2", 14, np.float32, False, False, 2)
 
 
@@ -80,7 +101,50 @@ def pack_int8(
     head = np.concatenate(heads, axis=-1).view(np.uint8)
     records = np.concatenate([head, c], axis=-1)
     assert records.shape[-1] == fmt.record_bytes
-    return torch.from_numpy(np.ascontiguousarray(records).reshape(-1))
+    rows = torch.from_numpy(np.ascontiguousarray(records))  # [N, nb, record]
+    return _interleave(fmt, rows).reshape(-1)
+
+
+def _interleave(fmt: Int8Format, rows: torch.Tensor) -> torch.Tensor:
+    """Row-major records [N, nb, R] -> the packed arrangement of `fmt` ([G, nb, 8 R] for the
+    interleaved kinds, N padded with zero rows; else the rows themselves)."""
+    g = fmt.interleave
+    if g == 1:
+        return rows
+    n, nb, r = rows.shape
+    pad = fmt.padded_rows(n) - n
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, nb, r)])
+    grouped = rows.view(-1, g, nb, r).transpose(1, 2)  # [G, nb, 8, R]
+    h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
+    # scales: [8 rows, scalars, bytes] -> [scalars, 8 rows, bytes] (d[8], then m[8])
+    head = grouped[..., :h].reshape(-1, nb, g, h // s, s).transpose(2, 3)
+    # codes: [8 rows, chunks, 4 bytes] -> [chunks, 8 rows, 4 bytes]
+    codes = grouped[..., h:].reshape(-1, nb, g, (r - h) // 4, 4).transpose(2, 3)
+    parts = [head.reshape(-1, nb, g * h), codes.reshape(-1, nb, g * (r - h))]
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def _rows(fmt: Int8Format, packed: torch.Tensor, nb: int) -> torch.Tensor:
+    """The packed bytes -> row-major records [padded rows, nb, R] (inverse of `_interleave`)."""
+    r = fmt.record_bytes
+    g = fmt.interleave
+    if g == 1:
+        return packed.view(-1, nb, r)
+    grouped = packed.view(-1, nb, g * r)
+    h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
+    head = grouped[..., : g * h].reshape(-1, nb, h // s, g, s).transpose(2, 3)
+    codes = grouped[..., g * h :].reshape(-1, nb, (r - h) // 4, g, 4).transpose(2, 3)
+    rows = torch.cat([head.reshape(-1, nb, g, h), codes.reshape(-1, nb, g, r - h)], dim=-1)
+    return rows.transpose(1, 2).reshape(-1, nb, r)  # [G, nb, 8, R] -> [N, nb, R]
+
+
+def concat_int8(fmt: Int8Format, packed: list[torch.Tensor], ns: list[int], k: int) -> torch.Tensor:
+    """Several packed weights of one kind stacked along the output rows, as one packed weight
+    (each one's padding rows dropped first, so the rows stay contiguous)."""
+    nb = k // QK
+    rows = torch.cat([_rows(fmt, p, nb)[:n] for p, n in zip(packed, ns, strict=True)])
+    return _interleave(fmt, rows).reshape(-1)
 
 
 def _decode(fmt: Int8Format, records: torch.Tensor) -> torch.Tensor:
@@ -102,12 +166,17 @@ def _decode(fmt: Int8Format, records: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int8(fmt: Int8Format, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The float32 weights [N, K] a packed tensor holds."""
-    return _decode(fmt, packed.view(n, k // QK, fmt.record_bytes)).reshape(n, k)
+    return _decode(fmt, _rows(fmt, packed, k // QK)[:n]).reshape(n, k)
 
 
 def dequantize_int8_rows(
     fmt: Int8Format, packed: torch.Tensor, k: int, ids: torch.Tensor
 ) -> torch.Tensor:
-    """Float32 rows `ids` [T] -> [T, K]: the embedding lookup reads only those rows' records."""
-    rows = packed.view(-1, k // QK, fmt.record_bytes)[ids.reshape(-1)]
-    return _decode(fmt, rows).reshape(-1, k)
+    """Float32 rows `ids` [T] -> [T, K]: the embedding lookup reads only those rows' records
+    (their groups' records, for the interleaved kinds)."""
+    ids = ids.reshape(-1)
+    g, nb = fmt.interleave, k // QK
+    groups = packed.view(-1, nb * g * fmt.record_bytes)[ids // g]  # [T, group bytes]
+    rows = _rows(fmt, groups.reshape(-1), nb).view(-1, g, nb, fmt.record_bytes)
+    picked = rows[torch.arange(ids.numel()), ids % g]  # [T, nb, R]
+    return _decode(fmt, picked).reshape(-1, k)

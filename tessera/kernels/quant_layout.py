@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tessera.kernels.quant_int8 import Int8Format
+from tessera.kernels.quant_int8 import Int8Format, concat_int8
 
 PANEL = 48  # output features per panel: kPanel in linear_tiles.h
 
@@ -253,7 +253,8 @@ def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
         if (
             last is not None
             and last.fmt == p.fmt
-            and (last.n % PANEL == 0 or last.fmt.row_major)  # row-major: no padding rows
+            # the integer layout restacks its rows (concat_int8): no padding rows in between
+            and (last.n % PANEL == 0 or isinstance(last.fmt, Int8Format))
             and (last.bias is None) == (p.bias is None)
             and last.packed.device == p.packed.device
             and last.pairs == p.pairs
@@ -261,9 +262,11 @@ def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
             # row-major: the last part's padding columns must not shift the next part's bias
             head = last.bias if last.bias is None or not p.fmt.row_major else last.bias[: last.n]
             bias = None if p.bias is None or head is None else torch.cat([head, p.bias])
-            merged[-1] = QuantPart(
-                last.fmt, torch.cat([last.packed, p.packed]), last.n + p.n, p.k, bias, p.pairs
-            )
+            if isinstance(p.fmt, Int8Format):
+                packed = concat_int8(p.fmt, [last.packed, p.packed], [last.n, p.n], p.k)
+            else:
+                packed = torch.cat([last.packed, p.packed])
+            merged[-1] = QuantPart(last.fmt, packed, last.n + p.n, p.k, bias, p.pairs)
         else:
             merged.append(p)
     return merged

@@ -286,7 +286,9 @@ void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, 
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kQK == 0, "K (", K, ") is not a multiple of 32");
-  TORCH_CHECK(packed.numel() == N * (K / kQK) * tessera_int8::record_bytes(kind),
+  const int64_t group = tessera_int8::interleave(kind);
+  TORCH_CHECK(packed.numel() == (N + group - 1) / group * group * (K / kQK) *
+                                    tessera_int8::record_bytes(kind),
               "packed weight does not match N, K and the kind");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -317,7 +319,13 @@ void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, 
   const uint8_t* w = packed.data_ptr<uint8_t>();
   with_kind(kind, [&](auto f) {
     using F = decltype(f);
-    if (f32) {
+    if constexpr (is_interleaved<F>()) {
+      if (f32) {
+        run_int8_groups<F>(M, K, w, N, y.data_ptr<float>(), y.stride(0), b, rows.data());
+      } else {
+        run_int8_groups<F>(M, K, w, N, y.data_ptr<at::BFloat16>(), y.stride(0), b, rows.data());
+      }
+    } else if (f32) {
       run_int8<F>(x.data_ptr<float>(), x.stride(0), M, K, w, N, y.data_ptr<float>(), y.stride(0),
                   b, rows.data());
     } else {
