@@ -15,6 +15,7 @@ from tessera.model.registry import get_model_class
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
 from tessera.worker.model_runner import ModelRunner
 from tessera.worker.static_batch import StaticBatch
+from tests.gguf_header import add_decoder_header
 
 _LAYER_NAMES = {  # HF leaf -> llama.cpp's name
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -48,16 +49,7 @@ def _write_gguf(path, arch: str, model) -> None:
     cfg = model.config
     gemma = arch.startswith("gemma")
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(1e6 if gemma else 10000.0)
+    add_decoder_header(writer, cfg, 1e6 if gemma else 10000.0)
     if gemma:
         writer.add_sliding_window(WINDOW)
     if arch == "gemma2":

@@ -19,6 +19,7 @@ from tessera.model.registry import get_model_class
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
 from tessera.worker.model_runner import ModelRunner
 from tessera.worker.static_batch import StaticBatch
+from tests.gguf_header import add_decoder_header
 from tests.model.test_moe_families import make_hf_moe
 
 _NAMES = {  # HF leaf -> llama.cpp's name
@@ -52,16 +53,7 @@ def write_moe_gguf(path, arch: str, hf_dir: str, expert_type=None, per_expert=Fa
     expert (`blk.{i}.ffn_gate.{e}.weight`, early Mixtral GGUFs)."""
     cfg, weights = load_hf_dir(hf_dir)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta)
+    add_decoder_header(writer, cfg, cfg.rope_theta)
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if arch in ("qwen3moe", "qwen2moe"):
