@@ -168,6 +168,18 @@ def test_chat_template_kwargs_reach_the_template(client):
     assert counts[1] > counts[0]
 
 
+def test_responses_take_chat_template_kwargs(client):
+    def respond(**kw):
+        return client.responses.create(model=client.models.list().data[0].id, input="Hi",
+                                       max_output_tokens=3, temperature=0, **kw)
+
+    plain, no_thinking = respond(), respond(extra_body=NO_THINKING)
+    assert no_thinking.usage.input_tokens > plain.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
 def test_llm_chat_takes_chat_template_kwargs(tiny):
     from tessera import LLM, SamplingParams
 

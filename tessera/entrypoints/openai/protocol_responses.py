@@ -139,7 +139,7 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = Field(None, description="continue that stored response")
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(
         None, description="returned with the response")
-    # vLLM's sampling extras, passed to the chat path as they are
+    # vLLM's extras (sampling, chat template variables), passed to the chat path as they are
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -153,9 +153,12 @@ class ResponsesRequest(_Request):
     min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+    # vLLM's chat extra: variables for the chat template (Qwen3's `enable_thinking`)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra chat template variables, e.g. {\"enable_thinking\": false}")
 
 
 # the extras above, by name (what `/v1/responses` hands to the chat path unchanged)
-SAMPLING_EXTRAS = ("seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+CHAT_EXTRAS = ("seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "stop", "ignore_eos", "min_tokens", "logit_bias",
-                   "priority")
+                   "priority", "chat_template_kwargs")

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from tessera.entrypoints.openai.errors import OpenAIError, bad_request
 from tessera.entrypoints.openai.protocol import ChatCompletionRequest
-from tessera.entrypoints.openai.protocol_responses import SAMPLING_EXTRAS, ResponsesRequest
+from tessera.entrypoints.openai.protocol_responses import CHAT_EXTRAS, ResponsesRequest
 from tessera.entrypoints.openai.response_store import ResponseStore
 from tessera.entrypoints.openai.responses_items import (
     answer_messages,
@@ -114,7 +114,7 @@ class OpenAIServingResponses:
             "model": req.model, "messages": messages, "stream": bool(req.stream),
             "max_tokens": req.max_output_tokens, "temperature": req.temperature,
             "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
-            **{name: getattr(req, name) for name in SAMPLING_EXTRAS},
+            **{name: getattr(req, name) for name in CHAT_EXTRAS},
         }
         if req.stream:
             body["stream_options"] = {"include_usage": True}
@@ -141,7 +141,7 @@ class OpenAIServingResponses:
         except ValidationError as e:
             err = e.errors()[0]
             field = str((err.get("loc") or ("messages",))[0])
-            param = _PARAMS.get(field, field if field in SAMPLING_EXTRAS else "input")
+            param = _PARAMS.get(field, field if field in CHAT_EXTRAS else "input")
             raise bad_request(f"{param}: {err.get('msg', 'invalid value')}", param) from None
 
     def _response(self, req: ResponsesRequest, response_id: str, created: float
