@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.attention.backend import AttentionBackend, AttentionMetadata, SeqSpan, check_spans
+from tessera.attention.gather import gather_blocks
 from tessera.utils import cdiv
 
 
@@ -63,8 +64,8 @@ class SdpaMetadata(AttentionMetadata):
         if nd:
             assert self.decode_block_tables is not None and self.decode_mask is not None
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, kvh, group, D]
-            kd = _gather(k_cache, self.decode_block_tables, nd, q.dtype)  # [B, kvh, L, D]
-            vd = _gather(v_cache, self.decode_block_tables, nd, q.dtype)
+            kd = gather_blocks(k_cache, self.decode_block_tables, nd, q.dtype)  # [B, kvh, L, D]
+            vd = gather_blocks(v_cache, self.decode_block_tables, nd, q.dtype)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
 
@@ -83,8 +84,8 @@ class SdpaMetadata(AttentionMetadata):
                 )
             else:
                 assert span.block_table is not None and span.mask is not None
-                kp = _gather(k_cache, span.block_table, 1, q.dtype)  # [1, kvh, L, D]
-                vp = _gather(v_cache, span.block_table, 1, q.dtype)
+                kp = gather_blocks(k_cache, span.block_table, 1, q.dtype)  # [1, kvh, L, D]
+                vp = gather_blocks(v_cache, span.block_table, 1, q.dtype)
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=span.mask, scale=scale, enable_gqa=group > 1
                 )
@@ -95,18 +96,6 @@ class SdpaMetadata(AttentionMetadata):
 def _as_cached(x: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x rounded to the cache's dtype and back to the compute dtype (no-op when they agree)."""
     return x if cache.dtype == x.dtype else x.to(cache.dtype).to(dtype)
-
-
-def _gather(
-    cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Whole blocks, as [num_seqs, kv_heads, num_blocks * block_size, head_dim] (a strided view),
-    in the compute dtype `dtype` (a bf16 cache beside fp32 activations is widened)."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache.index_select(0, blocks).to(
-        dtype
-    )  # [num_seqs * num_blocks, block_size, kvh, D]
-    return gathered.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
 class SdpaBackend(AttentionBackend):

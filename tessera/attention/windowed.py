@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.attention.gather import gather_blocks
 from tessera.attention.spans import SeqSpan
 from tessera.utils import cdiv
 
@@ -93,15 +94,16 @@ class WindowedAttention:
         if nd:
             assert self.decode_blocks is not None and self.decode_mask is not None
             qd = q[:nd].float().view(nd, kvh, group, head_dim)
-            kd = _gather(k_cache, self.decode_blocks, nd)  # [B, kvh, L, D]
-            vd = _gather(v_cache, self.decode_blocks, nd)
+            kd = gather_blocks(k_cache, self.decode_blocks, nd, torch.float32)  # [B, kvh, L, D]
+            vd = gather_blocks(v_cache, self.decode_blocks, nd, torch.float32)
             od = _softmax_attend(qd, kd, vd, self.decode_mask, scale, softcap)
             out[:nd] = od.reshape(nd, num_heads, head_dim).to(out.dtype)
         for c in self.chunks:
             n = c.end - c.start
             qp = q[c.start : c.end].float().view(n, kvh, group, head_dim).permute(1, 2, 0, 3)
-            kp = _gather(k_cache, c.blocks, 1)[0].unsqueeze(1)  # [kvh, 1, L, D]
-            vp = _gather(v_cache, c.blocks, 1)[0].unsqueeze(1)
+            # [kvh, 1, L, D]
+            kp = gather_blocks(k_cache, c.blocks, 1, torch.float32)[0].unsqueeze(1)
+            vp = gather_blocks(v_cache, c.blocks, 1, torch.float32)[0].unsqueeze(1)
             op = _softmax_attend(qp, kp, vp, c.mask, scale, softcap)  # [kvh, group, n, D]
             out[c.start : c.end] = op.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(
                 out.dtype
@@ -116,10 +118,3 @@ def _softmax_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
-
-
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """Whole blocks as float32 [num_seqs, kv_heads, num_blocks * block_size, head_dim]."""
-    _, _, kvh, head_dim = cache.shape
-    gathered = cache.index_select(0, blocks).float()
-    return gathered.view(num_seqs, -1, kvh, head_dim).transpose(1, 2)
