@@ -28,6 +28,12 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elem_s
     return 2 * num_layers * num_kv_heads * head_dim * elem_size
 
 
+# Architectures whose q/k RMSNorm spans all heads at once (OLMoE), which a tensor-parallel rank's
+# slice of the heads cannot compute: the engine and the simulator refuse them at TP > 1
+# (tessera/model/registry.py's `qk_norm_full` trait is checked against this set).
+QK_NORM_OVER_ALL_HEADS = frozenset({"OlmoeForCausalLM"})
+
+
 def hf_windows(
     cfg: dict, architecture: str, num_layers: int
 ) -> tuple[int | None, tuple[str, ...]]:

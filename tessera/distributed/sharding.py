@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tessera.utils import cdiv
+from tessera.utils import QK_NORM_OVER_ALL_HEADS, cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,18 @@ Slice = tuple[int, int, int]  # (dim, start, stop) of an HF-layout tensor [out, 
 
 def check_shardable(num_heads: int, num_kv_heads: int, intermediate_size: int | None,
                     world_size: int, *, num_experts: int = 0, moe_intermediate_size: int = 0,
-                    expert_parallel: bool = False) -> None:
+                    shared_expert_intermediate_size: int = 0, expert_parallel: bool = False,
+                    architecture: str = "") -> None:
     """ValueError naming the numbers unless the model splits evenly over `world_size` ranks.
     `intermediate_size` None: no layer has a dense MLP (every one is MoE). Called before any
-    weight is read."""
+    weight is read, by the engine and by the simulator alike (the same refusals in both)."""
     n = world_size
+    if n > 1 and architecture in QK_NORM_OVER_ALL_HEADS:
+        raise ValueError(f"--tensor-parallel-size {n}: {architecture} normalises q and k over "
+                         "all heads at once, which a rank's slice of the heads cannot; use 1")
+    if shared_expert_intermediate_size % n:
+        raise ValueError(f"--tensor-parallel-size {n} does not divide the model's "
+                         f"shared_expert_intermediate_size ({shared_expert_intermediate_size})")
     if num_heads % n:
         raise ValueError(f"--tensor-parallel-size {n} does not divide the model's "
                          f"num_attention_heads ({num_heads}); use a divisor of {num_heads}")
@@ -110,11 +117,8 @@ class ShardPlan:
         check_shardable(self.num_heads, self.num_kv_heads, self.intermediate_size,
                         self.world_size, num_experts=self.num_experts,
                         moe_intermediate_size=self.moe_intermediate_size,
+                        shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                         expert_parallel=self.expert_parallel)
-        if self.shared_expert_intermediate_size % self.world_size:
-            raise ValueError(f"--tensor-parallel-size {self.world_size} does not divide the "
-                             "model's shared_expert_intermediate_size "
-                             f"({self.shared_expert_intermediate_size})")
         assert 0 <= self.rank < self.world_size
 
     @classmethod
@@ -123,10 +127,9 @@ class ShardPlan:
         """The plan of a `ModelArchConfig`; ValueError if the architecture cannot be sliced.
         `expert_parallel` (--enable-expert-parallel) places whole experts; a dense model has
         none to place, so it shards as without it."""
-        if world_size > 1 and arch.traits.qk_norm_full:
-            raise ValueError(f"--tensor-parallel-size {world_size}: {arch.architecture} "
-                             "normalises q and k over all heads at once, which a rank's slice "
-                             "of the heads cannot; use 1")
+        if world_size > 1:  # what the plan's own numbers cannot tell
+            check_shardable(arch.num_attention_heads, arch.num_key_value_heads, None, world_size,
+                            architecture=arch.architecture)
         num_experts = arch.num_experts
         layers = range(arch.num_hidden_layers)
         dense = num_experts == 0 or not all(arch.is_moe_layer(i) for i in layers)

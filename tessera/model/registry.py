@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from tessera.utils import QK_NORM_OVER_ALL_HEADS
+
 
 @dataclass(frozen=True)
 class ArchTraits:
@@ -79,6 +81,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
 }
 # llama.cpp writes Mixtral as "llama" with expert tensors (an expert_count in the metadata)
 GGUF_LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
+
+# invariant: the families the engine and simulator refuse to shard (tessera.utils) are the ones
+# whose q/k norm spans all heads
+assert {a for a, t in ARCH_TRAITS.items() if t.qk_norm_full} == QK_NORM_OVER_ALL_HEADS
 
 # invariant: every alias and GGUF name loads as a registered architecture
 assert set(HF_ALIASES.values()) | {a for a, _ in GGUF_ARCHITECTURES.values()} | {

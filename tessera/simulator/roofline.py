@@ -65,11 +65,9 @@ class RooflineCostModel(CostModel):
             check_shardable(model.num_heads, kv_heads, model.dense_intermediate_size, n,
                             num_experts=model.num_experts if model.is_moe else 0,
                             moe_intermediate_size=model.moe_intermediate_size,
-                            expert_parallel=self.expert_parallel)
-            if model.shared_expert_intermediate_size % n:
-                raise ValueError(f"--tensor-parallel-size {n} does not divide the model's "
-                                 "shared_expert_intermediate_size "
-                                 f"({model.shared_expert_intermediate_size})")
+                            shared_expert_intermediate_size=model.shared_expert_intermediate_size,
+                            expert_parallel=self.expert_parallel,
+                            architecture=model.architecture)
             if self.expert_parallel:
                 fullest = max(len(r) for r in expert_placement(model.num_experts, n))
                 self._expert_share = fullest / model.num_experts

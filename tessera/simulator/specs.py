@@ -118,6 +118,8 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     torch_dtype: str | None = None  # the checkpoint's dtype, which `--dtype auto` simulates
+    # config.json's `architectures[0]` ("" if it names none): the engine's refusals by family
+    architecture: str = ""
     # the window every layer attends within (Mistral): the scheduler releases the blocks behind
     # it, as the engine does; None with no window or with local and global layers mixed
     sliding_window: int | None = None
@@ -319,6 +321,7 @@ def load_model_config(name_or_path: str) -> ModelSpec:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             torch_dtype=_stored_dtype(config),
+            architecture=(config.get("architectures") or [""])[0],
             sliding_window=window,
             layer_windows=layer_windows,
             **_moe_fields(config),

@@ -201,3 +201,18 @@ def test_simulate_runs_on_the_shipped_qwen3_moe(tmp_path, capsys, parallel):
     # a decode step of 16 requests reads ~3.3 B..27 B parameters in bf16 on the H200's 3.84 TB/s
     # effective: between ~1.6 ms and ~14 ms plus the 2 ms overhead (on one device)
     assert 2.5 < m["median_tpot_ms"] < 20.0
+
+
+def test_roofline_refuses_to_shard_what_the_engine_refuses(tmp_path):
+    """OLMoE's q/k norm spans all heads: the engine refuses TP > 1, so the simulator must too."""
+    hw = load_hardware("H100-SXM")
+    base = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+            "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    olmoe = load_model_config(_write(tmp_path, {**base, "architectures": ["OlmoeForCausalLM"]}))
+    assert olmoe.architecture == "OlmoeForCausalLM"
+    RooflineCostModel(olmoe, hw, "bfloat16")  # one device: fine
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: OlmoeForCausalLM"):
+        RooflineCostModel(olmoe, hw, "bfloat16", tensor_parallel_size=2)
+    qwen = load_model_config(_write(tmp_path, {**base, "architectures": ["Qwen3MoeForCausalLM"]}))
+    assert RooflineCostModel(qwen, hw, "bfloat16", tensor_parallel_size=2).tensor_parallel_size == 2
