@@ -214,3 +214,12 @@ def test_expert_parallel_flag():
     ns = build_parser().parse_args(["serve", "-tp", "2", "--enable-expert-parallel"])
     assert engine_args_from(ns).create_engine_config().parallel.enable_expert_parallel
     assert not EngineArgs().create_engine_config().parallel.enable_expert_parallel
+
+
+def test_all_head_qk_norm_and_shared_expert_refusals():
+    with pytest.raises(ValueError, match="OlmoeForCausalLM normalises q and k over all heads"):
+        check_shardable(8, 8, 256, 2, architecture="OlmoeForCausalLM")
+    check_shardable(8, 8, 256, 1, architecture="OlmoeForCausalLM")  # one rank: nothing to slice
+    check_shardable(8, 8, 256, 2, architecture="Qwen3MoeForCausalLM")
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        check_shardable(8, 8, 256, 2, shared_expert_intermediate_size=97)
