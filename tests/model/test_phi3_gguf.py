@@ -40,11 +40,12 @@ END_OF_TEXT, END = VOCAB.index("<|endoftext|>"), VOCAB.index("<|end|>")
 CASES = {
     # Phi-3-mini: its own lm_head, a window shorter than the prompts, default RoPE
     "window": dict(sliding_window=WINDOW, tie_word_embeddings=False),
-    # Phi-4-mini: LongRoPE over 3/4 of each head, tied embeddings, no window (written as 0)
+    # Phi-4-mini: LongRoPE over 3/4 of each head, tied embeddings, no window (written as 0);
+    # an attention factor other than HF's default, so that reading attn_factor shows
     "longrope": dict(
         tie_word_embeddings=True, original_max_position_embeddings=128,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.75,
+                         "partial_rotary_factor": 0.75, "attention_factor": 1.25,
                          "short_factor": [1.0 + 0.15 * i for i in range(6)],
                          "long_factor": [2.0 + 0.5 * i for i in range(6)]}),
 }
@@ -87,7 +88,8 @@ def make_phi3(case: str) -> transformers.Phi3ForCausalLM:
     config = transformers.Phi3Config(
         vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=END_OF_TEXT, pad_token_id=0, **CASES[case])
+        bos_token_id=1, eos_token_id=END_OF_TEXT, pad_token_id=0, initializer_range=0.1,
+        **CASES[case])
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.Phi3ForCausalLM(config).eval()
@@ -125,9 +127,9 @@ def write_phi3_gguf(path, model, *, drop: tuple[str, ...] = (), extra: dict | No
     }
     tensors = {}
     if rope.get("rope_type") == "longrope":
-        orig, max_pos = cfg.original_max_position_embeddings, cfg.max_position_embeddings
-        keys["phi3.rope.scaling.attn_factor"] = (
-            writer.add_float32, float(np.sqrt(1 + np.log(max_pos / orig) / np.log(orig))))
+        # the converter writes HF's default, sqrt(1 + ln(max / orig) / ln(orig)); a config's
+        # own attention_factor stands in for it here
+        keys["phi3.rope.scaling.attn_factor"] = (writer.add_float32, rope["attention_factor"])
         for kind in ("long", "short"):
             tensors[f"rope_factors_{kind}.weight"] = np.array(rope[f"{kind}_factor"], np.float32)
     for key, (add, value) in keys.items():
@@ -204,6 +206,7 @@ def test_config_from_phi3_metadata(phi3):
         assert scaling["rope_type"] == "longrope"
         assert scaling["original_max_position_embeddings"] == 128
         assert scaling["max_position_embeddings"] == 512
+        assert scaling["attention_factor"] == 1.25
         np.testing.assert_allclose(scaling["short_factor"], rope["short_factor"], rtol=1e-6)
         np.testing.assert_allclose(scaling["long_factor"], rope["long_factor"], rtol=1e-6)
 
@@ -232,7 +235,7 @@ def test_weights_match_transformers_reading_the_gguf(phi3):
         p = f"model.layers.{i}."
         qkv = torch.cat([weights[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"])
         assert torch.equal(qkv, state[f"{p}self_attn.qkv_proj.weight"])
-        gate_up = torch.cat([weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"]])
+        gate_up = torch.cat([weights[f"{p}mlp.{x}_proj.weight"] for x in ("gate", "up")])
         assert torch.equal(gate_up, state[f"{p}mlp.gate_up_proj.weight"])
 
 
@@ -257,7 +260,8 @@ def test_llm_greedy_matches_hf_and_chat_template(phi3):
     (chat,) = llm.chat([{"role": "user", "content": "hi"}],
                        SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     rendered = "<|user|>\nhi<|end|>\n<|assistant|>\n"  # the file's template, chat tokens whole
-    assert chat.prompt_token_ids == llm.get_tokenizer()(rendered, add_special_tokens=False).input_ids
+    tokenizer = llm.get_tokenizer()
+    assert chat.prompt_token_ids == tokenizer(rendered, add_special_tokens=False).input_ids
     assert chat.prompt_token_ids[0] == VOCAB.index("<|user|>") and END in chat.prompt_token_ids
 
 
