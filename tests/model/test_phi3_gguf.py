@@ -248,14 +248,23 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def test_llm_greedy_matches_hf_and_chat_template(phi3):
     """`LLM(model=FILE)`: greedy tokens of prompts longer than the window equal HF's generate,
-    batched; the chat template and vocabulary come from the file."""
+    batched, and under preemption, chunked prefill and prefix caching; the chat template and
+    vocabulary come from the file."""
     _, path, model = phi3
     prompts = [list(range(260, 300)), [7, 300, 301, 9] * 6, list(range(280, 320, 2)) * 2]
     expected = [_hf_greedy(model, p, 16) for p in prompts]
-    llm = LLM(model=path, max_model_len=128, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    # then a cache of 64-80 tokens for the three (152 tokens in all): chunks of 8, prefix
+    # caching, and preemption (with the window, blocks behind it are released instead)
+    blocks = 16 if model.config.sliding_window else 20
+    small = dict(num_gpu_blocks_override=blocks, block_size=4, max_model_len=64,
+                 max_num_batched_tokens=8, enable_prefix_caching=True, max_num_seqs=3)
+    for engine_args in (dict(max_model_len=128), small):
+        llm = LLM(model=path, dtype="float32", **engine_args)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, engine_args
+    if not model.config.sliding_window:
+        assert llm.get_metrics()["tessera:num_preemptions_total"] > 0
     assert llm.get_tokenizer().chat_template == CHAT_TEMPLATE
     (chat,) = llm.chat([{"role": "user", "content": "hi"}],
                        SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
