@@ -246,11 +246,12 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_llm_greedy_matches_hf_and_chat_template(phi3):
+def test_llm_greedy_matches_hf_and_chat_template(phi3, tmp_path, monkeypatch):
     """`LLM(model=FILE)`: greedy tokens of prompts longer than the window equal HF's generate,
     batched, and under preemption, chunked prefill and prefix caching; the chat template and
     vocabulary come from the file."""
     _, path, model = phi3
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))  # the built tokenizer's cache
     prompts = [list(range(260, 300)), [7, 300, 301, 9] * 6, list(range(280, 320, 2)) * 2]
     expected = [_hf_greedy(model, p, 16) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
