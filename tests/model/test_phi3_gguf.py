@@ -17,8 +17,9 @@ import torch
 import transformers
 
 from tessera import LLM, SamplingParams
+from tessera.distributed.sharding import ShardPlan
 from tessera.model.gguf_quant import QuantizedTensor
-from tessera.model.loader import load_model
+from tessera.model.loader import load_model, read_model_config
 from tessera.model.registry import get_model_class
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
 from tessera.worker.model_runner import ModelRunner
@@ -297,3 +298,19 @@ def test_refused_attn_factor_without_longrope(tmp_path):
     write_phi3_gguf(path, model, extra={"phi3.rope.scaling.attn_factor": 1.2})
     with pytest.raises(ValueError, match="attn_factor"):
         load_model(str(path))
+
+
+def test_tensor_parallel_ranks_get_their_slice_of_each_part(phi3):
+    """Under -tp 2 each rank reads its rows of q, k, v, gate and up out of the fused tensors,
+    Q8_0 blocks whole: the two ranks' slices stacked are the whole part."""
+    _, path, _ = phi3
+    arch = read_model_config(path)
+    _, whole = load_model(path, "none")
+    ranks = [load_model(path, "gguf", ShardPlan.for_arch(arch, r, 2))[1] for r in range(2)]
+    for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                 "mlp.up_proj"):
+        name = f"model.layers.1.{part}.weight"
+        slices = [w[name] for w in ranks]
+        assert all(isinstance(s, QuantizedTensor) for s in slices)
+        stacked = torch.cat([s.dequantize() for s in slices])
+        assert torch.equal(stacked, whole[name]), name
