@@ -2,6 +2,7 @@
 
 Three things differ from an HF checkpoint and are undone here:
 - names: `blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight` (see `_NAME_MAP`);
+  fused tensors (Phi-3's `attn_qkv` and gate|up `ffn_up`) are cut by rows into their HF parts;
 - quantisation: with `quantization="none"` every tensor is dequantised to float32 with
   `gguf.quants.dequantize`; with "gguf", 2-D weights of a type our kernel serves (Q4_0, Q4_1, Q8_0,
   Q4_K, Q6_K) stay in their blocks as `QuantizedTensor`s (tessera/model/gguf_quant.py), the rest
@@ -11,6 +12,7 @@ Three things differ from an HF checkpoint and are undone here:
   puts them back. Qwen2 uses NEOX-style RoPE in llama.cpp and is stored unpermuted.
 Llama 3.x GGUFs carry RoPE scaling as a `rope_freqs.weight` tensor of per-frequency divisors
 rather than metadata; `llama3_rope_scaling_from_factors` recovers HF's `rope_scaling` dict.
+Phi-3's LongRoPE comes the same way, as `rope_factors_short`/`rope_factors_long` tensors.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ _LAYER_NAME_MAP = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # q|k|v in one tensor (Phi-3), split at load
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -72,6 +75,25 @@ _GEMMA_LAYER_NAME_MAP = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Names that mean something else in one family: llama.cpp's `phi3` stores gate|up as one
+# `ffn_up` [2 * intermediate, hidden], gate rows first (HF's gate_up_proj, as its converter
+# copies it); it has no ffn_gate
+_ARCH_LAYER_NAME_MAP = {
+    "gemma2": _GEMMA_LAYER_NAME_MAP,
+    "gemma3": _GEMMA_LAYER_NAME_MAP,
+    "phi3": {**_LAYER_NAME_MAP, "ffn_up": "mlp.gate_up_proj"},
+}
+# A fused tensor's HF stem -> its parts, in row order; each part's rows are its shape's
+# (ModelArchConfig.weight_shapes), so the split follows the config
+_FUSED_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# Tensors that are metadata: RoPE's per-frequency divisors, read into the config
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# The token that ends a chat turn where the GGUF does not list it as EOS (llama.cpp finds it
+# by its text)
+_END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>", "phi3": "<|end|>"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Mixtral GGUFs written before the 3-D expert tensors: one 2-D tensor per expert
 _OLD_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
@@ -102,14 +124,16 @@ def load_gguf(
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_of(reader, path, tensors)
-    _, permuted = GGUF_ARCHITECTURES[_field(reader, "general.architecture")]
+    arch = _field(reader, "general.architecture")
+    _, permuted = GGUF_ARCHITECTURES[arch]
     gemma = config.traits.gemma_norms
+    shapes = config.weight_shapes()
 
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for gguf_name, tensor in tensors.items():
-        if gguf_name == "rope_freqs.weight":
+        if gguf_name in _ROPE_TENSORS:
             continue  # read into the config
-        name = _hf_name(gguf_name, gemma)
+        name = _hf_name(gguf_name, arch)
         if name is None:
             logger.warning("%s: ignoring tensor %s", path, gguf_name)
             continue
@@ -136,10 +160,41 @@ def load_gguf(
                 config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             )
             array = _unpermute(array, num_heads)
-        if plan is not None:
-            array = plan.shard(name, array)
-        weights[name] = _to_weight(array)
+        for part, rows in _split_fused(path, name, array, shapes).items():
+            if plan is not None:
+                rows = plan.shard(part, rows)
+            weights[part] = _to_weight(rows)
     return config, weights
+
+
+def _split_fused(
+    path: str, name: str, array: np.ndarray | QuantizedTensor, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, np.ndarray | QuantizedTensor]:
+    """A fused tensor (`_FUSED_PARTS`) cut by rows into its HF parts, `{name: array}` for any
+    other. Quantized rows keep their blocks (a block never spans two rows). The model fuses the
+    parts again; the sharding plan and the shape checks speak of the parts."""
+    fused = next((f for f in _FUSED_PARTS if f".{f}." in name), None)
+    if fused is None:
+        return {name: array}
+    prefix, leaf = name.split(f".{fused}.")  # model.layers.{i}, weight
+    names = [f"{prefix}.{part}.{leaf}" for part in _FUSED_PARTS[fused]]
+    if any(n not in shapes for n in names):
+        return {name: array}  # a tensor the config has no place for (check_weights names it)
+    sizes = [shapes[n][0] for n in names]
+    if array.shape[0] != sum(sizes):
+        raise ValueError(f"{path}: {name} has {array.shape[0]} rows, expected "
+                         f"{' + '.join(map(str, sizes))} ({', '.join(names)})")
+    out: dict[str, np.ndarray | QuantizedTensor] = {}
+    start = 0
+    for part_name, size in zip(names, sizes, strict=True):
+        if isinstance(array, QuantizedTensor):
+            k = array.shape[1]
+            data = np.ascontiguousarray(array.data[start:start + size])
+            out[part_name] = array.with_data(data, torch.Size([size, k]))
+        else:
+            out[part_name] = np.ascontiguousarray(array[start:start + size])
+        start += size
+    return out
 
 
 def _to_weight(array) -> torch.Tensor | QuantizedTensor:
@@ -189,10 +244,10 @@ def _open(path: str) -> gguf.GGUFReader:
 
 
 def _config_of(reader: gguf.GGUFReader, path: str, tensors: dict) -> ModelArchConfig:
-    rope = tensors.get("rope_freqs.weight")
-    rope_freqs = None if rope is None else dequantize_tensor(rope)
+    rope = {name.removesuffix(".weight"): dequantize_tensor(tensors[name]).reshape(-1)
+            for name in _ROPE_TENSORS if name in tensors}
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
-    return _read_config(reader, path, shapes, rope_freqs)
+    return _read_config(reader, path, shapes, rope)
 
 
 def dequantize_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -234,7 +289,7 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str, gemma: bool = False) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor; a 3-D expert tensor gives the stem of its experts
     (`model.layers.{i}.mlp.experts`, split by `_split_experts`)."""
     old = _OLD_EXPERT_RE.fullmatch(gguf_name)
@@ -246,7 +301,7 @@ def _hf_name(gguf_name: str, gemma: bool = False) -> str | None:
         layer, part, kind = m.groups()
         if part in _EXPERT_NAME_MAP and kind == "weight":
             return f"model.layers.{layer}.mlp.experts"
-        hf = (_GEMMA_LAYER_NAME_MAP if gemma else _LAYER_NAME_MAP).get(part)
+        hf = _ARCH_LAYER_NAME_MAP.get(arch, _LAYER_NAME_MAP).get(part)
         return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     hf = _NAME_MAP.get(base)
@@ -262,7 +317,7 @@ def _read_config(
     reader: gguf.GGUFReader,
     path: str,
     shapes: dict[str, tuple[int, ...]],
-    rope_freqs: np.ndarray | None,
+    rope: dict[str, np.ndarray],
 ) -> ModelArchConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -286,11 +341,13 @@ def _read_config(
 
     hidden_size = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
-    head_dim = int(
-        _field(reader, f"{arch}.attention.key_length", 0)
-        or _field(reader, f"{arch}.rope.dimension_count", 0)
-        or hidden_size // num_heads
-    )
+    # llama.cpp: a head is key_length wide (else hidden / heads) and RoPE rotates
+    # rope.dimension_count of its dims (fewer under Phi-4-mini's partial rotary factor)
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", 0) or hidden_size // num_heads)
+    rotary_dim = int(_field(reader, f"{arch}.rope.dimension_count", 0) or head_dim)
+    if rotary_dim > head_dim:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count ({rotary_dim}) is larger than "
+                         f"a head ({head_dim} dims)")
     rope_theta = float(key("rope.freq_base", 10000.0))
     eos_ids: list[int] = []
     for tok_key in ("eos_token_id", "eot_token_id", "eom_token_id"):
@@ -303,24 +360,24 @@ def _read_config(
     vocab_size = int(shapes["token_embd.weight"][0])
     num_layers = int(key("block_count"))
     family = traits(architecture)
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    # 0: none (llama.cpp's phi3 converter writes 0 for a model without a window)
+    window = _field(reader, f"{arch}.attention.sliding_window") or None
     layer_types: tuple[str, ...] = ()
     local_theta = None
-    if family.gemma_norms:
-        # Gemma's chat turns end with <end_of_turn>, which the GGUF does not list as EOS
-        end_of_turn = _token_id(reader, "<end_of_turn>")
+    if arch in _END_OF_TURN:
+        end_of_turn = _token_id(reader, _END_OF_TURN[arch])
         if end_of_turn is not None and end_of_turn not in eos_ids:
             eos_ids.append(end_of_turn)
-        if window is not None:
-            # llama.cpp's fixed patterns: Gemma 2 alternates local and global layers from a
-            # local one; Gemma 3 has five local layers to one global, with a local base of 10k
-            if arch == "gemma2":
-                layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                                    for i in range(num_layers))
-            else:
-                layer_types = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
-                                    for i in range(num_layers))
-                local_theta = 10000.0
+    if family.gemma_norms and window is not None:
+        # llama.cpp's fixed patterns: Gemma 2 alternates local and global layers from a
+        # local one; Gemma 3 has five local layers to one global, with a local base of 10k
+        if arch == "gemma2":
+            layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(num_layers))
+        else:
+            layer_types = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                                for i in range(num_layers))
+            local_theta = 10000.0
     return ModelArchConfig(
         architecture=architecture,
         vocab_size=vocab_size,
@@ -332,7 +389,8 @@ def _read_config(
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(reader, arch, path, rope_freqs, rope_theta, head_dim),
+        rope_scaling=_rope_scaling(reader, arch, path, rope, rope_theta, rotary_dim,
+                                   int(key("context_length"))),
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in shapes,
         attention_bias=has_qkv_bias(architecture),
@@ -344,6 +402,7 @@ def _read_config(
         query_pre_attn_scalar=float(head_dim) if family.gemma_norms else None,
         attn_logit_softcapping=_optional_float(reader, f"{arch}.attn_logit_softcapping"),
         final_logit_softcapping=_optional_float(reader, f"{arch}.final_logit_softcapping"),
+        partial_rotary_factor=rotary_dim / head_dim,
         **_moe_config(reader, arch, num_experts, shapes),
     )
 
@@ -398,13 +457,22 @@ def _rope_scaling(
     reader: gguf.GGUFReader,
     arch: str,
     path: str,
-    rope_freqs: np.ndarray | None,
+    rope: dict[str, np.ndarray],
     rope_theta: float,
-    head_dim: int,
+    rotary_dim: int,
+    max_positions: int,
 ) -> dict | None:
+    """HF's `rope_scaling` from llama.cpp's metadata and RoPE tensors: Llama 3's `rope_freqs`
+    divisors, Phi-3's LongRoPE factors, or a linear factor. Anything else is refused, by name."""
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if rope_freqs is not None:
-        return llama3_rope_scaling_from_factors(rope_freqs, rope_theta, head_dim)
+    attn_factor = _optional_float(reader, f"{arch}.rope.scaling.attn_factor")
+    if "rope_freqs" in rope:
+        return llama3_rope_scaling_from_factors(rope["rope_freqs"], rope_theta, rotary_dim)
+    if "rope_factors_long" in rope or "rope_factors_short" in rope:
+        return _longrope_scaling(reader, arch, path, rope, rotary_dim, max_positions)
+    if attn_factor not in (None, 1.0):
+        raise ValueError(f"{path}: {arch}.rope.scaling.attn_factor {attn_factor} without "
+                         "rope_factors_long/rope_factors_short tensors is not supported")
     if scaling_type in (None, "none"):
         return None
     if scaling_type == "linear":
@@ -413,8 +481,50 @@ def _rope_scaling(
             "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
         }
     raise ValueError(
-        f"{path}: RoPE scaling type {scaling_type!r} is not supported (none, linear, llama3)"
+        f"{path}: {arch}.rope.scaling.type {scaling_type!r} is not supported (none, linear, "
+        "llama3 by rope_freqs, longrope by rope_factors_long and rope_factors_short)"
     )
+
+
+def _longrope_scaling(
+    reader: gguf.GGUFReader,
+    arch: str,
+    path: str,
+    rope: dict[str, np.ndarray],
+    rotary_dim: int,
+    max_positions: int,
+) -> dict:
+    """Phi-3's LongRoPE as llama.cpp's converter stores it: the short and long per-frequency
+    divisors as tensors, the pre-training length as rope.scaling.original_context_length and
+    the cos/sin scale as rope.scaling.attn_factor (absent: HF's default from the two lengths).
+    HF's switch between the two factor sets (long beyond the original length) is the model's."""
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none", "longrope"):
+        raise ValueError(f"{path}: {arch}.rope.scaling.type {scaling_type!r} with "
+                         "rope_factors_long/rope_factors_short tensors is not supported")
+    factors: dict[str, list[float]] = {}
+    for name in ("rope_factors_short", "rope_factors_long"):
+        if name not in rope:
+            raise ValueError(f"{path}: LongRoPE needs both rope_factors_short and "
+                             f"rope_factors_long; {name}.weight is missing")
+        if rope[name].shape[0] != rotary_dim // 2:
+            raise ValueError(f"{path}: {name}.weight has {rope[name].shape[0]} entries, expected "
+                             f"{rotary_dim // 2} ({arch}.rope.dimension_count / 2)")
+        factors[name.removeprefix("rope_factors_") + "_factor"] = rope[name].tolist()
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ValueError(f"{path}: GGUF metadata lacks {arch}.rope.scaling.original_context_length"
+                         " (LongRoPE's pre-training length)")
+    scaling: dict = {
+        "rope_type": "longrope",
+        **factors,
+        "original_max_position_embeddings": int(original),
+        "max_position_embeddings": max_positions,
+    }
+    attn_factor = _optional_float(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = attn_factor
+    return scaling
 
 
 def llama3_rope_factors(scaling: dict, rope_theta: float, head_dim: int) -> np.ndarray:

@@ -75,6 +75,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "qwen3": ("Qwen3ForCausalLM", False),
     "gemma2": ("Gemma2ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
+    "phi3": ("Phi3ForCausalLM", False),  # q|k|v and gate|up fused, split by the loader
     "qwen2moe": ("Qwen2MoeForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "olmoe": ("OlmoeForCausalLM", False),
