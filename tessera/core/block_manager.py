@@ -12,11 +12,19 @@ start with the same full blocks. Invariant: a shared block is never written. For
 block, so `append_slots` copies it first (copy-on-write); prefix caching shares only full, computed
 blocks, which lie wholly before every holder's `num_computed_tokens`, where nothing writes.
 
-Blocks for a sequence's whole current length are allocated at admission (so chunked prefill never
-runs out mid-prompt); decoding appends one block at a time. A sequence verifying draft tokens
-(speculative decoding, `seq.spec_token_ids`) gets lookahead slots for them too; the slots of
-rejected drafts stay in its table and are written again by its next tokens (nothing reads a slot
-at or past `num_computed_tokens`).
+Without a sliding window, blocks for a sequence's whole current length are allocated at admission
+(so chunked prefill never runs out mid-prompt); decoding appends one block at a time. With a
+window (and `max_num_batched_tokens` given, as the scheduler does), a table covers only up to
+`num_computed_tokens + max_num_batched_tokens` tokens, the most one step can compute: a long
+prompt is allocated chunk by chunk, so a window group holds at most about
+(window + chunk) / block_size + 2 blocks at any time (`num_peak_blocks`) instead of the whole
+prompt's. Admission takes the first chunk's blocks and refuses at once (NEVER) only a request
+whose peak footprint exceeds the empty pool; a later chunk that finds the pool full preempts like
+a decode does, and a request alone always fits, so nothing deadlocks.
+
+A sequence verifying draft tokens (speculative decoding, `seq.spec_token_ids`) gets lookahead
+slots for them too; the slots of rejected drafts stay in its table and are written again by its
+next tokens (nothing reads a slot at or past `num_computed_tokens`).
 
 Sliding window (`sliding_window` set when every layer of the model attends to a window): a query
 at position p reads keys (p - window, p] only, so once a sequence's next position has moved a
@@ -69,6 +77,25 @@ class AllocStatus(enum.Enum):
     NEVER = "never"  # does not fit even in an empty cache
 
 
+def num_peak_blocks(num_tokens: int, block_size: int, group_windows: tuple[int | None, ...],
+                    max_chunk_tokens: int | None) -> int:
+    """Device blocks one sequence of `num_tokens` tokens holds at most, all KV cache groups
+    together. A full group (window None) holds every token block. A window group whose table
+    covers at most `max_chunk_tokens` past `num_computed_tokens` (None: the whole length) holds
+    the blocks from the window's first, (c - window + 1) // block_size, to the chunk's last,
+    (c + max_chunk_tokens - 1) // block_size: at most (max_chunk_tokens + window - 3) //
+    block_size + 2 over every c. The one home of this rule: admission's NEVER check, the
+    engine's start-up check and its n > 1 check all ask it."""
+    n = cdiv(num_tokens, block_size)
+    total = 0
+    for window in group_windows:
+        if window is None or max_chunk_tokens is None:
+            total += n
+        else:
+            total += min(n, (max_chunk_tokens + window - 3) // block_size + 2)
+    return total
+
+
 def num_watermark_blocks(num_gpu_blocks: int, watermark: float) -> int:
     """Device blocks admissions leave free, so running sequences can keep decoding a while
     (`CacheConfig.watermark`, a fraction of the pool). The one home of this rule."""
@@ -85,10 +112,13 @@ class BlockManager:
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
         group_windows: tuple[int | None, ...] = (),
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """`sliding_window`: the window of every layer (one group). `group_windows`: with more
         than one KV cache group, each group's window (None: full attention); it replaces
-        `sliding_window`."""
+        `sliding_window`. `max_num_batched_tokens`: the most tokens a step computes for one
+        sequence; with a window, tables cover only that far past `num_computed_tokens` (None:
+        the whole length)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -108,6 +138,11 @@ class BlockManager:
         )
         self.num_groups = len(self.group_windows)
         self._any_window = any(w is not None for w in self.group_windows)
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        # tokens a table covers past num_computed_tokens; None: the whole length (no window)
+        self.max_chunk_tokens = max_num_batched_tokens if self._any_window else None
         self.num_released_blocks = 0  # released by the sliding window, in all
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -133,28 +168,60 @@ class BlockManager:
     # admission
 
     def num_required_blocks(self, group: SequenceGroup) -> int:
-        """Blocks the group's waiting sequences need in all (each prefills its own tokens)."""
-        return sum(self._num_blocks(s.get_len()) for s in group.seqs if s.status is _WAITING)
+        """Blocks the group's waiting sequences hold at most in all (each prefills its own
+        tokens; a window group only its window and a chunk, `num_peak_blocks`)."""
+        return sum(
+            num_peak_blocks(s.get_len(), self.block_size, self.group_windows,
+                            self.max_chunk_tokens)
+            for s in group.seqs if s.status is _WAITING
+        )
+
+    def _num_cover_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """Tokens the table must cover: the whole length plus draft lookahead, or with a window
+        at most one chunk past `num_computed_tokens`."""
+        n = seq.get_len() + len(seq.spec_token_ids)
+        if self.max_chunk_tokens is None:
+            return n
+        return min(n, num_computed_tokens + self.max_chunk_tokens)
 
     def can_allocate(self, group: SequenceGroup, num_reserved_blocks: int = 0) -> AllocStatus:
-        """OK if the group's waiting sequences fit now leaving the watermark (and
-        `num_reserved_blocks`, promised elsewhere) free; NEVER if not even in an empty cache."""
-        required = self.num_required_blocks(group)
-        if self.num_gpu_blocks - required < self.watermark_blocks:
+        """OK if the blocks `allocate` takes for the group's waiting sequences are free now,
+        leaving the watermark (and `num_reserved_blocks`, promised elsewhere); NEVER if the
+        sequences' peak footprint exceeds even an empty cache."""
+        if self.num_gpu_blocks - self.num_required_blocks(group) < self.watermark_blocks:
             return AllocStatus.NEVER
-        taken = required
-        if self.enable_prefix_caching:
-            revived: set[int] = set()
-            for seq in group.seqs:
-                if seq.status is _WAITING:
-                    hits = self._prefix_hits(group, seq)
-                    taken -= len(hits)
-                    # a hit on an evictable block still takes it off the free count
-                    revived.update(b for b in hits if self.gpu.ref_counts[b] == 0)
-            taken += len(revived)
+        taken = 0
+        revived: set[int] = set()
+        ng = self.num_groups
+        for seq in group.seqs:
+            if seq.status is _WAITING:
+                hits = self._admission_hits(group, seq)
+                hit_tokens = len(hits) // ng * self.block_size
+                taken += self._num_blocks(self._num_cover_tokens(seq, hit_tokens)) - len(hits)
+                # a hit on an evictable block still takes it off the free count
+                revived.update(
+                    b for b in hits if b != NULL_BLOCK and self.gpu.ref_counts[b] == 0
+                )
+        taken += len(revived)
         if self.gpu.num_free - num_reserved_blocks - taken >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def _admission_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """The prefix hits `seq` starts its table with: a window group's entries that its
+        window has already left (the query at the first uncached token cannot see them) are
+        `NULL_BLOCK`, never taken."""
+        hits = self._prefix_hits(group, seq)
+        if not hits or not self._any_window:
+            return hits
+        ng = self.num_groups
+        num_hit_tokens = len(hits) // ng * self.block_size
+        for g, window in enumerate(self.group_windows):
+            if window is not None:  # the rule of `release_out_of_window` at that position
+                first_visible = num_hit_tokens - window + 1
+                for i in range(max(first_visible, 0) // self.block_size):
+                    hits[i * ng + g] = NULL_BLOCK
+        return hits
 
     def _prefix_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
         """Cached leading blocks of `seq`; none for a request that wants prompt logprobs, since
@@ -179,22 +246,23 @@ class BlockManager:
         return len(self._prefix_hits(group, seq)) // self.num_groups * self.block_size
 
     def allocate(self, group: SequenceGroup) -> list[int]:
-        """Give every waiting sequence of the group blocks for its whole length. With prefix
-        caching, leading cached blocks are shared. Returns, per waiting sequence in group order,
-        the tokens the cache already holds: where the scheduler starts its `num_computed_tokens`
-        (core/progress.py)."""
+        """Give every waiting sequence of the group blocks for its whole length (with a window:
+        up to one chunk past its prefix hits). With prefix caching, leading cached blocks are
+        shared. Returns, per waiting sequence in group order, the tokens the cache already
+        holds: where the scheduler starts its `num_computed_tokens` (core/progress.py)."""
         seqs = [s for s in group.seqs if s.status is _WAITING]
         tables = []
         for seq in seqs:  # take every hit first, so fresh allocations cannot evict them
             assert seq.seq_id not in self._tables and seq.seq_id not in self._cpu_tables
-            hits = self._prefix_hits(group, seq)
+            hits = self._admission_hits(group, seq)
             for block in hits:
-                self.gpu.incref(block)
+                if block != NULL_BLOCK:
+                    self.gpu.incref(block)
             tables.append(hits)
         num_hit_tokens = []
         for seq, table in zip(seqs, tables, strict=True):
             hit_tokens = len(table) // self.num_groups * self.block_size
-            for _ in range(self._num_blocks(seq.get_len()) - len(table)):
+            for _ in range(self._num_blocks(self._num_cover_tokens(seq, hit_tokens)) - len(table)):
                 table.append(self.gpu.allocate())
             self._tables[seq.seq_id] = table
             if self.prefix_caches:
@@ -220,7 +288,7 @@ class BlockManager:
             if seq.status is not _RUNNING:
                 continue
             table = tables[seq.seq_id]
-            num_tokens = seq.get_len() + len(seq.spec_token_ids)
+            num_tokens = self._num_cover_tokens(seq, seq.num_computed_tokens)
             grow = cdiv(num_tokens, bs) * ng - len(table)
             if grow > 0:
                 need += grow
@@ -247,13 +315,17 @@ class BlockManager:
         tables = self._tables
         ref_counts = self.gpu.ref_counts
         ng = self.num_groups
+        chunk = self.max_chunk_tokens
         for seq in group.seqs:
             if seq.status is not _RUNNING:
                 continue
             table = tables[seq.seq_id]
-            last = (
-                len(seq.prompt_token_ids) + len(seq.output_token_ids) + len(seq.spec_token_ids) - 1
-            ) // bs
+            num_tokens = (
+                len(seq.prompt_token_ids) + len(seq.output_token_ids) + len(seq.spec_token_ids)
+            )
+            if chunk is not None:
+                num_tokens = min(num_tokens, seq.num_computed_tokens + chunk)
+            last = (num_tokens - 1) // bs
             if ng == 1:
                 if not (
                     last < len(table)
@@ -278,13 +350,14 @@ class BlockManager:
         return copies
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make the table cover `seq.get_len()` tokens (plus its draft tokens' lookahead slots) and
+        """Make the table cover `seq.get_len()` tokens (plus its draft tokens' lookahead slots;
+        with a window at most one chunk past `num_computed_tokens`) and
         give the sequence its own copy of every shared block it is about to write. Returns the
         (src, dst) block copies to perform."""
         bs = self.block_size
         ng = self.num_groups
         table = self._tables[seq.seq_id]
-        num_tokens = seq.get_len() + len(seq.spec_token_ids)
+        num_tokens = self._num_cover_tokens(seq, seq.num_computed_tokens)
         copies: list[tuple[int, int]] = []
         gpu = self.gpu
         for i in range(
@@ -350,10 +423,15 @@ class BlockManager:
         )
 
     def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
-        """Room for the swapped blocks plus one logical block per sequence for its next token."""
+        """Room for the swapped blocks plus, per sequence, one logical block for its next token
+        (or, with a window, the blocks of its next chunk if it was prefilling)."""
         seqs = [s for s in group.seqs if s.status is _SWAPPED]
-        need = (self._distinct([self._cpu_tables[s.seq_id] for s in seqs])
-                + len(seqs) * self.num_groups)
+        ng = self.num_groups
+        need = self._distinct([self._cpu_tables[s.seq_id] for s in seqs])
+        for seq in seqs:
+            grow = (cdiv(self._num_cover_tokens(seq, seq.num_computed_tokens), self.block_size)
+                    - len(self._cpu_tables[seq.seq_id]) // ng)
+            need += max(grow, 1) * ng
         reserve = self.watermark_blocks if use_watermark else 0
         return self.gpu.num_free - need >= reserve
 

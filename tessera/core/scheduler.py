@@ -122,6 +122,7 @@ class Scheduler:
             enable_prefix_caching=cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
             group_windows=group_windows(cache_config.layer_windows),
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         )
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)

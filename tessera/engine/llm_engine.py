@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
 from tessera.core.admission import cache_fit
-from tessera.core.kv_cache_groups import group_windows
+from tessera.core.kv_cache_groups import cache_group_windows
 from tessera.core.kv_connector import PullConnectorScheduler, check_kv_transfer_params
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
@@ -229,7 +229,9 @@ class LLMEngine:
         cache = self.config.cache
         need, usable, _ = cache_fit(params.n, longest, cache.block_size,
                                     self.executor.num_gpu_blocks, cache.watermark,
-                                    max(1, len(group_windows(cache.layer_windows))))
+                                    group_windows=cache_group_windows(cache.sliding_window,
+                                                                      cache.layer_windows),
+                                    max_chunk_tokens=self.config.scheduler.max_num_batched_tokens)
         if need > usable:
             most = max(usable // (need // params.n), 1)
             raise ValueError(
