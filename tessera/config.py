@@ -666,12 +666,11 @@ class EngineArgs:
         kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         pooler = PoolerConfig.from_dict(self.pooler_config)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.device)
-        draft = speculative is not None and speculative.method == "draft_model"
         hybrid = len(set(layer_windows)) > 1 and not self.disable_hybrid_kv_cache_manager
-        if draft or kv_transfer is not None:
-            # a draft model attends to the whole context, and a KV connector moves whole tables:
-            # both read blocks a window would have released (and both share one block per
-            # token block with the target or the peer: one group)
+        if kv_transfer is not None:
+            # a KV connector moves whole tables: it reads blocks a window would have released
+            # (and shares one block per token block with the peer: one group). A draft model
+            # keeps the window: it gets a KV cache group of its own (core/block_manager.py)
             sliding_window = None
             hybrid = False
         return EngineConfig(

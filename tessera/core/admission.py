@@ -7,6 +7,7 @@ from __future__ import annotations
 from tessera.config import GiB, SchedulerConfig
 from tessera.core.block_manager import BlockManager, num_peak_blocks, num_watermark_blocks
 from tessera.sequence import SequenceGroup, SequenceStatus
+from tessera.utils import cdiv
 
 
 def reject_reason(group: SequenceGroup, cfg: SchedulerConfig) -> str | None:
@@ -33,6 +34,12 @@ def reject_reason(group: SequenceGroup, cfg: SchedulerConfig) -> str | None:
 def never_fits_reason(group: SequenceGroup, bm: BlockManager) -> str:
     """The message for a request whose blocks exceed even an empty device pool."""
     num_tokens = sum(s.get_len() for s in group.seqs if s.status is SequenceStatus.WAITING)
+    if bm.never_fits(group) == "draft":
+        return (
+            f"request needs {cdiv(num_tokens, bm.block_size)} blocks of the draft model's KV "
+            f"pool ({num_tokens} tokens, block size {bm.block_size}), more than its "
+            f"{bm.num_draft_gpu_blocks} blocks less the watermark of {bm.draft_watermark_blocks}"
+        )
     groups = f", in {bm.num_groups} KV cache groups" if bm.num_groups > 1 else ""
     return (
         f"request needs {bm.num_required_blocks(group)} KV blocks ({num_tokens} tokens, block "
@@ -100,3 +107,22 @@ def check_cache_holds_max_model_len(
         f"watermark), room for {fits} tokens. Raise {raise_flag} or lower --max-model-len "
         f"(to at most {fits})"
     )
+
+
+def num_draft_pool_blocks(num_gpu_blocks: int, block_size: int, watermark: float,
+                          max_model_len: int, group_windows: tuple[int | None, ...],
+                          max_chunk_tokens: int | None) -> int:
+    """Blocks of the draft model's own KV pool (speculative decoding with a window), 0 without
+    a window (the draft then follows the target's table, one block per target block). The
+    draft attends to the whole context, so it holds every token block of a request while the
+    target's window groups hold only their window: the pool gets room for as many requests of
+    `max_model_len` as the target's pool of `num_gpu_blocks` (the rule of the draft-follows
+    case, where both pools have the same blocks), and at least one."""
+    if all(w is None for w in group_windows):
+        return 0
+    target = num_peak_blocks(max_model_len, block_size, group_windows, max_chunk_tokens)
+    per_request = cdiv(max_model_len, block_size)
+    n = max(cdiv(num_gpu_blocks * per_request, target), per_request)
+    while n - num_watermark_blocks(n, watermark) < per_request:
+        n += 1
+    return n

@@ -107,7 +107,10 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         kv_connector: PullConnectorScheduler | None = None,
         max_loras: int | None = None,
+        num_draft_gpu_blocks: int = 0,
     ) -> None:
+        """`num_draft_gpu_blocks`: the draft model's own KV pool (speculative decoding with a
+        window, core/block_manager.py); 0: none."""
         self.config = scheduler_config
         # --max-loras with --enable-lora; None: no adapter limit (LoRA off)
         self.lora = None if max_loras is None else LoRAAdmission(max_loras)
@@ -123,6 +126,7 @@ class Scheduler:
             sliding_window=cache_config.sliding_window,
             group_windows=group_windows(cache_config.layer_windows),
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            num_draft_gpu_blocks=num_draft_gpu_blocks,
         )
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)

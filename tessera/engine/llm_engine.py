@@ -92,6 +92,7 @@ class LLMEngine:
             config.scheduler, config.cache, executor.num_gpu_blocks, executor.num_cpu_blocks,
             clock=clock, eos_token_ids=eos_token_ids, kv_connector=kv_connector,
             max_loras=None if config.lora is None else config.lora.max_loras,
+            num_draft_gpu_blocks=executor.num_draft_gpu_blocks,
         )
         self.loras = LoRARegistry(config.lora, model_arch)
         self.output_processor = OutputProcessor(tokenizer, clock)

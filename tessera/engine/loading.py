@@ -15,7 +15,7 @@ import torch
 
 from tessera.config import EngineArgs
 from tessera.engine.malloc_tuning import release_free_memory
-from tessera.engine.sizing import describe_config, size_kv_pools
+from tessera.engine.sizing import describe_config, draft_pool_blocks, size_kv_pools
 from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.model.checkpoint_dtype import checkpoint_dtype
 from tessera.model.config import ModelArchConfig
@@ -124,7 +124,8 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         from tessera.engine.draft_loading import build_draft_proposer
 
         draft = build_draft_proposer(
-            config, path, model, arch, tokenizer, num_gpu_blocks, num_cpu_blocks
+            config, path, model, arch, tokenizer, num_gpu_blocks, num_cpu_blocks,
+            num_draft_gpu_blocks=draft_pool_blocks(config, num_gpu_blocks),
         )
     kv_worker, kv_scheduler = _kv_connector(config, cache_engine)
     runner = ModelRunner(
