@@ -11,8 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig
-from tessera.core.admission import cache_fit, check_cache_holds_max_model_len
-from tessera.core.block_manager import NULL_BLOCK, num_peak_blocks
+from tessera.core.admission import (
+    cache_fit,
+    check_cache_holds_max_model_len,
+    num_draft_pool_blocks,
+)
+from tessera.core.block_manager import NULL_BLOCK, AllocStatus, BlockManager, num_peak_blocks
 from tessera.core.kv_cache_groups import kv_cache_groups
 from tessera.core.scheduler import Scheduler
 from tessera.sequence import SequenceStatus
@@ -170,3 +174,88 @@ def test_chunked_window_admission_never_deadlocks(layer_windows, num_gpu_blocks,
         need = num_peak_blocks(longest, BS, bm.group_windows, bm.max_chunk_tokens)
         assert need > bm.num_gpu_blocks, (req_id, need)
     assert bm.gpu.num_free == bm.num_gpu_blocks and bm.cpu.num_free == bm.num_cpu_blocks
+
+
+# the draft model's own group (speculative decoding with a window)
+
+def test_draft_group_takes_its_own_pool_and_never_swaps():
+    bm = BlockManager(BS, num_gpu_blocks=20, num_cpu_blocks=20, watermark=0.0,
+                      sliding_window=8, num_draft_gpu_blocks=12)
+    assert bm.group_windows == (8, None) and bm.draft_group == 1
+    group = make_group("a", 30)
+    seq = group.seqs[0]
+    bm.allocate(group)
+    table = bm.get_block_table(seq)
+    assert all(b >= 20 for b in table[1::2]) and all(b < 20 for b in table[0::2])
+    assert bm.gpu.num_free == 12 and bm.draft_gpu.num_free == 4
+    seq.num_computed_tokens = 30
+    assert bm.release_out_of_window(seq) == 5  # the target's window group only
+    assert NULL_BLOCK not in table[1::2]
+    bm.check_integrity()
+    seq.status = SequenceStatus.RUNNING
+    mapping = bm.swap_out(group)
+    assert len(mapping) == 3 and bm.draft_gpu.num_free == 12  # the draft's are dropped
+    seq.status = SequenceStatus.SWAPPED
+    assert bm.can_swap_in(group)
+    bm.swap_in(group)
+    table = bm.get_block_table(seq)
+    assert all(b >= 20 for b in table[1::2]) and bm.draft_gpu.num_free == 4
+    bm.check_integrity()
+    bm.free(seq)
+    assert bm.gpu.num_free == 20 and bm.draft_gpu.num_free == 12
+    # a prompt whose draft table alone exceeds the draft pool can never run
+    big = make_group("b", 52)
+    assert bm.can_allocate(big) is AllocStatus.NEVER and bm.never_fits(big) == "draft"
+
+
+def test_draft_pool_sizing():
+    # Mistral, window 16, chunks of 8, 1024 tokens: the target holds 7 blocks a request, the
+    # draft 256; a target pool of 14 (two requests) gives the draft 512
+    assert num_draft_pool_blocks(14, BS, 0.0, 1024, (16,), 8) == 512
+    assert num_draft_pool_blocks(14, BS, 0.0, 1024, (None,), 8) == 0  # no window: follows
+    # at least one request of 2 blocks past a watermark of half the pool: 3 blocks, not 2
+    assert num_draft_pool_blocks(1, BS, 0.5, 8, (4,), 8) == 3
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layer_windows=st.sampled_from([(6,), (None, 6), (5, None, 5, None)]),
+    num_gpu_blocks=st.integers(12, 40),
+    num_draft_gpu_blocks=st.integers(10, 40),
+    chunked=st.booleans(),
+    mode=st.sampled_from([PreemptionMode.SWAP, PreemptionMode.RECOMPUTE]),
+    prefix=st.booleans(),
+    requests=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 10), st.integers(1, 2),
+                                st.booleans()), min_size=1, max_size=6),
+)
+def test_draft_group_reads_the_whole_context(layer_windows, num_gpu_blocks,
+                                             num_draft_gpu_blocks, chunked, mode, prefix,
+                                             requests):
+    """Any mix (n > 1 forks, prefix hits, both preemption modes): the draft's entries always
+    hold its whole context, the target's windows read back, both pools end empty."""
+    kw: dict = ({"sliding_window": layer_windows[0]} if len(layer_windows) == 1
+                else {"layer_windows": layer_windows})
+    num_groups = 1 if len(layer_windows) == 1 else len(kv_cache_groups(layer_windows))
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=8 if chunked else 64, max_num_seqs=6,
+                        max_model_len=64, enable_chunked_prefill=chunked, preemption_mode=mode),
+        CacheConfig(block_size=BS, enable_prefix_caching=prefix, watermark=0.0, **kw),
+        num_gpu_blocks * num_groups, num_cpu_blocks=300,
+        num_draft_gpu_blocks=num_draft_gpu_blocks,
+    )
+    bm = scheduler.block_manager
+    shared = list(range(900, 912))
+    for i, (prompt_len, max_tokens, n, share) in enumerate(requests):
+        prompt = (shared if share else []) + [i * 100 + j for j in range(prompt_len)]
+        scheduler.add_seq_group(make_group(f"r{i}", 0, prompt=prompt[:48], n=n,
+                                           max_tokens=max_tokens))
+    runner = FakeKVRunner(scheduler, bm.group_windows, draft_group=bm.draft_group)
+    steps = 0
+    while scheduler.has_unfinished_seqs():
+        runner.step()
+        bm.check_integrity()
+        steps += 1
+        assert steps < 4000, "no progress"
+    assert sorted(runner.finished) == sorted(f"r{i}" for i in range(len(requests)))
+    assert bm.gpu.num_free == bm.num_gpu_blocks and bm.cpu.num_free == bm.num_cpu_blocks
+    assert bm.draft_gpu is not None and bm.draft_gpu.num_free == num_draft_gpu_blocks
