@@ -4,8 +4,9 @@ such rejections from stranding work: the cache holds at least one request of max
 
 from __future__ import annotations
 
-from tessera.config import GiB, SchedulerConfig
+from tessera.config import EngineConfig, GiB, SchedulerConfig
 from tessera.core.block_manager import BlockManager, num_peak_blocks, num_watermark_blocks
+from tessera.core.kv_cache_groups import cache_group_windows
 from tessera.sequence import SequenceGroup, SequenceStatus
 from tessera.utils import cdiv
 
@@ -126,3 +127,18 @@ def num_draft_pool_blocks(num_gpu_blocks: int, block_size: int, watermark: float
     while n - num_watermark_blocks(n, watermark) < per_request:
         n += 1
     return n
+
+
+def draft_pool_blocks(config: EngineConfig, num_gpu_blocks: int) -> int:
+    """Blocks of the draft model's own KV pool for an engine whose target pool has
+    `num_gpu_blocks`: 0 without a draft model or without a window, else
+    `num_draft_pool_blocks`. The engine's loader and the simulator both ask it."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return 0
+    cache = config.cache
+    return num_draft_pool_blocks(
+        num_gpu_blocks, cache.block_size, cache.watermark, config.model.max_model_len,
+        cache_group_windows(cache.sliding_window, cache.layer_windows),
+        config.scheduler.max_num_batched_tokens,
+    )

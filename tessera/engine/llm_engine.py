@@ -124,7 +124,8 @@ class LLMEngine:
             self.step_log.close()
         self.step_log = StepLog(path, self.config, self.executor.num_gpu_blocks,
                                 self.executor.num_cpu_blocks, self.model_name,
-                                getattr(self.executor, "block_bytes", None))
+                                getattr(self.executor, "block_bytes", None),
+                                self.executor.num_draft_gpu_blocks)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(

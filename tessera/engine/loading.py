@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import EngineArgs
+from tessera.core.admission import draft_pool_blocks
 from tessera.engine.malloc_tuning import release_free_memory
-from tessera.engine.sizing import describe_config, draft_pool_blocks, size_kv_pools
+from tessera.engine.sizing import describe_config, size_kv_pools
 from tessera.executor.uniproc_executor import UniProcExecutor
 from tessera.model.checkpoint_dtype import checkpoint_dtype
 from tessera.model.config import ModelArchConfig

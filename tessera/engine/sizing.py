@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tessera.core.admission import check_cache_holds_max_model_len, num_draft_pool_blocks
+from tessera.core.admission import check_cache_holds_max_model_len
 from tessera.core.kv_cache_groups import cache_group_windows, num_pool_blocks_for_override
 from tessera.worker.cache_engine import KVCacheSpec
 
@@ -37,18 +37,6 @@ def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
         max_chunk_tokens=config.scheduler.max_num_batched_tokens,
     )
     return num_gpu_blocks, spec.num_blocks_for(config.cache.swap_space)
-
-
-def draft_pool_blocks(config, num_gpu_blocks: int) -> int:
-    """Blocks of the draft model's own KV pool: 0 unless the target has a sliding window (the
-    draft then follows the target's tables); else room for as many max_model_len requests as
-    the target's pool (core/admission.py: num_draft_pool_blocks)."""
-    return num_draft_pool_blocks(
-        num_gpu_blocks, config.cache.block_size, config.cache.watermark,
-        config.model.max_model_len,
-        cache_group_windows(config.cache.sliding_window, config.cache.layer_windows),
-        config.scheduler.max_num_batched_tokens,
-    )
 
 
 def describe_config(config) -> str:
