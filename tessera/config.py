@@ -667,10 +667,10 @@ class EngineArgs:
         pooler = PoolerConfig.from_dict(self.pooler_config)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.device)
         hybrid = len(set(layer_windows)) > 1 and not self.disable_hybrid_kv_cache_manager
-        if kv_transfer is not None:
-            # a KV connector moves whole tables: it reads blocks a window would have released
-            # (and shares one block per token block with the peer: one group). A draft model
-            # keeps the window: it gets a KV cache group of its own (core/block_manager.py)
+        draft = speculative is not None and speculative.method == "draft_model"
+        if kv_transfer is not None and draft:
+            # a KV connector moves the target's groups of one table; a draft model would add
+            # a group of its own to it (core/block_manager.py): keep one full table instead
             sliding_window = None
             hybrid = False
         return EngineConfig(

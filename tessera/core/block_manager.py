@@ -207,13 +207,14 @@ class BlockManager:
 
     # admission
 
-    def num_required_blocks(self, group: SequenceGroup) -> int:
+    def num_required_blocks(self, group: SequenceGroup, whole: bool = False) -> int:
         """Blocks the group's waiting sequences hold at most in all (each prefills its own
         tokens; a window group only its window and a chunk, `num_peak_blocks`), the draft
-        pool's included."""
-        return sum(self._required(group))
+        pool's included. `whole`: allocated for their whole length at once (a prompt whose KV
+        a peer sends, core/remote_kv.py)."""
+        return sum(self._required(group, whole))
 
-    def _required(self, group: SequenceGroup) -> tuple[int, int]:
+    def _required(self, group: SequenceGroup, whole: bool = False) -> tuple[int, int]:
         """`num_required_blocks` split into (target pool, draft pool)."""
         target = draft = 0
         windows = self.group_windows
@@ -222,14 +223,14 @@ class BlockManager:
         for s in group.seqs:
             if s.status is _WAITING:
                 target += num_peak_blocks(s.get_len(), self.block_size, windows,
-                                          self.max_chunk_tokens)
+                                          None if whole else self.max_chunk_tokens)
                 if self.draft_gpu is not None:
                     draft += cdiv(s.get_len(), self.block_size)
         return target, draft
 
-    def never_fits(self, group: SequenceGroup) -> str | None:
+    def never_fits(self, group: SequenceGroup, whole: bool = False) -> str | None:
         """Which pool the group's peak footprint exceeds even when empty, or None."""
-        target, draft = self._required(group)
+        target, draft = self._required(group, whole)
         if self.num_gpu_blocks - target < self.watermark_blocks:
             return "device"
         if self.draft_gpu is not None and (
@@ -238,19 +239,21 @@ class BlockManager:
             return "draft"
         return None
 
-    def _num_cover_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+    def _num_cover_tokens(self, seq: Sequence, num_computed_tokens: int,
+                          whole: bool = False) -> int:
         """Tokens the table must cover: the whole length plus draft lookahead, or with a window
-        at most one chunk past `num_computed_tokens`."""
+        at most one chunk past `num_computed_tokens` (unless `whole`)."""
         n = seq.get_len() + len(seq.spec_token_ids)
-        if self.max_chunk_tokens is None:
+        if self.max_chunk_tokens is None or whole:
             return n
         return min(n, num_computed_tokens + self.max_chunk_tokens)
 
-    def can_allocate(self, group: SequenceGroup, num_reserved_blocks: int = 0) -> AllocStatus:
+    def can_allocate(self, group: SequenceGroup, num_reserved_blocks: int = 0,
+                     whole: bool = False) -> AllocStatus:
         """OK if the blocks `allocate` takes for the group's waiting sequences are free now,
         leaving the watermark (and `num_reserved_blocks`, promised elsewhere); NEVER if the
-        sequences' peak footprint exceeds even an empty cache."""
-        if self.never_fits(group) is not None:
+        sequences' peak footprint exceeds even an empty cache. `whole` as for `allocate`."""
+        if self.never_fits(group, whole) is not None:
             return AllocStatus.NEVER
         taken = draft_taken = 0
         revived: set[int] = set()
@@ -259,7 +262,7 @@ class BlockManager:
             if seq.status is _WAITING:
                 hits = self._admission_hits(group, seq)
                 hit_tokens = len(hits) // ng * self.block_size
-                n = self._num_blocks(self._num_cover_tokens(seq, hit_tokens))
+                n = self._num_blocks(self._num_cover_tokens(seq, hit_tokens, whole))
                 if self.draft_gpu is None:
                     taken += n - len(hits)
                 else:  # every draft entry is fresh (its hits are placeholders)
@@ -318,9 +321,10 @@ class BlockManager:
         """Leading tokens of `seq` whose KV a prefix-cache hit would supply (no side effects)."""
         return len(self._prefix_hits(group, seq)) // self.num_groups * self.block_size
 
-    def allocate(self, group: SequenceGroup) -> list[int]:
+    def allocate(self, group: SequenceGroup, whole: bool = False) -> list[int]:
         """Give every waiting sequence of the group blocks for its whole length (with a window:
-        up to one chunk past its prefix hits). With prefix caching, leading cached blocks are
+        up to one chunk past its prefix hits, unless `whole`: a prompt a peer computed lands
+        at once). With prefix caching, leading cached blocks are
         shared. Returns, per waiting sequence in group order, the tokens the cache already
         holds: where the scheduler starts its `num_computed_tokens` (core/progress.py)."""
         seqs = [s for s in group.seqs if s.status is _WAITING]
@@ -341,7 +345,8 @@ class BlockManager:
             hit_tokens = len(table) // self.num_groups * self.block_size
             pools = self._pools
             ng = self.num_groups
-            for i in range(len(table), self._num_blocks(self._num_cover_tokens(seq, hit_tokens))):
+            cover = self._num_cover_tokens(seq, hit_tokens, whole)
+            for i in range(len(table), self._num_blocks(cover)):
                 table.append(pools[i % ng].allocate())
             self._tables[seq.seq_id] = table
             if self.prefix_caches:
@@ -618,13 +623,15 @@ class BlockManager:
                 for pc in self.prefix_caches:
                     pc.register(seq, table)
 
-    def release_out_of_window(self, seq: Sequence) -> int:
+    def release_out_of_window(self, seq: Sequence, lag: int = 0) -> int:
         """Sliding window: release the sequence's leading blocks, in each window group, that no
         query from its next position on can see (their last token is at or before
         next - window). Returns how many. Offer them to the prefix cache first
         (`cache_computed_blocks`) to keep them reusable. Released entries are always a leading
         run of each group's table, so the scan walks back from the newest releasable entry and
-        stops at the first one already released: a step costs what it releases."""
+        stops at the first one already released: a step costs what it releases. `lag`: keep
+        what the query `lag` positions earlier still sees (a prompt held for a peer, whose
+        first query there is the last prompt token, core/kv_connector.py)."""
         if not self._any_window:
             return 0
         table = self._tables.get(seq.seq_id)
@@ -636,7 +643,7 @@ class BlockManager:
         for g, window in enumerate(self.group_windows):
             if window is None:
                 continue
-            first_visible = seq.num_computed_tokens - window + 1
+            first_visible = seq.num_computed_tokens - lag - window + 1
             for i in range(min(first_visible // bs, len(table) // ng) - 1, -1, -1):
                 block = table[i * ng + g]
                 if block == NULL_BLOCK:

@@ -456,8 +456,13 @@ class Scheduler:
                 break
             reason = reject_reason(group, self.config)
             status = None
+            remote = bool((group.sampling_params.kv_transfer_params or {}).get("do_remote_prefill"))
+            # a peer's prompt KV lands whole: blocks for the whole prompt in every group, when
+            # they fit an empty pool at all (else it prefills here, chunk by chunk)
+            whole = remote and self.remote_kv.connector is not None and (
+                bm.never_fits(group, whole=True) is None)
             if reason is None:
-                status = bm.can_allocate(group)
+                status = bm.can_allocate(group, whole=whole)
                 if status is AllocStatus.NEVER:
                     reason = never_fits_reason(group, bm)
             if reason is not None:
@@ -474,7 +479,6 @@ class Scheduler:
             if budget.num_seqs + n > self.config.max_num_seqs or status is AllocStatus.LATER:
                 break
             seqs = [s for s in group.seqs if s.status is _WAITING]
-            remote = bool((group.sampling_params.kv_transfer_params or {}).get("do_remote_prefill"))
             if not self.config.enable_chunked_prefill and not remote:
                 first = seqs[0]
                 if first.get_len() - bm.get_num_cached_tokens(group, first) > budget.tokens:
@@ -483,13 +487,13 @@ class Scheduler:
             if lora is not None:
                 lora.admitted(group)
             hits = 0
-            for seq, num_hit_tokens in zip(seqs, bm.allocate(group), strict=True):
+            for seq, num_hit_tokens in zip(seqs, bm.allocate(group, whole=whole), strict=True):
                 set_progress(seq, num_hit_tokens, _WAITING)  # the cache holds these already
                 hits += num_hit_tokens
             out.num_prefix_cache_hit_tokens += hits
             if group.first_scheduled_time is None:
                 group.num_cached_tokens = hits
-            if self.remote_kv.park(group, seqs):  # until its peer's KV arrives
+            if self.remote_kv.park(group, seqs, can_pull=whole):  # until its peer's KV arrives
                 budget.num_seqs += n
                 continue
             for seq in seqs:

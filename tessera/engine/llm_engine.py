@@ -86,8 +86,10 @@ class LLMEngine:
         self.grammar_backend = grammar_backend or GrammarBackend(tokenizer, vocab_size,
                                                                  eos_token_ids)
         if kv_connector is None and config.kv_transfer is not None:
-            kv_connector = PullConnectorScheduler(config.kv_transfer, config.cache.block_size,
-                                                  clock=clock)
+            kv_connector = PullConnectorScheduler(
+                config.kv_transfer, config.cache.block_size, clock=clock,
+                num_groups=len(cache_group_windows(config.cache.sliding_window,
+                                                   config.cache.layer_windows)))
         self.scheduler = Scheduler(
             config.scheduler, config.cache, executor.num_gpu_blocks, executor.num_cpu_blocks,
             clock=clock, eos_token_ids=eos_token_ids, kv_connector=kv_connector,
@@ -159,7 +161,9 @@ class LLMEngine:
             if params.n != 1:
                 raise ValueError("kv_transfer_params: a request with n > 1 cannot move its KV")
             check_kv_transfer_params(params.kv_transfer_params, self.config.kv_transfer,
-                                     len(token_ids), self.config.cache.block_size)
+                                     len(token_ids), self.config.cache.block_size,
+                                     len(cache_group_windows(self.config.cache.sliding_window,
+                                                             self.config.cache.layer_windows)))
         arrival = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(
             request_id=request_id,

@@ -177,6 +177,7 @@ def _kv_connector(config, cache_engine: CacheEngine):
     kv = config.kv_transfer
     if kv is None:
         return None, None
+    from tessera.core.kv_cache_groups import cache_group_windows
     from tessera.core.kv_connector import PullConnectorScheduler
     from tessera.distributed.kv_transfer import create_kv_connector_worker
 
@@ -184,4 +185,6 @@ def _kv_connector(config, cache_engine: CacheEngine):
     worker = create_kv_connector_worker(kv, cache_engine, engine_id)
     if kv.is_producer:
         kv = dataclasses.replace(kv, kv_port=worker.port)
-    return worker, PullConnectorScheduler(kv, config.cache.block_size, engine_id=engine_id)
+    num_groups = len(cache_group_windows(config.cache.sliding_window, config.cache.layer_windows))
+    return worker, PullConnectorScheduler(kv, config.cache.block_size, engine_id=engine_id,
+                                          num_groups=num_groups)

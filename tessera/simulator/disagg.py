@@ -27,6 +27,7 @@ import heapq
 import time
 
 from tessera.config import EngineConfig
+from tessera.core.kv_cache_groups import cache_group_windows
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.runner_output import KVTransferStats
 from tessera.core.scheduler import Scheduler
@@ -51,8 +52,10 @@ class _Instance:
         assert config.kv_transfer is not None
         kv = dataclasses.replace(config.kv_transfer, kv_role=role)
         self.clock = VirtualClock()
+        num_groups = len(cache_group_windows(config.cache.sliding_window,
+                                             config.cache.layer_windows))
         connector = PullConnectorScheduler(kv, config.cache.block_size, clock=self.clock,
-                                           engine_id=role)
+                                           engine_id=role, num_groups=num_groups)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks,
                                    num_cpu_blocks, clock=self.clock, kv_connector=connector)
         self.runner = SyntheticRunner(cost.geometry.pool_block_bytes(config.cache))
