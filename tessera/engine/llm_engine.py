@@ -238,6 +238,11 @@ class LLMEngine:
                                     group_windows=cache_group_windows(cache.sliding_window,
                                                                       cache.layer_windows),
                                     max_chunk_tokens=self.config.scheduler.max_num_batched_tokens)
+        if self.executor.num_draft_gpu_blocks:  # the draft's own pool holds every token block
+            draft = cache_fit(params.n, longest, cache.block_size,
+                              self.executor.num_draft_gpu_blocks, cache.watermark)
+            if draft[0] * usable > need * draft[1]:  # the tighter of the two pools decides
+                need, usable = draft[0], draft[1]
         if need > usable:
             most = max(usable // (need // params.n), 1)
             raise ValueError(
