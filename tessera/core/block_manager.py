@@ -587,15 +587,27 @@ class BlockManager:
         # fresh on the way in; the draft recomputes their KV (worker/spec_decode/draft_model.py)
         mapping = {} if mapping is None else mapping
         draft, dg, ng = self.draft_gpu, self.draft_group, self.num_groups
+        # swap in: a fresh draft block per distinct group-0 block of the same logical block, so
+        # the draft's entries are shared exactly as the target's (copy-on-write copies all of a
+        # logical block's entries together, and the runner's diffs rely on it)
+        fresh: dict[int, int] = {}
         for seq in group.seqs:
             if seq.status is not status:
                 continue
             table = src_tables.pop(seq.seq_id)
-            new_table = []
+            new_table: list[int] = []
             for i, block in enumerate(table):
                 if draft is not None and i % ng == dg:
                     if dst is self.gpu:  # swap in
-                        new_table.append(draft.allocate())
+                        key = new_table[i - dg]
+                        if key == NULL_BLOCK:
+                            new_table.append(draft.allocate())
+                        elif key in fresh:
+                            draft.incref(fresh[key])
+                            new_table.append(fresh[key])
+                        else:
+                            fresh[key] = draft.allocate()
+                            new_table.append(fresh[key])
                     else:  # swap out
                         draft.decref(block)
                         new_table.append(NULL_BLOCK)
