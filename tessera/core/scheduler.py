@@ -457,10 +457,7 @@ class Scheduler:
             reason = reject_reason(group, self.config)
             status = None
             remote = bool((group.sampling_params.kv_transfer_params or {}).get("do_remote_prefill"))
-            # a peer's prompt KV lands whole: blocks for the whole prompt in every group, when
-            # they fit an empty pool at all (else it prefills here, chunk by chunk)
-            whole = remote and self.remote_kv.connector is not None and (
-                bm.never_fits(group, whole=True) is None)
+            whole = remote and self._pulls_whole(group)
             if reason is None:
                 status = bm.can_allocate(group, whole=whole)
                 if status is AllocStatus.NEVER:
@@ -504,6 +501,14 @@ class Scheduler:
             bisect.insort(self.running, group, key=self._key)
             budget.num_seqs += n
 
+    def _pulls_whole(self, group: SequenceGroup) -> bool:
+        """A peer's prompt KV lands whole: blocks for the whole prompt in every group, when
+        they fit an empty pool at all (else the request prefills here, chunk by chunk)."""
+        params = group.sampling_params.kv_transfer_params
+        return bool(params and params.get("do_remote_prefill")) and (
+            self.remote_kv.connector is not None
+            and self.block_manager.never_fits(group, whole=True) is None)
+
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt the worst running groups while the best waiting one is strictly better and
         cannot fit otherwise."""
@@ -514,7 +519,7 @@ class Scheduler:
             head, tail = self.waiting.peek(), self.running[-1]
             if head.priority >= tail.priority or reject_reason(head, self.config) is not None:
                 return
-            status = bm.can_allocate(head, reserved)
+            status = bm.can_allocate(head, reserved, whole=self._pulls_whole(head))
             if status is AllocStatus.NEVER:
                 return
             if status is AllocStatus.OK and (
