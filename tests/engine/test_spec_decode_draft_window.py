@@ -15,10 +15,10 @@ import transformers
 from tessera import LLM, SamplingParams
 
 WINDOW = 8
-NUM_TOKENS = 14
+NUM_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 300 + 5 for j in range(20 + 9 * i)]}
-           for i in range(4)]
+           for i in range(3)]
 _COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                tie_word_embeddings=False)
@@ -75,7 +75,7 @@ def test_target_drafting_for_itself_alone_and_batched(target):
     name, path, plain = target
     llm = LLM(model=path, block_size=4, max_model_len=96, speculative_config=_spec(path))
     assert _run(llm) == plain
-    assert [_run(llm, [p])[0] for p in PROMPTS[-2:]] == plain[-2:]
+    assert _run(llm, PROMPTS[-1:]) == plain[-1:]
     m = llm.get_metrics()
     drafts = m["tessera:spec_decode_num_draft_tokens_total"]
     assert drafts > 0
@@ -87,7 +87,8 @@ def test_target_drafting_for_itself_alone_and_batched(target):
 @pytest.mark.parametrize("engine_args", [
     {"preemption_mode": "swap", "num_gpu_blocks_override": 26},
     {"preemption_mode": "recompute", "num_gpu_blocks_override": 26},
-    {"enable_chunked_prefill": True, "max_num_batched_tokens": 8},
+    # chunks shorter than the prompts: the tables cover one chunk past the computed tokens
+    {"enable_chunked_prefill": True, "max_num_batched_tokens": 16},
 ], ids=["swap", "recompute", "chunked"])
 def test_other_draft_keeps_greedy_output(target, llama_draft, engine_args):
     name, path, plain = target
