@@ -666,12 +666,11 @@ class EngineArgs:
         kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         pooler = PoolerConfig.from_dict(self.pooler_config)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.device)
-        draft = speculative is not None and speculative.method == "draft_model"
         hybrid = len(set(layer_windows)) > 1 and not self.disable_hybrid_kv_cache_manager
-        if draft or kv_transfer is not None:
-            # a draft model attends to the whole context, and a KV connector moves whole tables:
-            # both read blocks a window would have released (and both share one block per
-            # token block with the target or the peer: one group)
+        draft = speculative is not None and speculative.method == "draft_model"
+        if kv_transfer is not None and draft:
+            # a KV connector moves the target's groups of one table; a draft model would add
+            # a group of its own to it (core/block_manager.py): keep one full table instead
             sliding_window = None
             hybrid = False
         return EngineConfig(

@@ -12,11 +12,19 @@ start with the same full blocks. Invariant: a shared block is never written. For
 block, so `append_slots` copies it first (copy-on-write); prefix caching shares only full, computed
 blocks, which lie wholly before every holder's `num_computed_tokens`, where nothing writes.
 
-Blocks for a sequence's whole current length are allocated at admission (so chunked prefill never
-runs out mid-prompt); decoding appends one block at a time. A sequence verifying draft tokens
-(speculative decoding, `seq.spec_token_ids`) gets lookahead slots for them too; the slots of
-rejected drafts stay in its table and are written again by its next tokens (nothing reads a slot
-at or past `num_computed_tokens`).
+Without a sliding window, blocks for a sequence's whole current length are allocated at admission
+(so chunked prefill never runs out mid-prompt); decoding appends one block at a time. With a
+window (and `max_num_batched_tokens` given, as the scheduler does), a table covers only up to
+`num_computed_tokens + max_num_batched_tokens` tokens, the most one step can compute: a long
+prompt is allocated chunk by chunk, so a window group holds at most about
+(window + chunk) / block_size + 2 blocks at any time (`num_peak_blocks`) instead of the whole
+prompt's. Admission takes the first chunk's blocks and refuses at once (NEVER) only a request
+whose peak footprint exceeds the empty pool; a later chunk that finds the pool full preempts like
+a decode does, and a request alone always fits, so nothing deadlocks.
+
+A sequence verifying draft tokens (speculative decoding, `seq.spec_token_ids`) gets lookahead
+slots for them too; the slots of rejected drafts stay in its table and are written again by its
+next tokens (nothing reads a slot at or past `num_computed_tokens`).
 
 Sliding window (`sliding_window` set when every layer of the model attends to a window): a query
 at position p reads keys (p - window, p] only, so once a sequence's next position has moved a
@@ -38,6 +46,17 @@ table above. Each window group releases its own entries; full groups keep theirs
 
     groups (full, window 20), block_size 16, next position 41
     table [ 7, NULL,  3, 9,  12, 4 ]     logical 0: group 0 block 7, group 1 released; ...
+
+Speculative decoding with a draft model and a window: the draft attends to the whole context, so
+it cannot read the target's window groups, and its layers differ from the target's. It gets a
+KV cache group of its own, the last, full-attention, drawing from its own pool (`draft_gpu`,
+`num_draft_gpu_blocks`, ids numbered past the target's so that one table and one copy list name
+both); the target's window groups still release. Admission and growth check both pools. The
+draft's blocks are never prefix-cached nor swapped: it recomputes a request's KV whenever it
+comes back, so they are dropped at swap-out and allocated fresh at swap-in.
+
+    groups (window 20, draft), target blocks 0..99, draft blocks 100..: next position 41
+    table [ NULL, 107,  3, 101,  12, 104 ]
 
 Admission, growth, copy-on-write and swap count every group's entries (a logical block costs
 `num_groups` pool blocks, each `num_groups` times smaller). Prefix caching keeps one chain of
@@ -69,6 +88,25 @@ class AllocStatus(enum.Enum):
     NEVER = "never"  # does not fit even in an empty cache
 
 
+def num_peak_blocks(num_tokens: int, block_size: int, group_windows: tuple[int | None, ...],
+                    max_chunk_tokens: int | None) -> int:
+    """Device blocks one sequence of `num_tokens` tokens holds at most, all KV cache groups
+    together. A full group (window None) holds every token block. A window group whose table
+    covers at most `max_chunk_tokens` past `num_computed_tokens` (None: the whole length) holds
+    the blocks from the window's first, (c - window + 1) // block_size, to the chunk's last,
+    (c + max_chunk_tokens - 1) // block_size: at most (max_chunk_tokens + window - 3) //
+    block_size + 2 over every c. The one home of this rule: admission's NEVER check, the
+    engine's start-up check and its n > 1 check all ask it."""
+    n = cdiv(num_tokens, block_size)
+    total = 0
+    for window in group_windows:
+        if window is None or max_chunk_tokens is None:
+            total += n
+        else:
+            total += min(n, (max_chunk_tokens + window - 3) // block_size + 2)
+    return total
+
+
 def num_watermark_blocks(num_gpu_blocks: int, watermark: float) -> int:
     """Device blocks admissions leave free, so running sequences can keep decoding a while
     (`CacheConfig.watermark`, a fraction of the pool). The one home of this rule."""
@@ -85,10 +123,16 @@ class BlockManager:
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
         group_windows: tuple[int | None, ...] = (),
+        max_num_batched_tokens: int | None = None,
+        num_draft_gpu_blocks: int = 0,
     ) -> None:
         """`sliding_window`: the window of every layer (one group). `group_windows`: with more
         than one KV cache group, each group's window (None: full attention); it replaces
-        `sliding_window`."""
+        `sliding_window`. `max_num_batched_tokens`: the most tokens a step computes for one
+        sequence; with a window, tables cover only that far past `num_computed_tokens` (None:
+        the whole length). `num_draft_gpu_blocks`: the draft model's own pool (speculative
+        decoding with a window); it adds a full-attention group, last, that only the draft
+        reads; 0: none (the draft, if any, follows the target's table)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -106,8 +150,20 @@ class BlockManager:
         self.group_windows: tuple[int | None, ...] = (
             group_windows if len(group_windows) > 1 else (sliding_window,)
         )
-        self.num_groups = len(self.group_windows)
         self._any_window = any(w is not None for w in self.group_windows)
+        if num_draft_gpu_blocks < 0:
+            raise ValueError(f"num_draft_gpu_blocks must be >= 0, got {num_draft_gpu_blocks}")
+        # the draft model's group (see the module docstring), or None
+        self.draft_group: int | None = None
+        if num_draft_gpu_blocks:
+            self.group_windows += (None,)
+            self.draft_group = len(self.group_windows) - 1
+        self.num_groups = len(self.group_windows)
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        # tokens a table covers past num_computed_tokens; None: the whole length (no window)
+        self.max_chunk_tokens = max_num_batched_tokens if self._any_window else None
         self.num_released_blocks = 0  # released by the sliding window, in all
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -116,15 +172,34 @@ class BlockManager:
         self.watermark_blocks = num_watermark_blocks(num_gpu_blocks, watermark)
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu = BlockPool(num_cpu_blocks)
+        # the draft's pool numbers its blocks past the target's, so a table or a copy list
+        # names both; never cached (the draft recomputes a request's KV), never swapped
+        self.draft_gpu: BlockPool | None = (
+            BlockPool(num_draft_gpu_blocks, first_id=num_gpu_blocks)
+            if num_draft_gpu_blocks else None
+        )
+        self.num_draft_gpu_blocks = num_draft_gpu_blocks
+        self.draft_watermark_blocks = num_watermark_blocks(num_draft_gpu_blocks, watermark)
+        # per group, the pool its blocks come from
+        self._pools = [self.gpu] * self.num_groups
+        if self.draft_gpu is not None and self.draft_group is not None:
+            self._pools[self.draft_group] = self.draft_gpu
         self._tables: dict[int, list[int]] = {}  # seq_id -> device block table
         self._cpu_tables: dict[int, list[int]] = {}  # seq_id -> CPU block table (swapped)
         self.prefix_caches: list[PrefixCache] = (
-            [PrefixCache(self.gpu, block_size, g, self.num_groups) for g in range(self.num_groups)]
+            [PrefixCache(self.gpu, block_size, g, self.num_groups)
+             for g in range(self.num_groups) if g != self.draft_group]
             if enable_prefix_caching else []
         )
         self.prefix_cache = self.prefix_caches[0] if self.prefix_caches else None
         self.num_prefix_cache_queries = 0  # tokens looked up at admission
         self.num_prefix_cache_hits = 0  # of which found computed in the cache
+
+    def _pool_of(self, block: int) -> BlockPool:
+        """The pool a device block id belongs to (the draft's ids follow the target's)."""
+        if block < self.num_gpu_blocks or self.draft_gpu is None:
+            return self.gpu
+        return self.draft_gpu
 
     def _num_blocks(self, num_tokens: int) -> int:
         """Table entries for `num_tokens` tokens: a logical block per group."""
@@ -132,29 +207,94 @@ class BlockManager:
 
     # admission
 
-    def num_required_blocks(self, group: SequenceGroup) -> int:
-        """Blocks the group's waiting sequences need in all (each prefills its own tokens)."""
-        return sum(self._num_blocks(s.get_len()) for s in group.seqs if s.status is _WAITING)
+    def num_required_blocks(self, group: SequenceGroup, whole: bool = False) -> int:
+        """Blocks the group's waiting sequences hold at most in all (each prefills its own
+        tokens; a window group only its window and a chunk, `num_peak_blocks`), the draft
+        pool's included. `whole`: allocated for their whole length at once (a prompt whose KV
+        a peer sends, core/remote_kv.py)."""
+        return sum(self._required(group, whole))
 
-    def can_allocate(self, group: SequenceGroup, num_reserved_blocks: int = 0) -> AllocStatus:
-        """OK if the group's waiting sequences fit now leaving the watermark (and
-        `num_reserved_blocks`, promised elsewhere) free; NEVER if not even in an empty cache."""
-        required = self.num_required_blocks(group)
-        if self.num_gpu_blocks - required < self.watermark_blocks:
+    def _required(self, group: SequenceGroup, whole: bool = False) -> tuple[int, int]:
+        """`num_required_blocks` split into (target pool, draft pool)."""
+        target = draft = 0
+        windows = self.group_windows
+        if self.draft_group is not None:
+            windows = windows[: self.draft_group] + windows[self.draft_group + 1 :]
+        for s in group.seqs:
+            if s.status is _WAITING:
+                target += num_peak_blocks(s.get_len(), self.block_size, windows,
+                                          None if whole else self.max_chunk_tokens)
+                if self.draft_gpu is not None:
+                    draft += cdiv(s.get_len(), self.block_size)
+        return target, draft
+
+    def never_fits(self, group: SequenceGroup, whole: bool = False) -> str | None:
+        """Which pool the group's peak footprint exceeds even when empty, or None."""
+        target, draft = self._required(group, whole)
+        if self.num_gpu_blocks - target < self.watermark_blocks:
+            return "device"
+        if self.draft_gpu is not None and (
+            self.num_draft_gpu_blocks - draft < self.draft_watermark_blocks
+        ):
+            return "draft"
+        return None
+
+    def _num_cover_tokens(self, seq: Sequence, num_computed_tokens: int,
+                          whole: bool = False) -> int:
+        """Tokens the table must cover: the whole length plus draft lookahead, or with a window
+        at most one chunk past `num_computed_tokens` (unless `whole`)."""
+        n = seq.get_len() + len(seq.spec_token_ids)
+        if self.max_chunk_tokens is None or whole:
+            return n
+        return min(n, num_computed_tokens + self.max_chunk_tokens)
+
+    def can_allocate(self, group: SequenceGroup, num_reserved_blocks: int = 0,
+                     whole: bool = False) -> AllocStatus:
+        """OK if the blocks `allocate` takes for the group's waiting sequences are free now,
+        leaving the watermark (and `num_reserved_blocks`, promised elsewhere); NEVER if the
+        sequences' peak footprint exceeds even an empty cache. `whole` as for `allocate`."""
+        if self.never_fits(group, whole) is not None:
             return AllocStatus.NEVER
-        taken = required
-        if self.enable_prefix_caching:
-            revived: set[int] = set()
-            for seq in group.seqs:
-                if seq.status is _WAITING:
-                    hits = self._prefix_hits(group, seq)
-                    taken -= len(hits)
-                    # a hit on an evictable block still takes it off the free count
-                    revived.update(b for b in hits if self.gpu.ref_counts[b] == 0)
-            taken += len(revived)
-        if self.gpu.num_free - num_reserved_blocks - taken >= self.watermark_blocks:
+        taken = draft_taken = 0
+        revived: set[int] = set()
+        ng = self.num_groups
+        for seq in group.seqs:
+            if seq.status is _WAITING:
+                hits = self._admission_hits(group, seq)
+                hit_tokens = len(hits) // ng * self.block_size
+                n = self._num_blocks(self._num_cover_tokens(seq, hit_tokens, whole))
+                if self.draft_gpu is None:
+                    taken += n - len(hits)
+                else:  # every draft entry is fresh (its hits are placeholders)
+                    taken += (n - len(hits)) // ng * (ng - 1)
+                    draft_taken += n // ng
+                # a hit on an evictable block still takes it off the free count
+                revived.update(
+                    b for b in hits if b != NULL_BLOCK and self.gpu.ref_counts[b] == 0
+                )
+        taken += len(revived)
+        if self.gpu.num_free - num_reserved_blocks - taken >= self.watermark_blocks and (
+            self.draft_gpu is None
+            or self.draft_gpu.num_free - draft_taken >= self.draft_watermark_blocks
+        ):
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def _admission_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """The prefix hits `seq` starts its table with: a window group's entries that its
+        window has already left (the query at the first uncached token cannot see them) are
+        `NULL_BLOCK`, never taken."""
+        hits = self._prefix_hits(group, seq)
+        if not hits or not self._any_window:
+            return hits
+        ng = self.num_groups
+        num_hit_tokens = len(hits) // ng * self.block_size
+        for g, window in enumerate(self.group_windows):
+            if window is not None:  # the rule of `release_out_of_window` at that position
+                first_visible = num_hit_tokens - window + 1
+                for i in range(max(first_visible, 0) // self.block_size):
+                    hits[i * ng + g] = NULL_BLOCK
+        return hits
 
     def _prefix_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
         """Cached leading blocks of `seq`; none for a request that wants prompt logprobs, since
@@ -172,30 +312,42 @@ class BlockManager:
         # a logical block is a hit only when every group has it cached
         per_group = [pc.hit_blocks(seq) for pc in self.prefix_caches]
         k = min(len(hits) for hits in per_group)
-        return [hits[i] for i in range(k) for hits in per_group]
+        if self.draft_group is None:
+            return [hits[i] for i in range(k) for hits in per_group]
+        # the draft group (last) caches nothing: a placeholder that `allocate` fills fresh
+        return [b for i in range(k) for b in (*(hits[i] for hits in per_group), NULL_BLOCK)]
 
     def get_num_cached_tokens(self, group: SequenceGroup, seq: Sequence) -> int:
         """Leading tokens of `seq` whose KV a prefix-cache hit would supply (no side effects)."""
         return len(self._prefix_hits(group, seq)) // self.num_groups * self.block_size
 
-    def allocate(self, group: SequenceGroup) -> list[int]:
-        """Give every waiting sequence of the group blocks for its whole length. With prefix
-        caching, leading cached blocks are shared. Returns, per waiting sequence in group order,
-        the tokens the cache already holds: where the scheduler starts its `num_computed_tokens`
-        (core/progress.py)."""
+    def allocate(self, group: SequenceGroup, whole: bool = False) -> list[int]:
+        """Give every waiting sequence of the group blocks for its whole length (with a window:
+        up to one chunk past its prefix hits, unless `whole`: a prompt a peer computed lands
+        at once). With prefix caching, leading cached blocks are
+        shared. Returns, per waiting sequence in group order, the tokens the cache already
+        holds: where the scheduler starts its `num_computed_tokens` (core/progress.py)."""
         seqs = [s for s in group.seqs if s.status is _WAITING]
         tables = []
         for seq in seqs:  # take every hit first, so fresh allocations cannot evict them
             assert seq.seq_id not in self._tables and seq.seq_id not in self._cpu_tables
-            hits = self._prefix_hits(group, seq)
+            hits = self._admission_hits(group, seq)
             for block in hits:
-                self.gpu.incref(block)
+                if block != NULL_BLOCK:
+                    self.gpu.incref(block)
             tables.append(hits)
+        if self.draft_gpu is not None and self.draft_group is not None:
+            for table in tables:  # the draft's own blocks under the hits
+                for i in range(self.draft_group, len(table), self.num_groups):
+                    table[i] = self.draft_gpu.allocate()
         num_hit_tokens = []
         for seq, table in zip(seqs, tables, strict=True):
             hit_tokens = len(table) // self.num_groups * self.block_size
-            for _ in range(self._num_blocks(seq.get_len()) - len(table)):
-                table.append(self.gpu.allocate())
+            pools = self._pools
+            ng = self.num_groups
+            cover = self._num_cover_tokens(seq, hit_tokens, whole)
+            for i in range(len(table), self._num_blocks(cover)):
+                table.append(pools[i % ng].allocate())
             self._tables[seq.seq_id] = table
             if self.prefix_caches:
                 for pc in self.prefix_caches:
@@ -209,35 +361,53 @@ class BlockManager:
 
     def num_append_blocks(self, group: SequenceGroup) -> int:
         """Blocks `append_slots` will take for the group's running sequences: growth, plus one
-        copy per writer of a shared block except that its last holder writes in place."""
+        copy per writer of a shared block except that its last holder writes in place (the
+        draft pool's included)."""
+        return sum(self._append_needs(group))
+
+    def _append_needs(self, group: SequenceGroup) -> tuple[int, int]:
+        """`num_append_blocks` split into (target pool, draft pool)."""
         bs = self.block_size
         ng = self.num_groups
         tables = self._tables
-        ref_counts = self.gpu.ref_counts
-        need = 0
+        pool_of = self._pool_of
+        draft = self.draft_gpu
+        need = need_draft = 0
         writers: dict[int, int] = {}  # shared block about to be written -> writers in this group
         for seq in group.seqs:
             if seq.status is not _RUNNING:
                 continue
             table = tables[seq.seq_id]
-            num_tokens = seq.get_len() + len(seq.spec_token_ids)
+            num_tokens = self._num_cover_tokens(seq, seq.num_computed_tokens)
             grow = cdiv(num_tokens, bs) * ng - len(table)
             if grow > 0:
-                need += grow
+                if draft is None:
+                    need += grow
+                else:
+                    need += grow // ng * (ng - 1)
+                    need_draft += grow // ng
             for i in range(
                 seq.num_computed_tokens // bs * ng,
                 min(len(table), ((num_tokens - 1) // bs + 1) * ng),
             ):
                 block = table[i]
-                if block != NULL_BLOCK and ref_counts[block] > 1:
+                if block != NULL_BLOCK and pool_of(block).ref_counts[block] > 1:
                     writers[block] = writers.get(block, 0) + 1
         for block, w in writers.items():
-            need += min(w, ref_counts[block] - 1)
-        return need
+            pool = pool_of(block)
+            if pool is draft:
+                need_draft += min(w, pool.ref_counts[block] - 1)
+            else:
+                need += min(w, pool.ref_counts[block] - 1)
+        return need, need_draft
+
+    def _fits(self, needs: tuple[int, int]) -> bool:
+        return needs[0] <= self.gpu.num_free and (
+            self.draft_gpu is None or needs[1] <= self.draft_gpu.num_free)
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the group can get the slots for its new tokens."""
-        return self.num_append_blocks(group) <= self.gpu.num_free
+        return self._fits(self._append_needs(group))
 
     def try_append_slots(self, group: SequenceGroup) -> list[tuple[int, int]] | None:
         """`can_append_slots` + `append_slots` for every running sequence of the group in one
@@ -247,13 +417,18 @@ class BlockManager:
         tables = self._tables
         ref_counts = self.gpu.ref_counts
         ng = self.num_groups
+        chunk = self.max_chunk_tokens
+        pool_of = self._pool_of
         for seq in group.seqs:
             if seq.status is not _RUNNING:
                 continue
             table = tables[seq.seq_id]
-            last = (
-                len(seq.prompt_token_ids) + len(seq.output_token_ids) + len(seq.spec_token_ids) - 1
-            ) // bs
+            num_tokens = (
+                len(seq.prompt_token_ids) + len(seq.output_token_ids) + len(seq.spec_token_ids)
+            )
+            if chunk is not None:
+                num_tokens = min(num_tokens, seq.num_computed_tokens + chunk)
+            last = (num_tokens - 1) // bs
             if ng == 1:
                 if not (
                     last < len(table)
@@ -264,12 +439,12 @@ class BlockManager:
             elif not (
                 (last + 1) * ng <= len(table)
                 and seq.num_computed_tokens // bs == last
-                and all(ref_counts[b] == 1 for b in table[last * ng : (last + 1) * ng])
+                and all(pool_of(b).ref_counts[b] == 1 for b in table[last * ng : (last + 1) * ng])
             ):
                 break
         else:
             return []
-        if self.num_append_blocks(group) > self.gpu.num_free:
+        if not self._fits(self._append_needs(group)):
             return None
         copies: list[tuple[int, int]] = []
         for seq in group.seqs:
@@ -278,27 +453,31 @@ class BlockManager:
         return copies
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make the table cover `seq.get_len()` tokens (plus its draft tokens' lookahead slots) and
+        """Make the table cover `seq.get_len()` tokens (plus its draft tokens' lookahead slots;
+        with a window at most one chunk past `num_computed_tokens`) and
         give the sequence its own copy of every shared block it is about to write. Returns the
         (src, dst) block copies to perform."""
         bs = self.block_size
         ng = self.num_groups
         table = self._tables[seq.seq_id]
-        num_tokens = seq.get_len() + len(seq.spec_token_ids)
+        num_tokens = self._num_cover_tokens(seq, seq.num_computed_tokens)
         copies: list[tuple[int, int]] = []
-        gpu = self.gpu
         for i in range(
             seq.num_computed_tokens // bs * ng, min(len(table), ((num_tokens - 1) // bs + 1) * ng)
         ):
             block = table[i]
-            if block != NULL_BLOCK and gpu.ref_counts[block] > 1:
-                assert not gpu.is_hashed(block), "a prefix-cached block is about to be written"
-                new = gpu.allocate()
-                gpu.decref(block)
+            if block == NULL_BLOCK:
+                continue
+            pool = self._pool_of(block)
+            if pool.ref_counts[block] > 1:
+                assert not pool.is_hashed(block), "a prefix-cached block is about to be written"
+                new = pool.allocate()
+                pool.decref(block)
                 table[i] = new
                 copies.append((block, new))
-        for _ in range(cdiv(num_tokens, bs) * ng - len(table)):
-            table.append(gpu.allocate())
+        pools = self._pools
+        for i in range(len(table), cdiv(num_tokens, bs) * ng):
+            table.append(pools[i % ng].allocate())
         return copies
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
@@ -306,7 +485,7 @@ class BlockManager:
         table = list(self._tables[parent_seq.seq_id])
         for block in table:
             if block != NULL_BLOCK:
-                self.gpu.incref(block)
+                self._pool_of(block).incref(block)
         self._tables[child_seq.seq_id] = table
         for pc in self.prefix_caches:
             pc.fork(parent_seq, child_seq)
@@ -320,7 +499,7 @@ class BlockManager:
             # so it is evicted last (it is the part other requests are likeliest to share)
             for block in reversed(table):
                 if block != NULL_BLOCK:
-                    self.gpu.decref(block)
+                    self._pool_of(block).decref(block)
         cpu_table = self._cpu_tables.pop(sid, None)
         if cpu_table is not None:
             for block in reversed(cpu_table):
@@ -336,6 +515,9 @@ class BlockManager:
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         tables = [self._tables[s.seq_id] for s in group.seqs if s.status is _RUNNING]
+        if self.draft_gpu is not None:  # the draft's blocks are dropped, not swapped
+            n = self.num_gpu_blocks
+            tables = [[b for b in t if b < n] for t in tables]
         return self._distinct(tables) <= self.cpu.num_free
 
     def swap_out(
@@ -350,11 +532,27 @@ class BlockManager:
         )
 
     def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
-        """Room for the swapped blocks plus one logical block per sequence for its next token."""
+        """Room for the swapped blocks plus, per sequence, one logical block for its next token
+        (or, with a window, the blocks of its next chunk if it was prefilling)."""
         seqs = [s for s in group.seqs if s.status is _SWAPPED]
-        need = (self._distinct([self._cpu_tables[s.seq_id] for s in seqs])
-                + len(seqs) * self.num_groups)
+        ng = self.num_groups
+        need = self._distinct([self._cpu_tables[s.seq_id] for s in seqs])
+        need_draft = 0
+        for seq in seqs:
+            have = len(self._cpu_tables[seq.seq_id]) // ng
+            grow = max(
+                cdiv(self._num_cover_tokens(seq, seq.num_computed_tokens), self.block_size) - have,
+                1)
+            if self.draft_gpu is None:
+                need += grow * ng
+            else:  # the draft's blocks come back fresh, every one
+                need += grow * (ng - 1)
+                need_draft += have + grow
         reserve = self.watermark_blocks if use_watermark else 0
+        if self.draft_gpu is not None:
+            draft_reserve = self.draft_watermark_blocks if use_watermark else 0
+            if self.draft_gpu.num_free - need_draft < draft_reserve:
+                return False
         return self.gpu.num_free - need >= reserve
 
     def swap_in(
@@ -384,14 +582,36 @@ class BlockManager:
         mapping: dict[int, int] | None,
     ) -> dict[int, int]:
         # blocks shared between sequences (fork, prefix cache) are copied once and stay shared;
-        # they are full or about to be copied-on-write, so sharing the copy is safe
+        # they are full or about to be copied-on-write, so sharing the copy is safe. The draft
+        # group's blocks are not moved: dropped on the way out (NULL_BLOCK in the CPU table),
+        # fresh on the way in; the draft recomputes their KV (worker/spec_decode/draft_model.py)
         mapping = {} if mapping is None else mapping
+        draft, dg, ng = self.draft_gpu, self.draft_group, self.num_groups
+        # swap in: a fresh draft block per distinct group-0 block of the same logical block, so
+        # the draft's entries are shared exactly as the target's (copy-on-write copies all of a
+        # logical block's entries together, and the runner's diffs rely on it)
+        fresh: dict[int, int] = {}
         for seq in group.seqs:
             if seq.status is not status:
                 continue
             table = src_tables.pop(seq.seq_id)
-            new_table = []
-            for block in table:
+            new_table: list[int] = []
+            for i, block in enumerate(table):
+                if draft is not None and i % ng == dg:
+                    if dst is self.gpu:  # swap in
+                        key = new_table[i - dg]
+                        if key == NULL_BLOCK:
+                            new_table.append(draft.allocate())
+                        elif key in fresh:
+                            draft.incref(fresh[key])
+                            new_table.append(fresh[key])
+                        else:
+                            fresh[key] = draft.allocate()
+                            new_table.append(fresh[key])
+                    else:  # swap out
+                        draft.decref(block)
+                        new_table.append(NULL_BLOCK)
+                    continue
                 if block == NULL_BLOCK:
                     new_table.append(NULL_BLOCK)
                     continue
@@ -401,8 +621,9 @@ class BlockManager:
                     mapping[block] = dst.allocate()
                 new_table.append(mapping[block])
             dst_tables[seq.seq_id] = new_table
-            for block in reversed(table):
-                if block != NULL_BLOCK:
+            for i in range(len(table) - 1, -1, -1):
+                block = table[i]
+                if block != NULL_BLOCK and (draft is None or i % ng != dg):
                     src.decref(block)
         return mapping
 
@@ -414,13 +635,15 @@ class BlockManager:
                 for pc in self.prefix_caches:
                     pc.register(seq, table)
 
-    def release_out_of_window(self, seq: Sequence) -> int:
+    def release_out_of_window(self, seq: Sequence, lag: int = 0) -> int:
         """Sliding window: release the sequence's leading blocks, in each window group, that no
         query from its next position on can see (their last token is at or before
         next - window). Returns how many. Offer them to the prefix cache first
         (`cache_computed_blocks`) to keep them reusable. Released entries are always a leading
         run of each group's table, so the scan walks back from the newest releasable entry and
-        stops at the first one already released: a step costs what it releases."""
+        stops at the first one already released: a step costs what it releases. `lag`: keep
+        what the query `lag` positions earlier still sees (a prompt held for a peer, whose
+        first query there is the last prompt token, core/kv_connector.py)."""
         if not self._any_window:
             return 0
         table = self._tables.get(seq.seq_id)
@@ -432,7 +655,7 @@ class BlockManager:
         for g, window in enumerate(self.group_windows):
             if window is None:
                 continue
-            first_visible = seq.num_computed_tokens - window + 1
+            first_visible = seq.num_computed_tokens - lag - window + 1
             for i in range(min(first_visible // bs, len(table) // ng) - 1, -1, -1):
                 block = table[i * ng + g]
                 if block == NULL_BLOCK:
@@ -475,17 +698,30 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """In each pool free + used == total, every used block's ref count equals the number of
-        tables holding it, and no block is both free and owned. Raises AssertionError."""
-        for name, pool, tables in (
-            ("device", self.gpu, self._tables),
-            ("cpu", self.cpu, self._cpu_tables),
-        ):
-            refs: dict[int, int] = {}
-            for table in tables.values():
-                for block in table:
-                    if block != NULL_BLOCK:
-                        refs[block] = refs.get(block, 0) + 1
-            pool.check_integrity(refs, name)
+        tables holding it, and no block is both free and owned; the draft group's entries hold
+        the draft pool's blocks and no other entry does. Raises AssertionError."""
+        n, dg, ng = self.num_gpu_blocks, self.draft_group, self.num_groups
+        draft_refs: dict[int, int] = {}
+        device_refs: dict[int, int] = {}
+        for sid, table in self._tables.items():
+            for i, block in enumerate(table):
+                if block == NULL_BLOCK:
+                    continue
+                is_draft = dg is not None and i % ng == dg
+                if is_draft != (block >= n):
+                    raise AssertionError(f"sequence {sid}: entry {i} holds block {block} of the "
+                                         "wrong pool")
+                refs = draft_refs if is_draft else device_refs
+                refs[block] = refs.get(block, 0) + 1
+        cpu_refs: dict[int, int] = {}
+        for table in self._cpu_tables.values():
+            for block in table:
+                if block != NULL_BLOCK:
+                    cpu_refs[block] = cpu_refs.get(block, 0) + 1
+        self.gpu.check_integrity(device_refs, "device")
+        self.cpu.check_integrity(cpu_refs, "cpu")
+        if self.draft_gpu is not None:
+            self.draft_gpu.check_integrity(draft_refs, "draft")
         both = self._tables.keys() & self._cpu_tables.keys()
         if both:
             raise AssertionError(f"sequences {sorted(both)} hold blocks on device and CPU at once")

@@ -36,17 +36,24 @@ BlockContent = tuple[bytes | None, tuple[int, ...]]
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False, first_id: int = 0) -> None:
+        """Ids `first_id` .. `first_id + num_blocks - 1`: a second pool (the draft model's,
+        core/block_manager.py) numbers its blocks past the first's, so one table and one copy
+        list can name blocks of both."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if first_id < 0:
+            raise ValueError(f"first_id must be >= 0, got {first_id}")
         self.num_blocks = num_blocks
+        self.first_id = first_id
         self.enable_caching = enable_caching
-        self.ref_counts = [0] * num_blocks
-        # popped from the end, so block 0 is handed out first
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        end = first_id + num_blocks
+        self.ref_counts = [0] * end  # indexed by id; ids below first_id stay 0
+        # popped from the end, so the first id is handed out first
+        self._free: list[int] = list(range(end - 1, first_id - 1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._block_content: list[BlockContent | None] = [None] * num_blocks  # set iff hashed
+        self._block_hash: list[bytes | None] = [None] * end
+        self._block_content: list[BlockContent | None] = [None] * end  # set iff hashed
         self._cached: dict[bytes, int] = {}  # block hash -> block id
 
     @property
@@ -123,10 +130,11 @@ class BlockPool:
         1 used, 2 cached and evictable, 3 used and cached. Built when sampled, never kept up to
         date on the hot path: each bit is one pass in C (`map` into `bytes`) and the two are
         added as big integers, where one byte never carries into the next."""
-        used = bytes(map(bool, self.ref_counts))
+        first = self.first_id
+        used = bytes(map(bool, self.ref_counts[first:]))
         if not self.enable_caching:
             return used
-        hashed = bytes(map(operator.is_not, self._block_hash, repeat(None)))
+        hashed = bytes(map(operator.is_not, self._block_hash[first:], repeat(None)))
         total = int.from_bytes(used, "little") + 2 * int.from_bytes(hashed, "little")
         return total.to_bytes(self.num_blocks, "little")
 
@@ -139,7 +147,9 @@ class BlockPool:
         evictable = set(self._evictable)
         if free & evictable:
             raise AssertionError(f"{name}: blocks both free and evictable: {free & evictable}")
-        for block in range(self.num_blocks):
+        if any(b < self.first_id for b in refs):
+            raise AssertionError(f"{name}: a table holds a block of another pool")
+        for block in range(self.first_id, self.first_id + self.num_blocks):
             rc = self.ref_counts[block]
             if rc != refs.get(block, 0):
                 raise AssertionError(

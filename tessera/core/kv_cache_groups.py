@@ -84,6 +84,14 @@ def group_windows(layer_windows: Sequence[int | None]) -> tuple[int | None, ...]
     return tuple(spec.window for spec in kv_cache_groups(layer_windows))
 
 
+def cache_group_windows(sliding_window: int | None,
+                        layer_windows: Sequence[int | None]) -> tuple[int | None, ...]:
+    """Each KV cache group's window as the block manager keeps it: the groups' of mixed
+    `layer_windows` (`CacheConfig.layer_windows`), else one group with `sliding_window`
+    (`CacheConfig.sliding_window`, None: full attention)."""
+    return group_windows(layer_windows) or (sliding_window,)
+
+
 def num_pool_blocks_for_override(num_gpu_blocks_override: int,
                                  layer_windows: Sequence[int | None]) -> int:
     """Pool blocks for --num-gpu-blocks-override. The flag counts blocks of every layer (the

@@ -12,7 +12,14 @@ this one, pure Python in the scheduler's process, decides *which* blocks move; t
                                                           pull, then decode from prompt_len - 1
 
 The consumer recomputes the last prompt token (it needs its logits to sample), so the producer's
-sampled token is discarded and greedy output is the colocated engine's. Both transports here
+sampled token is discarded and greedy output is the colocated engine's.
+
+With KV cache groups or a sliding window (core/block_manager.py) the block ids that move are the
+interleaved table's, `num_groups` per token block, and a window group's entries that its window
+has left are NULL_BLOCK (-1) on the producer: only live pairs move, and the consumer releases its
+own entries that had no live peer as soon as the KV lands (core/remote_kv.py). The producer
+keeps its window one token wider once the prompt is computed, so that the consumer's query at
+the last prompt token finds every key it sees. Both transports here
 (TcpConnector, NixlConnector) pull: the consumer asks, the producer serves. The producer frees a
 request's blocks when its worker has read them out for the peer, or after `hold_timeout` seconds
 if no peer comes; a consumer whose pull fails prefills locally.
@@ -64,9 +71,10 @@ class KVConnectorMetadata:
 
 
 def check_kv_transfer_params(params: Any, config: KVTransferConfig | None,
-                             num_prompt_tokens: int, block_size: int) -> None:
+                             num_prompt_tokens: int, block_size: int, num_groups: int = 1) -> None:
     """A request's `kv_transfer_params` (vLLM's keys), checked at add_request: ValueError naming
-    the key. A consumer needs one remote block per block of the prompt."""
+    the key. A consumer needs one remote block per block of the prompt and KV cache group (-1:
+    a window group's entry its window has left)."""
     if params is None:
         return
     if not isinstance(params, dict):
@@ -90,12 +98,14 @@ def check_kv_transfer_params(params: Any, config: KVTransferConfig | None,
                          "--kv-transfer-config and kv_role kv_consumer or kv_both")
     ids = params.get("remote_block_ids")
     if not isinstance(ids, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+            isinstance(b, int) and not isinstance(b, bool) and b >= -1 for b in ids):
         raise ValueError("kv_transfer_params.remote_block_ids must be a list of block ids")
-    if len(ids) != cdiv(num_prompt_tokens, block_size):
+    need = cdiv(num_prompt_tokens, block_size) * num_groups
+    if len(ids) != need:
+        groups = f" in each of {num_groups} KV cache groups" if num_groups > 1 else ""
         raise ValueError(f"kv_transfer_params.remote_block_ids holds {len(ids)} blocks, but the "
                          f"prompt of {num_prompt_tokens} tokens takes "
-                         f"{cdiv(num_prompt_tokens, block_size)} of {block_size} tokens")
+                         f"{cdiv(num_prompt_tokens, block_size)} of {block_size} tokens{groups}")
     for key in ("remote_host", "remote_engine_id", "remote_request_id"):
         if not isinstance(params.get(key), str) or not params[key]:
             raise ValueError(f"kv_transfer_params.{key} must be a non-empty string")
@@ -141,9 +151,12 @@ class PullConnectorScheduler(KVConnectorScheduler):
     """The scheduler half of the pull transports (TcpConnector, NixlConnector)."""
 
     def __init__(self, config: KVTransferConfig, block_size: int,
-                 clock: Callable[[], float] = time.monotonic, engine_id: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, engine_id: str | None = None,
+                 num_groups: int = 1) -> None:
+        """`num_groups`: table entries per token block (KV cache groups; 1: one table)."""
         self.config = config
         self.block_size = block_size
+        self.num_groups = num_groups
         self.clock = clock
         self.engine_id = engine_id or uuid.uuid4().hex
         self._meta = KVConnectorMetadata()
@@ -166,12 +179,14 @@ class PullConnectorScheduler(KVConnectorScheduler):
                                  num_external_tokens: int) -> None:
         params = group.sampling_params.kv_transfer_params
         assert params is not None and num_external_tokens > 0
-        first = seq.num_computed_tokens // self.block_size  # local hits are whole blocks
+        # local hits are whole blocks; a pair moves only where both entries hold a block
+        first = seq.num_computed_tokens // self.block_size * self.num_groups
         remote = params["remote_block_ids"]
-        last = len(remote)
+        pairs = [(lo, re) for lo, re in zip(block_ids[first:len(remote)], remote[first:],
+                                             strict=True) if lo >= 0 and re >= 0]
         self._meta.reqs_to_recv[seq.req_id] = RemotePrefill(
-            local_block_ids=list(block_ids[first:last]),
-            remote_block_ids=list(remote[first:last]),
+            local_block_ids=[lo for lo, _ in pairs],
+            remote_block_ids=[re for _, re in pairs],
             remote_host=params["remote_host"], remote_port=params["remote_port"],
             remote_engine_id=params["remote_engine_id"],
             remote_request_id=params["remote_request_id"],
@@ -200,8 +215,9 @@ class PullConnectorScheduler(KVConnectorScheduler):
             return False, None
         if group.sampling_params.n != 1:
             return False, None
-        blocks = list(block_ids[:cdiv(len(seq.prompt_token_ids), self.block_size)])
-        self._meta.reqs_to_send[seq.req_id] = blocks
+        blocks = list(block_ids[:cdiv(len(seq.prompt_token_ids), self.block_size)
+                                * self.num_groups])
+        self._meta.reqs_to_send[seq.req_id] = [b for b in blocks if b >= 0]
         self._deadlines[seq.req_id] = self.clock() + self.config.hold_timeout
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,

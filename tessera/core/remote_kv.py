@@ -44,14 +44,15 @@ class RemoteKVTracker:
 
     # consumer
 
-    def park(self, group: SequenceGroup, seqs: list[Sequence]) -> bool:
+    def park(self, group: SequenceGroup, seqs: list[Sequence], can_pull: bool = True) -> bool:
         """`group` was just allocated: park it for its peer's KV if the connector has any for it.
-        True if parked (it stays out of `running` until `update` hands it back)."""
+        True if parked (it stays out of `running` until `update` hands it back). `can_pull`:
+        its table covers the whole prompt (with a window it may not: then it prefills here)."""
         if self.connector is None or len(seqs) != 1:
             return False
         seq = seqs[0]
         num_external = self.connector.get_num_new_matched_tokens(
-            group, seq, seq.num_computed_tokens)
+            group, seq, seq.num_computed_tokens) if can_pull else 0
         if num_external <= 0:
             # nothing worth pulling (a one-token prompt, or all local hits): still tell the
             # producer, with an empty pull, so it frees its blocks now rather than at timeout
@@ -83,6 +84,8 @@ class RemoteKVTracker:
         if loaded:  # the peer computed the prompt; its last token is this step's decode input
             computed = max(computed, len(seq.prompt_token_ids) - 1)
         set_progress(seq, computed, SequenceStatus.RUNNING)
+        if loaded:  # a window's entries the peer had released got nothing: let them go now
+            self._bm.release_out_of_window(seq)
         return group
 
     # producer

@@ -107,7 +107,10 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         kv_connector: PullConnectorScheduler | None = None,
         max_loras: int | None = None,
+        num_draft_gpu_blocks: int = 0,
     ) -> None:
+        """`num_draft_gpu_blocks`: the draft model's own KV pool (speculative decoding with a
+        window, core/block_manager.py); 0: none."""
         self.config = scheduler_config
         # --max-loras with --enable-lora; None: no adapter limit (LoRA off)
         self.lora = None if max_loras is None else LoRAAdmission(max_loras)
@@ -122,6 +125,8 @@ class Scheduler:
             enable_prefix_caching=cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
             group_windows=group_windows(cache_config.layer_windows),
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            num_draft_gpu_blocks=num_draft_gpu_blocks,
         )
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
@@ -451,8 +456,10 @@ class Scheduler:
                 break
             reason = reject_reason(group, self.config)
             status = None
+            remote = bool((group.sampling_params.kv_transfer_params or {}).get("do_remote_prefill"))
+            whole = remote and self._pulls_whole(group)
             if reason is None:
-                status = bm.can_allocate(group)
+                status = bm.can_allocate(group, whole=whole)
                 if status is AllocStatus.NEVER:
                     reason = never_fits_reason(group, bm)
             if reason is not None:
@@ -469,7 +476,6 @@ class Scheduler:
             if budget.num_seqs + n > self.config.max_num_seqs or status is AllocStatus.LATER:
                 break
             seqs = [s for s in group.seqs if s.status is _WAITING]
-            remote = bool((group.sampling_params.kv_transfer_params or {}).get("do_remote_prefill"))
             if not self.config.enable_chunked_prefill and not remote:
                 first = seqs[0]
                 if first.get_len() - bm.get_num_cached_tokens(group, first) > budget.tokens:
@@ -478,13 +484,13 @@ class Scheduler:
             if lora is not None:
                 lora.admitted(group)
             hits = 0
-            for seq, num_hit_tokens in zip(seqs, bm.allocate(group), strict=True):
+            for seq, num_hit_tokens in zip(seqs, bm.allocate(group, whole=whole), strict=True):
                 set_progress(seq, num_hit_tokens, _WAITING)  # the cache holds these already
                 hits += num_hit_tokens
             out.num_prefix_cache_hit_tokens += hits
             if group.first_scheduled_time is None:
                 group.num_cached_tokens = hits
-            if self.remote_kv.park(group, seqs):  # until its peer's KV arrives
+            if self.remote_kv.park(group, seqs, can_pull=whole):  # until its peer's KV arrives
                 budget.num_seqs += n
                 continue
             for seq in seqs:
@@ -494,6 +500,14 @@ class Scheduler:
             budget.tokens -= sum(n for _, n in plan)
             bisect.insort(self.running, group, key=self._key)
             budget.num_seqs += n
+
+    def _pulls_whole(self, group: SequenceGroup) -> bool:
+        """A peer's prompt KV lands whole: blocks for the whole prompt in every group, when
+        they fit an empty pool at all (else the request prefills here, chunk by chunk)."""
+        params = group.sampling_params.kv_transfer_params
+        return bool(params and params.get("do_remote_prefill")) and (
+            self.remote_kv.connector is not None
+            and self.block_manager.never_fits(group, whole=True) is None)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt the worst running groups while the best waiting one is strictly better and
@@ -505,7 +519,7 @@ class Scheduler:
             head, tail = self.waiting.peek(), self.running[-1]
             if head.priority >= tail.priority or reject_reason(head, self.config) is not None:
                 return
-            status = bm.can_allocate(head, reserved)
+            status = bm.can_allocate(head, reserved, whole=self._pulls_whole(head))
             if status is AllocStatus.NEVER:
                 return
             if status is AllocStatus.OK and (

@@ -94,7 +94,11 @@ class StepUpdate:
                 self.num_prompt_tokens_total += min(num_new, num_prompt - start)
             if caching:
                 bm.cache_computed_blocks(seq)
-            bm.release_out_of_window(seq)
+            # a prompt held for a peer keeps what the peer's query at its last token sees
+            params = group.sampling_params.kv_transfer_params
+            bm.release_out_of_window(
+                seq, 1 if params and params.get("do_remote_decode")
+                and start + num_new >= num_prompt else 0)
             if prompt_logprobs and req_id in prompt_logprobs:
                 output_of(group, touched).prompt_logprobs = prompt_logprobs[req_id]
             if group.pooling_params is not None:

@@ -1,7 +1,9 @@
 """Load the draft model of `speculative_config` (method draft_model) and build its proposer: the
 same loader as the target (a .gguf file or an HF directory), the same dtype, device and
-quantization, and a KV pool with the target's number of blocks and block size (the draft's
-cache follows the target's block tables, tessera/worker/spec_decode/draft_model.py).
+quantization, and a KV pool with the target's block size: the target's number of blocks (the
+draft's cache follows the target's block tables, tessera/worker/spec_decode/draft_model.py), or,
+when the target has a sliding window, a pool of its own (`num_draft_gpu_blocks`, sized by
+core/admission.py: num_draft_pool_blocks) for the draft's own KV cache group.
 
 A draft must share the target's vocabulary: its token ids are the target's, verified against the
 target's logits. Checked here (vocabulary size, and the tokenizers' vocabularies when both have
@@ -28,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 def build_draft_proposer(config: EngineConfig, target_path: str, target_model, target_arch,
                          target_tokenizer, num_gpu_blocks: int, num_cpu_blocks: int,
-                         attention_backend: str | None = None) -> DraftModelProposer:
+                         attention_backend: str | None = None,
+                         num_draft_gpu_blocks: int = 0) -> DraftModelProposer:
     spec = config.speculative
     assert spec is not None and spec.method == "draft_model" and spec.model is not None
     try:
@@ -53,14 +56,18 @@ def build_draft_proposer(config: EngineConfig, target_path: str, target_model, t
     kv = KVCacheSpec(num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
                      head_dim=arch.head_dim, block_size=config.cache.block_size,
                      dtype=kv_cache_torch_dtype(config))
-    cache = CacheEngine(kv, num_gpu_blocks, num_cpu_blocks, device)
-    logger.info("draft model %s%s: %d layers, KV cache %d blocks (%.0f MiB)",
+    own = num_draft_gpu_blocks > 0  # its own pool, numbered past the target's blocks
+    num_blocks = num_draft_gpu_blocks if own else num_gpu_blocks
+    cache = CacheEngine(kv, num_blocks, 0 if own else num_cpu_blocks, device)
+    logger.info("draft model %s%s: %d layers, KV cache %d blocks (%.0f MiB)%s",
                 os.path.basename(path), " (the target itself)" if same else "",
-                arch.num_hidden_layers, num_gpu_blocks, num_gpu_blocks * kv.block_bytes / 2**20)
+                arch.num_hidden_layers, num_blocks, num_blocks * kv.block_bytes / 2**20,
+                ", a pool of its own (the target's window releases blocks)" if own else "")
     backend = select_attention_backend(device, kv.dtype, config.cache.block_size,
                                        name=attention_backend)
     return DraftModelProposer(model, cache, backend, config.cache.block_size,
-                              spec.num_speculative_tokens, config.model.max_model_len, device)
+                              spec.num_speculative_tokens, config.model.max_model_len, device,
+                              own_pool_base=num_gpu_blocks if own else None)
 
 
 def _check_vocabulary(name: str, path: str, arch, target_arch, target_tokenizer) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
 from tessera.core.admission import cache_fit
-from tessera.core.kv_cache_groups import group_windows
+from tessera.core.kv_cache_groups import cache_group_windows
 from tessera.core.kv_connector import PullConnectorScheduler, check_kv_transfer_params
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
@@ -86,12 +86,15 @@ class LLMEngine:
         self.grammar_backend = grammar_backend or GrammarBackend(tokenizer, vocab_size,
                                                                  eos_token_ids)
         if kv_connector is None and config.kv_transfer is not None:
-            kv_connector = PullConnectorScheduler(config.kv_transfer, config.cache.block_size,
-                                                  clock=clock)
+            kv_connector = PullConnectorScheduler(
+                config.kv_transfer, config.cache.block_size, clock=clock,
+                num_groups=len(cache_group_windows(config.cache.sliding_window,
+                                                   config.cache.layer_windows)))
         self.scheduler = Scheduler(
             config.scheduler, config.cache, executor.num_gpu_blocks, executor.num_cpu_blocks,
             clock=clock, eos_token_ids=eos_token_ids, kv_connector=kv_connector,
             max_loras=None if config.lora is None else config.lora.max_loras,
+            num_draft_gpu_blocks=executor.num_draft_gpu_blocks,
         )
         self.loras = LoRARegistry(config.lora, model_arch)
         self.output_processor = OutputProcessor(tokenizer, clock)
@@ -123,7 +126,8 @@ class LLMEngine:
             self.step_log.close()
         self.step_log = StepLog(path, self.config, self.executor.num_gpu_blocks,
                                 self.executor.num_cpu_blocks, self.model_name,
-                                getattr(self.executor, "block_bytes", None))
+                                getattr(self.executor, "block_bytes", None),
+                                self.executor.num_draft_gpu_blocks)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -157,7 +161,9 @@ class LLMEngine:
             if params.n != 1:
                 raise ValueError("kv_transfer_params: a request with n > 1 cannot move its KV")
             check_kv_transfer_params(params.kv_transfer_params, self.config.kv_transfer,
-                                     len(token_ids), self.config.cache.block_size)
+                                     len(token_ids), self.config.cache.block_size,
+                                     len(cache_group_windows(self.config.cache.sliding_window,
+                                                             self.config.cache.layer_windows)))
         arrival = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(
             request_id=request_id,
@@ -229,7 +235,14 @@ class LLMEngine:
         cache = self.config.cache
         need, usable, _ = cache_fit(params.n, longest, cache.block_size,
                                     self.executor.num_gpu_blocks, cache.watermark,
-                                    max(1, len(group_windows(cache.layer_windows))))
+                                    group_windows=cache_group_windows(cache.sliding_window,
+                                                                      cache.layer_windows),
+                                    max_chunk_tokens=self.config.scheduler.max_num_batched_tokens)
+        if self.executor.num_draft_gpu_blocks:  # the draft's own pool holds every token block
+            draft = cache_fit(params.n, longest, cache.block_size,
+                              self.executor.num_draft_gpu_blocks, cache.watermark)
+            if draft[0] * usable > need * draft[1]:  # the tighter of the two pools decides
+                need, usable = draft[0], draft[1]
         if need > usable:
             most = max(usable // (need // params.n), 1)
             raise ValueError(

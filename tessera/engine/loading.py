@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config import EngineArgs
+from tessera.core.admission import draft_pool_blocks
 from tessera.engine.malloc_tuning import release_free_memory
 from tessera.engine.sizing import describe_config, size_kv_pools
 from tessera.executor.uniproc_executor import UniProcExecutor
@@ -124,7 +125,8 @@ def build_engine(engine_cls, args: EngineArgs, bundle: ModelBundle | None = None
         from tessera.engine.draft_loading import build_draft_proposer
 
         draft = build_draft_proposer(
-            config, path, model, arch, tokenizer, num_gpu_blocks, num_cpu_blocks
+            config, path, model, arch, tokenizer, num_gpu_blocks, num_cpu_blocks,
+            num_draft_gpu_blocks=draft_pool_blocks(config, num_gpu_blocks),
         )
     kv_worker, kv_scheduler = _kv_connector(config, cache_engine)
     runner = ModelRunner(
@@ -175,6 +177,7 @@ def _kv_connector(config, cache_engine: CacheEngine):
     kv = config.kv_transfer
     if kv is None:
         return None, None
+    from tessera.core.kv_cache_groups import cache_group_windows
     from tessera.core.kv_connector import PullConnectorScheduler
     from tessera.distributed.kv_transfer import create_kv_connector_worker
 
@@ -182,4 +185,6 @@ def _kv_connector(config, cache_engine: CacheEngine):
     worker = create_kv_connector_worker(kv, cache_engine, engine_id)
     if kv.is_producer:
         kv = dataclasses.replace(kv, kv_port=worker.port)
-    return worker, PullConnectorScheduler(kv, config.cache.block_size, engine_id=engine_id)
+    num_groups = len(cache_group_windows(config.cache.sliding_window, config.cache.layer_windows))
+    return worker, PullConnectorScheduler(kv, config.cache.block_size, engine_id=engine_id,
+                                          num_groups=num_groups)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from tessera.core.admission import check_cache_holds_max_model_len
-from tessera.core.kv_cache_groups import num_pool_blocks_for_override
+from tessera.core.kv_cache_groups import cache_group_windows, num_pool_blocks_for_override
 from tessera.worker.cache_engine import KVCacheSpec
 
 
@@ -32,7 +32,9 @@ def size_kv_pools(config, spec: KVCacheSpec) -> tuple[int, int]:
         num_gpu_blocks, config.cache.block_size, config.cache.watermark,
         config.model.max_model_len, spec.block_bytes,
         overridden=config.cache.num_gpu_blocks_override is not None,
-        num_groups=spec.num_groups,
+        group_windows=cache_group_windows(config.cache.sliding_window,
+                                          config.cache.layer_windows),
+        max_chunk_tokens=config.scheduler.max_num_batched_tokens,
     )
     return num_gpu_blocks, spec.num_blocks_for(config.cache.swap_space)
 

@@ -12,8 +12,9 @@ version is `FORMAT_VERSION`, and a reader refuses another.
 
 Every time is `time.perf_counter()` seconds (one clock for the whole file). Records, by `type`:
 
-    header   format, version, model, num_gpu_blocks, num_cpu_blocks, block_bytes (of one KV
-             block, null when the executor does not say), scheduler and cache (the configs)
+    header   format, version, model, num_gpu_blocks, num_cpu_blocks, num_draft_gpu_blocks (the
+             draft model's own pool, 0 when none), block_bytes (of one KV block, null when the
+             executor does not say), scheduler and cache (the configs)
     arrival  time (the scheduler got it), arrival_time (the server received it), request_id,
              prompt_token_ids, max_tokens, n, priority, prompt_logprobs (bool: it turns prefix
              caching off for the request)
@@ -59,13 +60,15 @@ class StepLog:
     else writes the file. Line-buffered: a server stopped by a signal keeps every line."""
 
     def __init__(self, path: str, config: EngineConfig, num_gpu_blocks: int,
-                 num_cpu_blocks: int, model: str, block_bytes: int | None = None) -> None:
+                 num_cpu_blocks: int, model: str, block_bytes: int | None = None,
+                 num_draft_gpu_blocks: int = 0) -> None:
         self._file = open(path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115
         self._num_steps = 0
         self._num_output: dict[str, int] = {}  # req_id -> output tokens so far
         self._write({"type": "header", "format": FORMAT, "version": FORMAT_VERSION,
                      "model": model, "num_gpu_blocks": num_gpu_blocks,
-                     "num_cpu_blocks": num_cpu_blocks, "block_bytes": block_bytes,
+                     "num_cpu_blocks": num_cpu_blocks,
+                     "num_draft_gpu_blocks": num_draft_gpu_blocks, "block_bytes": block_bytes,
                      "scheduler": _plain(config.scheduler), "cache": _plain(config.cache)})
 
     def _write(self, record: dict) -> None:

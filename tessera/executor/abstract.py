@@ -22,6 +22,8 @@ class Executor(ABC):
     # KV pool sizes the workers allocated (every worker the same), read once by the scheduler
     num_gpu_blocks: int
     num_cpu_blocks: int
+    # the draft model's own KV pool (speculative decoding with a window), 0: none
+    num_draft_gpu_blocks: int = 0
     # bytes of one KV block on one worker, where the executor knows it (the step log records it)
     block_bytes: int | None = None
 

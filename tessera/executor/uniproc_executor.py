@@ -14,6 +14,9 @@ class UniProcExecutor(Executor):
         self.runner = runner
         self.num_gpu_blocks = runner.cache_engine.num_gpu_blocks
         self.num_cpu_blocks = runner.cache_engine.num_cpu_blocks
+        draft = runner.draft_proposer
+        if draft is not None and draft.own_pool_base is not None:
+            self.num_draft_gpu_blocks = draft.cache.num_gpu_blocks
         self.block_bytes = runner.cache_engine.spec.block_bytes
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -27,6 +27,7 @@ import heapq
 import time
 
 from tessera.config import EngineConfig
+from tessera.core.kv_cache_groups import cache_group_windows
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.runner_output import KVTransferStats
 from tessera.core.scheduler import Scheduler
@@ -51,8 +52,11 @@ class _Instance:
         assert config.kv_transfer is not None
         kv = dataclasses.replace(config.kv_transfer, kv_role=role)
         self.clock = VirtualClock()
+        num_groups = len(cache_group_windows(config.cache.sliding_window,
+                                             config.cache.layer_windows))
         connector = PullConnectorScheduler(kv, config.cache.block_size, clock=self.clock,
-                                           engine_id=role)
+                                           engine_id=role, num_groups=num_groups)
+        self.num_groups = num_groups  # pool blocks per token block of every layer
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks,
                                    num_cpu_blocks, clock=self.clock, kv_connector=connector)
         self.runner = SyntheticRunner(cost.geometry.pool_block_bytes(config.cache))
@@ -168,7 +172,8 @@ class DisaggSimulator:
         meta = out.kv_connector_metadata
         if meta is not None:
             for req_id, pull in meta.reqs_to_recv.items():
-                num_tokens = len(pull.local_block_ids) * self.block_size
+                # a pool block holds one KV cache group's layers: tokens of every layer moved
+                num_tokens = len(pull.local_block_ids) * self.block_size // inst.num_groups
                 # an empty pull only tells the producer to let go
                 seconds = self.cost_model.kv_transfer_time(num_tokens) if num_tokens else 0.0
                 heapq.heappush(inst.landing, (start + seconds, req_id))

@@ -140,7 +140,8 @@ def replay(trace: Trace) -> ReplayOutcome:
     h = trace.header
     clock = VirtualClock()
     sched = Scheduler(trace.scheduler_config(), trace.cache_config(), h["num_gpu_blocks"],
-                      h["num_cpu_blocks"], clock=clock)
+                      h["num_cpu_blocks"], clock=clock,
+                      num_draft_gpu_blocks=h.get("num_draft_gpu_blocks", 0))
     runner = ReplayRunner(trace.block_bytes, trace.output_tokens())
     cost = LoggedStepTimes(trace)
     final = trace.final_lengths()

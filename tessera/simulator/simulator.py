@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tessera.config import EngineConfig
+from tessera.core.admission import draft_pool_blocks
 from tessera.core.core_output import EngineCoreOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
@@ -136,8 +137,10 @@ class Simulator:
         self.config = config
         self.cost_model = cost_model
         self.clock = VirtualClock()
+        # a draft model with a window: its own pool, as the engine sizes it
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks, num_cpu_blocks,
-                                   clock=self.clock)
+                                   clock=self.clock,
+                                   num_draft_gpu_blocks=draft_pool_blocks(config, num_gpu_blocks))
         self.runner = SyntheticRunner(cost_model.geometry.pool_block_bytes(config.cache),
                                       acceptance, config.speculative)
         self.max_concurrency = max_concurrency

@@ -12,7 +12,7 @@ state here (tessera/worker/pooler.py), which survives a swap but not a recompute
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,9 @@ class CachedRequestState:
     grammar: GrammarState | None = None
     pooling: PoolingState | None = None  # an embedding request: what its chunks pooled so far
     lora_request: LoRARequest | None = None
+    # the draft model's own table (speculative decoding with a window: the scheduler's draft
+    # KV cache group, ids of the draft's pool); empty when the draft follows `block_ids`
+    draft_block_ids: list[int] = field(default_factory=list)
 
     @property
     def lora_int_id(self) -> int:
@@ -51,8 +54,14 @@ class CachedRequestState:
 
 class InputBatch:
     def __init__(self, device: torch.device, grammar_backend: GrammarBackend | None = None,
-                 needs_grammars: bool = True) -> None:
+                 needs_grammars: bool = True,
+                 draft_table: tuple[int, int] | None = None) -> None:
+        """`draft_table`: (entries per logical block, first id of the draft's pool) when the
+        scheduler's tables carry a draft KV cache group (the last of each logical block): its
+        entries go to `draft_block_ids` (as ids of the draft's pool, from 0) and the rest,
+        the target's groups, to `block_ids`."""
         self.device = device
+        self.draft_table = draft_table
         self.grammar_backend = grammar_backend
         # False where nothing is sampled (tensor-parallel ranks > 0): no matchers to keep
         self.needs_grammars = needs_grammars
@@ -83,16 +92,35 @@ class InputBatch:
                 pooling=self._pooling(new, old),
                 lora_request=new.lora_request,
             )
+            if self.draft_table is not None:
+                state = self.requests[new.req_id]
+                state.block_ids, state.draft_block_ids = self._split(new.block_ids)
         for diff in out.scheduled_cached_reqs:
             state = self.requests[diff.req_id]
             state.output_token_ids.extend(diff.new_token_ids)
             if state.grammar is not None:
                 state.grammar.accept(diff.new_token_ids)
-            if diff.replace_block_ids:
+            if self.draft_table is not None:
+                target, draft = self._split(diff.new_block_ids)
+                if diff.replace_block_ids:
+                    state.block_ids, state.draft_block_ids = target, draft
+                else:
+                    state.block_ids.extend(target)
+                    state.draft_block_ids.extend(draft)
+            elif diff.replace_block_ids:
                 state.block_ids = list(diff.new_block_ids)
             else:
                 state.block_ids.extend(diff.new_block_ids)
             state.num_computed_tokens = diff.num_computed_tokens
+
+    def _split(self, ids) -> tuple[list[int], list[int]]:
+        """Interleaved entries (whole logical blocks) -> (target's entries, draft's ids)."""
+        assert self.draft_table is not None
+        stride, base = self.draft_table
+        assert len(ids) % stride == 0, "tables grow by whole logical blocks"
+        draft = stride - 1
+        return ([b for i, b in enumerate(ids) if i % stride != draft],
+                [b - base for b in ids[draft::stride]])
 
     @staticmethod
     def _pooling(new: NewRequestData, old: CachedRequestState | None) -> PoolingState | None:

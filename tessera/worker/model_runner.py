@@ -117,7 +117,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.requests = InputBatch(device, grammar_backend, needs_grammars=is_driver)
+        # the draft model's own pool (a window): its ids follow the target's, in the tables
+        self._draft_base = None if draft_proposer is None else draft_proposer.own_pool_base
+        self.requests = InputBatch(
+            device, grammar_backend, needs_grammars=is_driver,
+            draft_table=None if self._draft_base is None else (
+                cache_engine.spec.num_groups + 1, self._draft_base),
+        )
         # chosen once (the C++ kernel is built, or loaded from its cache, here at start-up)
         self.attn_backend = select_attention_backend(
             device, cache_engine.spec.dtype, block_size, name=attention_backend
@@ -246,7 +252,10 @@ class ModelRunner:
             self.kv_connector.bind_connector_metadata(out.kv_connector_metadata)
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.swap_in(out.blocks_to_swap_in)
-        self.cache_engine.copy(out.blocks_to_copy)
+        copies = out.blocks_to_copy
+        if self._draft_base is not None and copies:  # the draft's copies are its own
+            copies = [(src, dst) for src, dst in copies if src < self._draft_base]
+        self.cache_engine.copy(copies)
         if self.draft_proposer is not None:
             self.draft_proposer.apply_cache_ops(out)
         if not out.num_scheduled_tokens:

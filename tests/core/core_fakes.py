@@ -8,6 +8,7 @@ import zlib
 from dataclasses import dataclass
 
 from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
+from tessera.core.block_manager import NULL_BLOCK
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
@@ -188,3 +189,51 @@ def samples_this_step(out: SchedulerOutput, runner: FakeRunner) -> set[str]:
         req_id for req_id, n in out.num_scheduled_tokens.items()
         if runner.requests[req_id].num_computed_tokens + n == len(runner.requests[req_id].token_ids)
     }
+
+
+class FakeKVRunner(FakeRunner):
+    """The fake runner plus a fake KV cache: each scheduled token writes (token, position, group)
+    into every group's slot, and each query reads back every key its group's window shows.
+    `draft_group`: a group that plays the draft model's (core/block_manager.py): it recomputes
+    a request's KV from position 0 whenever the request is sent whole, then reads the whole
+    context."""
+
+    def __init__(self, scheduler: Scheduler, windows: tuple[int | None, ...],
+                 draft_group: int | None = None) -> None:
+        super().__init__(scheduler)
+        self.windows = windows
+        self.draft_group = draft_group
+        self.bs = scheduler.block_manager.block_size
+        self.gpu: dict[int, dict[int, tuple]] = {}
+        self.cpu: dict[int, dict[int, tuple]] = {}
+        self.draft_computed: dict[str, int] = {}
+
+    def execute(self, out):
+        self.apply(out)
+        for new in out.scheduled_new_reqs:
+            self.draft_computed[new.req_id] = 0
+        for src, dst in out.blocks_to_swap_out.items():
+            self.cpu[dst] = dict(self.gpu.get(src, {}))
+        for src, dst in out.blocks_to_swap_in.items():
+            self.gpu[dst] = dict(self.cpu.get(src, {}))
+        copied = {src: dict(self.gpu.get(src, {})) for src, _ in out.blocks_to_copy}
+        for src, dst in out.blocks_to_copy:
+            self.gpu[dst] = dict(copied[src])
+        ng, bs = len(self.windows), self.bs
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            tokens, table, start = req.token_ids, req.block_ids, req.num_computed_tokens
+            for g, window in enumerate(self.windows):
+                first = self.draft_computed[req_id] if g == self.draft_group else start
+                for p in range(first, start + n):
+                    block = table[p // bs * ng + g]
+                    assert block != NULL_BLOCK, f"{req_id} writes position {p} into a hole"
+                    self.gpu.setdefault(block, {})[p % bs] = (tokens[p], p, g)
+                for q in range(start, start + n):
+                    lo = 0 if window is None else max(0, q - window + 1)
+                    for k in range(lo, q + 1):
+                        block = table[k // bs * ng + g]
+                        got = self.gpu.get(block, {}).get(k % bs)
+                        assert got == (tokens[k], k, g), f"{req_id} group {g} key {k}: {got}"
+            self.draft_computed[req_id] = start + n
+        return self.execute_sampling(out)

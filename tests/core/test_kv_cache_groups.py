@@ -15,7 +15,7 @@ from tessera.core.kv_cache_groups import KVCacheGroupSpec, kv_cache_groups, laye
 from tessera.core.scheduler import Scheduler
 from tessera.sequence import SequenceStatus
 from tessera.utils import cdiv
-from tests.core.core_fakes import FakeRunner, make_group
+from tests.core.core_fakes import FakeKVRunner, make_group
 
 GEMMA3_270M = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
 
@@ -94,44 +94,6 @@ def test_hybrid_model_holds_more_long_requests_at_equal_memory():
     assert with_groups == (grouped.num_gpu_blocks - 768) // 288 + 1 == 40
 
 
-class _FakeKV(FakeRunner):
-    """The fake runner plus a fake KV cache: each scheduled token writes (token, position, group)
-    into every group's slot, and each query reads back every key its group's window shows."""
-
-    def __init__(self, scheduler: Scheduler, windows: tuple[int | None, ...]) -> None:
-        super().__init__(scheduler)
-        self.windows = windows
-        self.bs = scheduler.block_manager.block_size
-        self.gpu: dict[int, dict[int, tuple]] = {}
-        self.cpu: dict[int, dict[int, tuple]] = {}
-
-    def execute(self, out):
-        self.apply(out)
-        for src, dst in out.blocks_to_swap_out.items():
-            self.cpu[dst] = dict(self.gpu.get(src, {}))
-        for src, dst in out.blocks_to_swap_in.items():
-            self.gpu[dst] = dict(self.cpu.get(src, {}))
-        copied = {src: dict(self.gpu.get(src, {})) for src, _ in out.blocks_to_copy}
-        for src, dst in out.blocks_to_copy:
-            self.gpu[dst] = dict(copied[src])
-        ng, bs = len(self.windows), self.bs
-        for req_id, n in out.num_scheduled_tokens.items():
-            req = self.requests[req_id]
-            tokens, table, start = req.token_ids, req.block_ids, req.num_computed_tokens
-            for g, window in enumerate(self.windows):
-                for p in range(start, start + n):
-                    block = table[p // bs * ng + g]
-                    assert block != NULL_BLOCK, f"{req_id} writes position {p} into a hole"
-                    self.gpu.setdefault(block, {})[p % bs] = (tokens[p], p, g)
-                for q in range(start, start + n):
-                    lo = 0 if window is None else max(0, q - window + 1)
-                    for k in range(lo, q + 1):
-                        block = table[k // bs * ng + g]
-                        got = self.gpu.get(block, {}).get(k % bs)
-                        assert got == (tokens[k], k, g), f"{req_id} group {g} key {k}: {got}"
-        return self.execute_sampling(out)
-
-
 def _check_caps(scheduler: Scheduler, windows: tuple[int | None, ...]) -> None:
     bm = scheduler.block_manager
     ng, bs = len(windows), bm.block_size
@@ -177,7 +139,7 @@ def test_groups_keep_every_window_readable(layer_windows, num_gpu_blocks, mode, 
         prompt = (shared if share else []) + [i * 50 + j for j in range(prompt_len)]
         scheduler.add_seq_group(make_group(f"r{i}", 0, prompt=prompt[:28], n=n,
                                            max_tokens=max_tokens))
-    runner = _FakeKV(scheduler, windows)
+    runner = FakeKVRunner(scheduler, windows)
     steps = 0
     while scheduler.has_unfinished_seqs():
         runner.step()
@@ -223,7 +185,7 @@ def test_preemption_under_groups_reads_back_every_window():
         )
         for i in range(5):
             scheduler.add_seq_group(make_group(f"r{i}", 10, max_tokens=20))
-        runner = _FakeKV(scheduler, scheduler.block_manager.group_windows)
+        runner = FakeKVRunner(scheduler, scheduler.block_manager.group_windows)
         runner.run(max_steps=2000)
         scheduler.block_manager.check_integrity()
         assert scheduler.num_preemptions_total > 0, mode

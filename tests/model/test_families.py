@@ -108,6 +108,32 @@ def test_invariant_under_scheduling(family, engine_args):
         _check(model, _greedy(llm), expected)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"], indirect=True)
+def test_long_prompt_prefilled_in_chunks_through_a_small_cache(family):
+    """A prompt whose whole length the window groups could not hold: with chunked prefill a
+    window group holds its window and a chunk (block_manager.num_peak_blocks), so a cache too
+    small for the whole prompt in every group starts, admits it and decodes HF's tokens."""
+    name, path, model, _ = family
+    prompt = [(5 * j) % 300 + 7 for j in range(70)]
+    # window 12, chunks of 8, blocks of 4: a window group holds at most 6 blocks. Gemma 3: the
+    # full group holds 24 (96 tokens), its three window groups 6 each, in 4 x 11 pool blocks
+    blocks = 6 if name == "mistral" else 11
+    llm = LLM(model=path, num_gpu_blocks_override=blocks, block_size=4, max_model_len=96,
+              enable_chunked_prefill=True, max_num_batched_tokens=8,
+              enable_prefix_caching=False)
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.num_gpu_blocks < bm.num_groups * (len(prompt) + MAX_TOKENS) // 4
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    tie = check_greedy(model, prompt, hf_greedy(model, prompt, MAX_TOKENS),
+                       list(out.outputs[0].token_ids))
+    assert tie is None or "top-2 gap" in tie
+    assert bm.num_released_blocks > 0
+    bm.check_integrity()
+    assert bm.gpu.num_free == bm.num_gpu_blocks
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompt_logits_match_hf(family, dtype):
     from tessera.model.loader import load_model

@@ -65,3 +65,24 @@ def test_kv_transfer_config_simulates_the_pair_from_the_cli():
     m = run_point(args, load_samples(args), 4.0, include_requests=False)["metrics"]
     assert m["completed"] == 8 and m["kv_transfer_requests"] == 8
     assert m["mean_kv_transfer_ms"] > 0
+
+
+def test_a_window_moves_only_its_live_blocks():
+    """Mistral-style window of 8: the producer releases what the window left while it prefills
+    in chunks, so the pull moves the window's blocks, not the prompt's."""
+    config = EngineArgs(max_model_len=512, block_size=4, kv_transfer_config=KV,
+                        max_num_batched_tokens=8).create_engine_config(512, sliding_window=8)
+    assert config.cache.sliding_window == 8  # release stays on with a connector
+    cost = FixedCost(per_step=0.01, per_token=0.001)
+    cost.kv_link = LinkSpec(latency_s=0.01, bandwidth=1e6)
+    sim = DisaggSimulator(config, cost, 256, 0)
+    outcome = sim.run([SimRequest(list(range(1, 41)), 5, 0.0)])
+    (r,) = request_results(outcome)
+    assert r.success and r.output_tokens == 5
+    c = outcome.counters
+    # 40 tokens = 10 blocks; the last query (position 39) sees keys 32..39: blocks 8 and 9
+    assert c["kv_transfer_requests"] == 1 and c["kv_transfer_bytes"] == 2 * 4 * 64
+    assert c["decode_prompt_tokens_computed"] == 1
+    for inst in (sim.prefill, sim.decode):
+        assert inst.scheduler.block_manager.gpu_usage() == 0.0
+        assert not inst.scheduler.has_pending_kv_transfers()

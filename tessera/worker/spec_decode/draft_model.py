@@ -7,6 +7,12 @@ the draft's K/V for the same token positions as block b of the target's, so the 
 tables serve both, and swaps and copy-on-write copies are applied to both pools with the same
 mappings (`apply_cache_ops`). No allocation of its own, nothing to leak.
 
+With a sliding window the target releases blocks its window left, which the draft (attending to
+the whole context) still reads; so the scheduler gives the draft a KV cache group of its own
+(core/block_manager.py): a full table per request, `state.draft_block_ids`, in a pool of its own
+(`own_pool_base`: where its ids start in the scheduler's numbering). Its blocks are never swapped
+nor prefix-cached, so a request sent whole again always starts over from 0.
+
 Which draft K/V is valid (`self.computed[req_id]`: positions below it):
 
     0 ........................ c ............ L-1 | L ..... L+k-2        positions
@@ -59,8 +65,12 @@ class DraftRequest:
 
 class DraftModelProposer:
     def __init__(self, model, cache_engine: CacheEngine, attn_backend, block_size: int,
-                 num_speculative_tokens: int, max_model_len: int, device: torch.device):
+                 num_speculative_tokens: int, max_model_len: int, device: torch.device,
+                 own_pool_base: int | None = None):
+        """`own_pool_base`: the draft has its own pool and table (a window; its block b is the
+        scheduler's id own_pool_base + b); None: it follows the target's table."""
         self.model = model
+        self.own_pool_base = own_pool_base
         self.cache = cache_engine
         self.num_blocks = cache_engine.num_gpu_blocks  # the scheduler's ids; scratch lies above
         self.attn_backend = attn_backend
@@ -76,9 +86,13 @@ class DraftModelProposer:
     # ---- following the scheduler ----------------------------------------------------------------
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
         """Mirror the step's block moves on the draft pool, then forget what they invalidated."""
-        self.cache.swap_out(out.blocks_to_swap_out)
-        self.cache.swap_in(out.blocks_to_swap_in)
-        self.cache.copy(out.blocks_to_copy)
+        base = self.own_pool_base
+        if base is None:
+            self.cache.swap_out(out.blocks_to_swap_out)
+            self.cache.swap_in(out.blocks_to_swap_in)
+            self.cache.copy(out.blocks_to_copy)
+        else:  # its own pool: only its own copies (forked requests), nothing swapped
+            self.cache.copy([(s - base, d - base) for s, d in out.blocks_to_copy if s >= base])
         for req_id in out.finished_req_ids:
             self.computed.pop(req_id, None)
             self.seeds.pop(req_id, None)
@@ -87,6 +101,9 @@ class DraftModelProposer:
         bs = self.block_size
         for new in out.scheduled_new_reqs:
             self.seeds[new.req_id] = new.seed
+            if base is not None:  # its blocks are fresh whenever it is sent whole
+                self.computed[new.req_id] = 0
+                continue
             valid = min(self.computed.get(new.req_id, 0), new.num_computed_tokens)
             blocks = new.block_ids[: cdiv(valid, bs)]
             # its K/V survived only if every block holding it was swapped back in this step
@@ -110,8 +127,9 @@ class DraftModelProposer:
             st = reqs[i].state
             ctx = st.prompt_token_ids + st.output_token_ids + reqs[i].new_token_ids
             last_input = len(ctx) - 1 + num[i] - 1  # position of d_{num-2}, the last input
-            extra = max(0, last_input // bs + 1 - len(st.block_ids))
-            tables[i] = st.block_ids + list(range(next_scratch, next_scratch + extra))
+            table = st.block_ids if self.own_pool_base is None else st.draft_block_ids
+            extra = max(0, last_input // bs + 1 - len(table))
+            tables[i] = table + list(range(next_scratch, next_scratch + extra))
             next_scratch += extra
             contexts[i] = ctx
             starts[i] = min(self.computed.get(st.req_id, 0), len(ctx) - 1)
@@ -157,7 +175,8 @@ class DraftModelProposer:
                 walk.restore()
         for i in live:
             st = reqs[i].state
-            self.computed[st.req_id] = min(len(contexts[i]), len(st.block_ids) * bs)
+            own = st.block_ids if self.own_pool_base is None else st.draft_block_ids
+            self.computed[st.req_id] = min(len(contexts[i]), len(own) * bs)
             if i in uniforms:
                 self.draft_probs[st.req_id] = (list(drafts[i]), torch.stack(probs_per_req[i]))
             else:
