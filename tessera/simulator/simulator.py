@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tessera.config import EngineConfig
+from tessera.core.context_sharing import BlockTables
 from tessera.core.core_output import EngineCoreOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
@@ -139,7 +140,8 @@ class Simulator:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks, num_cpu_blocks,
                                    clock=self.clock)
         self.runner = SyntheticRunner(cost_model.geometry.pool_block_bytes(config.cache),
-                                      acceptance, config.speculative)
+                                      acceptance, config.speculative,
+                                      BlockTables.for_cache(config.cache))
         self.max_concurrency = max_concurrency
 
     def run(self, requests: list[SimRequest], record_timeline: bool = True,

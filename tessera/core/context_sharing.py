@@ -1,0 +1,99 @@
+"""How much of a step's KV context is shared: the tokens attention reads from a block that another
+sequence of the same step reads too.
+
+Why a cost model needs it. Prefix caching hands every request that starts with a cached prompt
+prefix the same physical blocks, and a forked request's streams share their prompt's blocks. A
+step whose sequences share blocks reads less distinct KV than the sum of their contexts:
+
+    block tables (block_size 16)         contexts after the step    read         distinct
+    req a  [ 7, 8, 9, 21 ]               60 tokens                   60
+    req b  [ 7, 8, 9, 30 ]               55 tokens                   55
+                                                                    115 tokens   48 + 12 + 7 = 67
+    shared context tokens = 115 - 67 = 48 (blocks 7, 8, 9 counted once)
+
+Blocks 7, 8 and 9 are one set of memory; the second reader finds them in the CPU's cache. On this
+machine a decode over a shared 512-token prefix cost about half as much per context token as one
+over a private context (step logs of the fidelity benchmark's prefix setting, docs/simulator.md).
+
+Here, below the engine and the simulator: the step log (tessera/engine/step_log.py) writes the
+count of each real step and the simulator's runner (tessera/simulator/batch.py) counts it for
+each simulated one, both from the `SchedulerOutput` messages alone, as a runner would see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from tessera.config import CacheConfig
+from tessera.core.block_manager import NULL_BLOCK
+from tessera.core.kv_cache_groups import kv_cache_groups
+from tessera.core.scheduler_output import SchedulerOutput
+
+
+def num_shared_context_tokens(reads: Iterable[tuple[Sequence[int], int]], block_size: int,
+                              num_groups: int = 1) -> int:
+    """Of the tokens the sequences read, those in blocks another one of them reads too (each
+    block counted once, at the most tokens any reader reads of it). `reads`: each sequence's
+    device block table and the tokens of its context it reads (its KV length after the step).
+    With KV cache groups the table interleaves `num_groups` entries per logical block
+    (tessera/core/block_manager.py); the count is then averaged over the groups. Released
+    entries (`NULL_BLOCK`, out of a sliding window) are read by no one."""
+    bs, g = block_size, num_groups
+    read = 0
+    full: set[int] = set()  # blocks some sequence reads whole
+    partial: dict[int, int] = {}  # block -> the most tokens a sequence reads of its last block
+    for table, num_tokens in reads:
+        num_full, rest = divmod(num_tokens, bs)
+        entries = table[:num_full * g]
+        read += bs * (len(entries) - entries.count(NULL_BLOCK))
+        full.update(entries)
+        if rest:
+            for block in table[num_full * g:(num_full + 1) * g]:
+                if block != NULL_BLOCK:
+                    read += rest
+                    partial[block] = max(partial.get(block, 0), rest)
+    full.discard(NULL_BLOCK)
+    distinct = bs * len(full) + sum(n for b, n in partial.items() if b not in full)
+    return (read - distinct) // g
+
+
+class BlockTables:
+    """Each request's device block table, followed from `SchedulerOutput` messages alone, as the
+    runner's persistent batch follows them (tessera/worker/input_batch.py): a new request brings
+    its whole table, a cached one appends blocks (or replaces its table after copy-on-write), a
+    finished one is dropped. `update` must see every step's message, in order, from the first
+    step on. A request whose table was never sent (following started mid-run) is left out of
+    the count rather than guessed."""
+
+    def __init__(self, block_size: int, num_groups: int = 1) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size, self.num_groups = block_size, num_groups
+        self._tables: dict[str, list[int]] = {}  # req_id -> its device block table
+
+    @classmethod
+    def for_cache(cls, cache: CacheConfig) -> BlockTables:
+        """The tables of an engine with `cache`'s block size and KV cache groups."""
+        groups = kv_cache_groups(cache.layer_windows) if cache.layer_windows else ()
+        return cls(cache.block_size, max(1, len(groups)))
+
+    def update(self, out: SchedulerOutput) -> None:
+        tables = self._tables
+        for req_id in out.finished_req_ids:
+            tables.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            tables[new.req_id] = list(new.block_ids)
+        for diff in out.scheduled_cached_reqs:
+            if diff.replace_block_ids:
+                tables[diff.req_id] = list(diff.new_block_ids)
+            elif diff.req_id in tables:
+                tables[diff.req_id].extend(diff.new_block_ids)
+
+    def num_shared_context_tokens(self, out: SchedulerOutput) -> int:
+        """`num_shared_context_tokens` of the step `out` schedules (call `update(out)` first):
+        each scheduled request reads its context after the step (computed + scheduled tokens)."""
+        computed = out.num_computed_tokens_by_req()
+        tables = self._tables
+        return num_shared_context_tokens(
+            ((tables[r], computed[r] + n) for r, n in out.num_scheduled_tokens.items()
+             if r in tables), self.block_size, self.num_groups)
