@@ -84,7 +84,37 @@ def test_a_replayed_run_has_the_real_schedule_step_by_step(logs, name):
         assert report["relative_error"][key]["p99"] < 0.05
 
 
-def test_aborts_refusals_and_n_above_one_replay_too(tiny_model, tmp_path):
+def _replayed_shared_tokens(trace, monkeypatch) -> list[int]:
+    """The shared context tokens the replay's runner counts in each step it prices."""
+    from tessera.simulator.replay import ReplayRunner
+
+    seen: list[int] = []
+    execute = ReplayRunner.execute
+
+    def counting(self, out):
+        shape, result = execute(self, out)
+        if out.total_num_scheduled_tokens:  # the steps a log holds
+            seen.append(shape.num_shared_context_tokens)
+        return shape, result
+
+    monkeypatch.setattr(ReplayRunner, "execute", counting)
+    replay(trace)
+    return seen
+
+
+def test_the_log_counts_shared_prefix_blocks_as_the_simulator_does(logs, monkeypatch):
+    """Prefix hits on the 16-token shared prefix (4 blocks of 4): the engine logs the blocks
+    its requests share in each step, and the replay's runner, following the same scheduler's
+    messages, counts the same in every step."""
+    trace = read_trace(logs["chunked-prefix"])
+    logged = [s.num_shared_context_tokens for s in trace.steps]
+    assert max(logged) >= 16 and all(n % 4 == 0 for n in logged)
+    assert _replayed_shared_tokens(trace, monkeypatch) == logged
+    private = read_trace(logs["recompute"])  # distinct prompts: no block is shared
+    assert {s.num_shared_context_tokens for s in private.steps} == {0}
+
+
+def test_aborts_refusals_and_n_above_one_replay_too(tiny_model, tmp_path, monkeypatch):
     """A request refused as too long, one aborted mid-run, one with n = 2 (forked children),
     and a late arrival after the engine idled: the replay still has the real schedule."""
     llm = _llm(tiny_model, preemption_mode="recompute")
@@ -114,6 +144,10 @@ def test_aborts_refusals_and_n_above_one_replay_too(tiny_model, tmp_path):
     assert report["first_divergence"] is None
     assert report["misses"] == {"ttft": [], "e2el": []}
     assert {r["request_id"] for r in report["requests"]} == {"a", "two", "late"}
+    # the forked children read their prompt's blocks together; the replay counts the same
+    logged = [s.num_shared_context_tokens for s in trace.steps]
+    assert max(logged) > 0
+    assert _replayed_shared_tokens(trace, monkeypatch) == logged
 
 
 def test_a_divergence_is_found_and_named(logs):

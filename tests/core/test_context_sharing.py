@@ -1,0 +1,86 @@
+"""Shared context tokens: KV blocks several sequences of a step read, counted once, by hand, and
+the block tables followed from the scheduler's messages alone."""
+
+from __future__ import annotations
+
+from tessera.config import CacheConfig
+from tessera.core.block_manager import NULL_BLOCK
+from tessera.core.context_sharing import BlockTables, num_shared_context_tokens
+from tessera.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tessera.sampling.params import SamplingParams
+
+
+def test_shared_blocks_are_counted_once():
+    # the module docstring's picture: blocks 7, 8, 9 (48 tokens) read by both
+    assert num_shared_context_tokens([([7, 8, 9, 21], 60), ([7, 8, 9, 30], 55)], 16) == 48
+    # private tables share nothing, however long
+    assert num_shared_context_tokens([([1, 2, 3], 40), ([4, 5, 6], 48)], 16) == 0
+    # three readers of one prefix block: two re-reads
+    assert num_shared_context_tokens([([1, 2], 20), ([1, 3], 17), ([1, 4], 32)], 16) == 32
+    # only what a sequence reads counts: the second reads 8 tokens of block 1, which the first
+    # reads whole
+    assert num_shared_context_tokens([([1, 2], 20), ([1], 8)], 16) == 8
+
+
+def test_a_shared_last_block_counts_its_longest_read():
+    # forked streams before copy-on-write: the partial last block 2 read by both (4 and 3 tokens)
+    assert num_shared_context_tokens([([1, 2], 20), ([1, 2], 19)], 16) == 16 + 3
+    # a block one sequence reads whole and another in part: the whole read is the distinct one
+    assert num_shared_context_tokens([([1, 2, 3], 40), ([1, 2], 20)], 16) == 16 + 4
+
+
+def test_released_blocks_are_read_by_no_one():
+    # out of a sliding window: NULL entries are no shared memory, however many tables hold them
+    tables = [([NULL_BLOCK, NULL_BLOCK, 3], 40), ([NULL_BLOCK, NULL_BLOCK, 4], 40)]
+    assert num_shared_context_tokens(tables, 16) == 0
+    assert num_shared_context_tokens([([NULL_BLOCK, 5, 3], 40), ([NULL_BLOCK, 5, 4], 40)],
+                                     16) == 16
+
+
+def test_kv_cache_groups_average_over_their_entries():
+    # two groups, interleaved: logical block 0 is (10, 11), block 1 is (12, 13) / (14, 15); the
+    # full group shares block 0, the window group released its entry in the second table
+    tables = [([10, 11, 12, 13], 20), ([10, NULL_BLOCK, 14, 15], 20)]
+    # group 0 shares 16 tokens, group 1 none: 16 / 2 per group
+    assert num_shared_context_tokens(tables, 16, num_groups=2) == 8
+
+
+def _new(req_id, blocks, computed, num_tokens):
+    return NewRequestData(req_id, tuple(range(num_tokens)), (), SamplingParams(), tuple(blocks),
+                          computed)
+
+
+def test_block_tables_follow_new_appended_replaced_and_finished_requests():
+    tables = BlockTables(block_size=4)
+    # a and b: a prefix hit on blocks 0 and 1 (8 tokens), each with its own third block
+    step1 = SchedulerOutput(scheduled_new_reqs=[_new("a", [0, 1, 2], 0, 10),
+                                                _new("b", [0, 1, 3], 8, 10)],
+                            num_scheduled_tokens={"a": 10, "b": 2})
+    tables.update(step1)
+    assert tables.num_shared_context_tokens(step1) == 8
+    # both decode; a's fourth block arrives as a diff; b's table is replaced (copy-on-write of
+    # block 1 into 5): only block 0 stays shared
+    step2 = SchedulerOutput(
+        scheduled_cached_reqs=[CachedRequestData("a", [1], [4], False, 10),
+                               CachedRequestData("b", [1], [0, 5, 3], True, 10)],
+        num_scheduled_tokens={"a": 1, "b": 1})
+    tables.update(step2)
+    assert tables.num_shared_context_tokens(step2) == 4
+    # a finishes; c arrives with a's blocks (a prefix hit on all of them) beside b
+    step3 = SchedulerOutput(finished_req_ids=["a"],
+                            scheduled_new_reqs=[_new("c", [0, 1, 2, 4], 12, 13)],
+                            scheduled_cached_reqs=[CachedRequestData("b", [1], [], False, 11)],
+                            num_scheduled_tokens={"c": 1, "b": 1})
+    tables.update(step3)
+    assert tables.num_shared_context_tokens(step3) == 4
+    # a diff for a request whose table was never seen (a log started mid-run) is left out
+    step4 = SchedulerOutput(scheduled_cached_reqs=[CachedRequestData("z", [1], [0], False, 3)],
+                            num_scheduled_tokens={"z": 1})
+    tables.update(step4)
+    assert tables.num_shared_context_tokens(step4) == 0
+
+
+def test_block_tables_take_the_cache_geometry():
+    assert BlockTables.for_cache(CacheConfig(block_size=32)).block_size == 32
+    gemma = BlockTables.for_cache(CacheConfig(layer_windows=(None, 512, 512, 512)))
+    assert gemma.num_groups == 4  # gcd(1, 3) = 1 layer a group: one full, three window
