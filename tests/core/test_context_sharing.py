@@ -73,11 +73,24 @@ def test_block_tables_follow_new_appended_replaced_and_finished_requests():
                             num_scheduled_tokens={"c": 1, "b": 1})
     tables.update(step3)
     assert tables.num_shared_context_tokens(step3) == 4
-    # a diff for a request whose table was never seen (a log started mid-run) is left out
-    step4 = SchedulerOutput(scheduled_cached_reqs=[CachedRequestData("z", [1], [0], False, 3)],
-                            num_scheduled_tokens={"z": 1})
+    # b and c finish; d and e start on fresh blocks: nothing shared, until e's table is
+    # replaced by one that starts with d's first block
+    step4 = SchedulerOutput(finished_req_ids=["b", "c"],
+                            scheduled_new_reqs=[_new("d", [6, 7], 0, 8), _new("e", [8, 9], 0, 8)],
+                            num_scheduled_tokens={"d": 8, "e": 8})
     tables.update(step4)
     assert tables.num_shared_context_tokens(step4) == 0
+    step5 = SchedulerOutput(
+        scheduled_cached_reqs=[CachedRequestData("d", [1], [], False, 8),
+                               CachedRequestData("e", [1], [6, 9], True, 8)],
+        num_scheduled_tokens={"d": 1, "e": 1})
+    tables.update(step5)
+    assert tables.num_shared_context_tokens(step5) == 4
+    # a diff for a request whose table was never seen (a log started mid-run) is left out
+    step6 = SchedulerOutput(scheduled_cached_reqs=[CachedRequestData("z", [1], [6], False, 3)],
+                            num_scheduled_tokens={"z": 1})
+    tables.update(step6)
+    assert tables.num_shared_context_tokens(step6) == 0
 
 
 def test_block_tables_take_the_cache_geometry():
