@@ -102,13 +102,31 @@ def _replayed_shared_tokens(trace, monkeypatch) -> list[int]:
     return seen
 
 
-def test_the_log_counts_shared_prefix_blocks_as_the_simulator_does(logs, monkeypatch):
-    """Prefix hits on the 16-token shared prefix (4 blocks of 4): the engine logs the blocks
-    its requests share in each step, and the replay's runner, following the same scheduler's
-    messages, counts the same in every step."""
-    trace = read_trace(logs["chunked-prefix"])
+def test_the_log_counts_shared_prefix_blocks_as_the_simulator_does(tiny_model, tmp_path, logs,
+                                                                   monkeypatch):
+    """Three requests on one 16-token prefix (4 blocks of 4), the later two hitting the first's
+    cached blocks: the engine logs the blocks they share in each step (2 re-reads of 16 tokens
+    while all three decode), and the replay's runner, following the same scheduler's messages,
+    counts the same in every step."""
+    from tessera import LLM
+
+    llm = LLM(model=tiny_model, block_size=4, max_model_len=64, num_gpu_blocks_override=64,
+              enable_prefix_caching=True)
+    engine = llm.llm_engine
+    log = str(tmp_path / "prefix.jsonl")
+    engine.start_step_log(log)
+    prefix = list(range(200, 216))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": prefix + [5, 6, 7]}, greedy)
+    engine.step()
+    engine.add_request("b", {"prompt_token_ids": prefix + [8, 9]}, greedy)
+    engine.add_request("c", {"prompt_token_ids": prefix + [10]}, greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    trace = read_trace(log)
     logged = [s.num_shared_context_tokens for s in trace.steps]
-    assert max(logged) >= 16 and all(n % 4 == 0 for n in logged)
+    assert 2 * 16 in logged and all(n <= 2 * 16 for n in logged)
     assert _replayed_shared_tokens(trace, monkeypatch) == logged
     private = read_trace(logs["recompute"])  # distinct prompts: no block is shared
     assert {s.num_shared_context_tokens for s in private.steps} == {0}
