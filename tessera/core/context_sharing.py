@@ -31,30 +31,29 @@ from tessera.core.scheduler_output import SchedulerOutput
 
 
 def num_shared_context_tokens(reads: Iterable[tuple[Sequence[int], int]], block_size: int,
-                              num_groups: int = 1) -> int:
+                              num_groups: int = 1, candidates: set[int] | None = None) -> int:
     """Of the tokens the sequences read, those in blocks another one of them reads too (each
     block counted once, at the most tokens any reader reads of it). `reads`: each sequence's
     device block table and the tokens of its context it reads (its KV length after the step).
-    With KV cache groups the table interleaves `num_groups` entries per logical block
-    (tessera/core/block_manager.py); the count is then averaged over the groups. Released
-    entries (`NULL_BLOCK`, out of a sliding window) are read by no one."""
+    `candidates`, when given, holds every block that can be shared (the others are in one table
+    only): only those are looked at. With KV cache groups the table interleaves `num_groups`
+    entries per logical block (tessera/core/block_manager.py); the count is then averaged over
+    the groups. Released entries (`NULL_BLOCK`, out of a sliding window) are read by no one."""
     bs, g = block_size, num_groups
-    read = 0
-    full: set[int] = set()  # blocks some sequence reads whole
-    partial: dict[int, int] = {}  # block -> the most tokens a sequence reads of its last block
+    read: dict[int, int] = {}  # block -> tokens read of it, all readers together
+    most: dict[int, int] = {}  # block -> the most tokens one reader reads of it
     for table, num_tokens in reads:
         num_full, rest = divmod(num_tokens, bs)
-        entries = table[:num_full * g]
-        read += bs * (len(entries) - entries.count(NULL_BLOCK))
-        full.update(entries)
+        spans = [(table[:num_full * g], bs)]
         if rest:
-            for block in table[num_full * g:(num_full + 1) * g]:
+            spans.append((table[num_full * g:(num_full + 1) * g], rest))
+        for entries, n in spans:
+            for block in entries if candidates is None else candidates.intersection(entries):
                 if block != NULL_BLOCK:
-                    read += rest
-                    partial[block] = max(partial.get(block, 0), rest)
-    full.discard(NULL_BLOCK)
-    distinct = bs * len(full) + sum(n for b, n in partial.items() if b not in full)
-    return (read - distinct) // g
+                    read[block] = read.get(block, 0) + n
+                    if most.get(block, 0) < n:
+                        most[block] = n
+    return (sum(read.values()) - sum(most.values())) // g
 
 
 class BlockTables:
@@ -66,12 +65,12 @@ class BlockTables:
     the count rather than guessed.
 
     Why it also counts the tables holding each block: a step can share a block only if two
-    followed tables hold it, and most steps of a workload without common prefixes have none.
-    Counting costs a few operations per block a request gains, once; counting the step's shared
-    tokens costs a pass over every scheduled table, every step (0.7 ms at 256 sequences of 40
-    blocks here, a third of a simulated step). So that pass runs only while some block is held
-    twice. A table held past its blocks' release (a preempted request, until it is sent again)
-    can make a freed block look held twice: the pass then runs, and finds the true count. (A
+    followed tables hold it, and most blocks of most workloads are in one table. Counting costs
+    a few operations per block a request gains, once; a pass over every scheduled table's every
+    block, every step, cost 0.7 ms at 256 sequences of 40 blocks here (a third of a simulated
+    step). So a step looks only at the blocks held twice, and at none while there are none. A
+    table held past its blocks' release (a preempted request, until it is sent again) can make
+    a freed block look held twice: it is then looked at, and the count stays exact. (A
     sliding window's released entries stay in a runner's copy of the table, as the messages
     carry no release: one reused by another sequence of the same step would count as shared,
     here as in the step log.)"""
@@ -82,7 +81,7 @@ class BlockTables:
         self.block_size, self.num_groups = block_size, num_groups
         self._tables: dict[str, list[int]] = {}  # req_id -> its device block table
         self._holders: dict[int, int] = {}  # block -> tables holding it (absent: none)
-        self._num_held_twice = 0  # blocks with two or more holders
+        self._held_twice: set[int] = set()  # blocks with two or more holders
 
     @classmethod
     def for_cache(cls, cache: CacheConfig) -> BlockTables:
@@ -98,7 +97,7 @@ class BlockTables:
             n = holders.get(b, 0) + 1
             holders[b] = n
             if n == 2:
-                self._num_held_twice += 1
+                self._held_twice.add(b)
 
     def _release(self, blocks: Iterable[int]) -> None:
         holders = self._holders
@@ -109,7 +108,7 @@ class BlockTables:
             if n:
                 holders[b] = n
                 if n == 1:
-                    self._num_held_twice -= 1
+                    self._held_twice.discard(b)
             else:
                 del holders[b]
 
@@ -122,7 +121,7 @@ class BlockTables:
         for diff in out.scheduled_cached_reqs:
             if diff.replace_block_ids:
                 self._set(diff.req_id, list(diff.new_block_ids))
-            elif diff.req_id in tables:
+            elif diff.new_block_ids and diff.req_id in tables:
                 tables[diff.req_id].extend(diff.new_block_ids)
                 self._hold(diff.new_block_ids)
 
@@ -134,10 +133,10 @@ class BlockTables:
     def num_shared_context_tokens(self, out: SchedulerOutput) -> int:
         """`num_shared_context_tokens` of the step `out` schedules (call `update(out)` first):
         each scheduled request reads its context after the step (computed + scheduled tokens)."""
-        if not self._num_held_twice:
+        if not self._held_twice:
             return 0
         computed = out.num_computed_tokens_by_req()
         tables = self._tables
         return num_shared_context_tokens(
             ((tables[r], computed[r] + n) for r, n in out.num_scheduled_tokens.items()
-             if r in tables), self.block_size, self.num_groups)
+             if r in tables), self.block_size, self.num_groups, self._held_twice)

@@ -3,6 +3,9 @@ the block tables followed from the scheduler's messages alone."""
 
 from __future__ import annotations
 
+import random
+from collections import Counter, defaultdict
+
 from tessera.config import CacheConfig
 from tessera.core.block_manager import NULL_BLOCK
 from tessera.core.context_sharing import BlockTables, num_shared_context_tokens
@@ -97,3 +100,26 @@ def test_block_tables_take_the_cache_geometry():
     assert BlockTables.for_cache(CacheConfig(block_size=32)).block_size == 32
     gemma = BlockTables.for_cache(CacheConfig(layer_windows=(None, 512, 512, 512)))
     assert gemma.num_groups == 4  # gcd(1, 3) = 1 layer a group: one full, three window
+
+
+def test_looking_only_at_blocks_held_twice_gives_the_full_count():
+    """Random tables (distinct blocks each, some released): the count over every block, the
+    count over the blocks in two or more tables, and a per-token brute force agree."""
+    rng = random.Random(1)
+    for _ in range(2000):
+        g, bs = rng.choice((1, 2, 3)), rng.choice((1, 4, 16))
+        reads = []
+        for _ in range(rng.randint(0, 5)):
+            n = rng.randint(0, 60)
+            table = [b if b % 9 else NULL_BLOCK for b in rng.sample(range(200), -(-n // bs) * g)]
+            reads.append((table, n))
+        held = Counter(b for table, _ in reads for b in table if b != NULL_BLOCK)
+        readers = defaultdict(list)  # block -> tokens each reader reads of it
+        for table, n in reads:
+            for j, b in enumerate(table):
+                if b != NULL_BLOCK:
+                    readers[b].append(min(bs, n - j // g * bs))
+        brute = sum(sum(r) - max(r) for r in readers.values()) // g
+        assert num_shared_context_tokens(reads, bs, g) == brute
+        twice = {b for b, k in held.items() if k > 1}
+        assert num_shared_context_tokens(reads, bs, g, twice) == brute
