@@ -64,24 +64,25 @@ class BlockTables:
     step on. A request whose table was never sent (following started mid-run) is left out of
     the count rather than guessed.
 
-    Why it also counts the tables holding each block: a step can share a block only if two
-    followed tables hold it, and most blocks of most workloads are in one table. Counting costs
-    a few operations per block a request gains, once; a pass over every scheduled table's every
-    block, every step, cost 0.7 ms at 256 sequences of 40 blocks here (a third of a simulated
-    step). So a step looks only at the blocks held twice, and at none while there are none. A
-    table held past its blocks' release (a preempted request, until it is sent again) can make
-    a freed block look held twice: it is then looked at, and the count stays exact. (A
-    sliding window's released entries stay in a runner's copy of the table, as the messages
-    carry no release: one reused by another sequence of the same step would count as shared,
-    here as in the step log.)"""
+    Why it also keeps the tables holding each block: a step can share a block only if two
+    followed tables hold it, and most blocks of most workloads are in one table. Keeping them
+    costs a few operations per block a request gains, once; a pass over every scheduled table's
+    every block, every step, cost 0.7 ms at 256 sequences of 40 blocks here (a third of a
+    simulated step). So a step looks only at the requests holding a block another table holds,
+    and only at those blocks. A table held past its blocks' release (a preempted request, until
+    it is sent again) can make a freed block look held twice: it is then looked at, and the
+    count stays exact. (A sliding window's released entries stay in a runner's copy of the
+    table, as the messages carry no release: one reused by another sequence of the same step
+    would count as shared, here as in the step log.)"""
 
     def __init__(self, block_size: int, num_groups: int = 1) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size, self.num_groups = block_size, num_groups
         self._tables: dict[str, list[int]] = {}  # req_id -> its device block table
-        self._holders: dict[int, int] = {}  # block -> tables holding it (absent: none)
-        self._held_twice: set[int] = set()  # blocks with two or more holders
+        self._holders: dict[int, set[str]] = {}  # block -> the requests whose table holds it
+        self._held_twice: set[int] = set()  # blocks two or more tables hold
+        self._num_held_twice: dict[str, int] = {}  # req_id -> its blocks in _held_twice
 
     @classmethod
     def for_cache(cls, cache: CacheConfig) -> BlockTables:
@@ -89,33 +90,41 @@ class BlockTables:
         groups = kv_cache_groups(cache.layer_windows) if cache.layer_windows else ()
         return cls(cache.block_size, max(1, len(groups)))
 
-    def _hold(self, blocks: Iterable[int]) -> None:
-        holders = self._holders
+    def _hold(self, req_id: str, blocks: Iterable[int]) -> None:
+        holders, twice, counts = self._holders, self._held_twice, self._num_held_twice
         for b in blocks:
             if b == NULL_BLOCK:
                 continue
-            n = holders.get(b, 0) + 1
-            holders[b] = n
-            if n == 2:
-                self._held_twice.add(b)
+            held = holders.get(b)
+            if held is None:
+                holders[b] = {req_id}
+                continue
+            if len(held) == 1:  # its first holder now shares it
+                twice.add(b)
+                (first,) = held
+                counts[first] += 1
+            held.add(req_id)
+            counts[req_id] += 1
 
-    def _release(self, blocks: Iterable[int]) -> None:
-        holders = self._holders
-        for b in blocks:
+    def _release(self, req_id: str) -> None:
+        holders, twice, counts = self._holders, self._held_twice, self._num_held_twice
+        for b in self._tables.pop(req_id, ()):
             if b == NULL_BLOCK:
                 continue
-            n = holders[b] - 1
-            if n:
-                holders[b] = n
-                if n == 1:
-                    self._held_twice.discard(b)
-            else:
+            held = holders[b]
+            held.discard(req_id)
+            if len(held) == 1:  # its last holder no longer shares it
+                twice.discard(b)
+                (last,) = held
+                counts[last] -= 1
+            elif not held:
                 del holders[b]
+        counts.pop(req_id, None)
 
     def update(self, out: SchedulerOutput) -> None:
         tables = self._tables
         for req_id in out.finished_req_ids:
-            self._release(tables.pop(req_id, ()))
+            self._release(req_id)
         for new in out.scheduled_new_reqs:
             self._set(new.req_id, list(new.block_ids))
         for diff in out.scheduled_cached_reqs:
@@ -123,20 +132,25 @@ class BlockTables:
                 self._set(diff.req_id, list(diff.new_block_ids))
             elif diff.new_block_ids and diff.req_id in tables:
                 tables[diff.req_id].extend(diff.new_block_ids)
-                self._hold(diff.new_block_ids)
+                self._hold(diff.req_id, diff.new_block_ids)
 
     def _set(self, req_id: str, table: list[int]) -> None:
-        self._release(self._tables.get(req_id, ()))
+        self._release(req_id)
         self._tables[req_id] = table
-        self._hold(table)
+        self._num_held_twice[req_id] = 0
+        self._hold(req_id, table)
 
     def num_shared_context_tokens(self, out: SchedulerOutput) -> int:
         """`num_shared_context_tokens` of the step `out` schedules (call `update(out)` first):
         each scheduled request reads its context after the step (computed + scheduled tokens)."""
         if not self._held_twice:
             return 0
+        counts = self._num_held_twice
+        sharing = [r for r in out.num_scheduled_tokens if counts.get(r)]
+        if len(sharing) < 2:
+            return 0
         computed = out.num_computed_tokens_by_req()
-        tables = self._tables
+        tables, scheduled = self._tables, out.num_scheduled_tokens
         return num_shared_context_tokens(
-            ((tables[r], computed[r] + n) for r, n in out.num_scheduled_tokens.items()
-             if r in tables), self.block_size, self.num_groups, self._held_twice)
+            ((tables[r], computed[r] + scheduled[r]) for r in sharing), self.block_size,
+            self.num_groups, self._held_twice)

@@ -123,3 +123,40 @@ def test_looking_only_at_blocks_held_twice_gives_the_full_count():
         assert num_shared_context_tokens(reads, bs, g) == brute
         twice = {b for b, k in held.items() if k > 1}
         assert num_shared_context_tokens(reads, bs, g, twice) == brute
+
+
+def test_followed_tables_count_what_a_pass_over_every_table_counts():
+    """Random steps of new, growing, replaced and finished requests over a small pool (so
+    blocks are often held by several tables): the followed count equals a pass over all the
+    step's tables, every step."""
+    rng = random.Random(2)
+    bs = 4
+    tables = BlockTables(bs)
+    truth: dict[str, list[int]] = {}  # req_id -> table, kept by the test itself
+    for step in range(600):
+        out = SchedulerOutput()
+        for req_id in rng.sample(sorted(truth), min(len(truth), rng.randint(0, 2))):
+            out.finished_req_ids.append(req_id)
+            del truth[req_id]
+        for k in range(rng.randint(0, 2)):
+            req_id = f"s{step}.{k}"
+            truth[req_id] = rng.sample(range(24), rng.randint(1, 6))
+            out.scheduled_new_reqs.append(_new(req_id, truth[req_id], 0, 1))
+        running = [r for r in truth if r not in {n.req_id for n in out.scheduled_new_reqs}]
+        for req_id in running:
+            if rng.random() < 0.2:  # copy-on-write: a new table
+                truth[req_id] = rng.sample(range(24), rng.randint(1, 6))
+                diff = CachedRequestData(req_id, [1], list(truth[req_id]), True, 0)
+            else:
+                grown = rng.sample([b for b in range(24) if b not in truth[req_id]],
+                                   rng.randint(0, 1))
+                truth[req_id] += grown
+                diff = CachedRequestData(req_id, [1], grown, False, 0)
+            out.scheduled_cached_reqs.append(diff)
+        for req_id in rng.sample(sorted(truth), rng.randint(0, len(truth))):
+            out.num_scheduled_tokens[req_id] = rng.randint(1, len(truth[req_id]) * bs)
+        tables.update(out)
+        computed = out.num_computed_tokens_by_req()
+        expected = num_shared_context_tokens(
+            [(truth[r], computed[r] + n) for r, n in out.num_scheduled_tokens.items()], bs)
+        assert tables.num_shared_context_tokens(out) == expected
