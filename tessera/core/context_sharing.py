@@ -23,6 +23,7 @@ each simulated one, both from the `SchedulerOutput` messages alone, as a runner 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from tessera.config import CacheConfig
@@ -41,20 +42,22 @@ def num_shared_context_tokens(reads: Iterable[tuple[Sequence[int], int]], block_
     entries per logical block (tessera/core/block_manager.py); the count is then averaged over
     the groups. Released entries (`NULL_BLOCK`, out of a sliding window) are read by no one."""
     bs, g = block_size, num_groups
-    read: dict[int, int] = {}  # block -> tokens read of it, all readers together
-    most: dict[int, int] = {}  # block -> the most tokens one reader reads of it
+    full: Counter[int] = Counter()  # block -> readers that read it whole
+    partial_read = 0  # tokens read of blocks a sequence reads in part (its last one)
+    partial: dict[int, int] = {}  # such a block -> the most tokens one reader reads of it
     for table, num_tokens in reads:
         num_full, rest = divmod(num_tokens, bs)
-        spans = [(table[:num_full * g], bs)]
+        entries = table[:num_full * g]
+        full.update(entries if candidates is None else candidates.intersection(entries))
         if rest:
-            spans.append((table[num_full * g:(num_full + 1) * g], rest))
-        for entries, n in spans:
-            for block in entries if candidates is None else candidates.intersection(entries):
-                if block != NULL_BLOCK:
-                    read[block] = read.get(block, 0) + n
-                    if most.get(block, 0) < n:
-                        most[block] = n
-    return (sum(read.values()) - sum(most.values())) // g
+            for block in table[num_full * g:(num_full + 1) * g]:
+                if block != NULL_BLOCK and (candidates is None or block in candidates):
+                    partial_read += rest
+                    partial[block] = max(partial.get(block, 0), rest)
+    full.pop(NULL_BLOCK, None)
+    read = bs * sum(full.values()) + partial_read
+    distinct = bs * len(full) + sum(n for b, n in partial.items() if b not in full)
+    return (read - distinct) // g
 
 
 class BlockTables:
