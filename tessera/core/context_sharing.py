@@ -73,11 +73,14 @@ class BlockTables:
     costs a few operations per block a request gains, once; a pass over every scheduled table's
     every block, every step, cost 0.7 ms at 256 sequences of 40 blocks here (a third of a
     simulated step). So a step looks only at the requests holding a block another table holds,
-    and only at those blocks. A table held past its blocks' release (a preempted request, until
-    it is sent again) can make a freed block look held twice: it is then looked at, and the
-    count stays exact. (A sliding window's released entries stay in a runner's copy of the
-    table, as the messages carry no release: one reused by another sequence of the same step
-    would count as shared, here as in the step log.)"""
+    and only at those blocks. Measured on `tessera simulate` (H100 roofline, 3,000 requests at
+    rate inf, against the same code without the count): ShareGPT 9.6-10.0 s against 9.2-9.3 s;
+    a 512-token shared prefix, every step a pass over ~256 sharing requests, 4.7 s against 3.4.
+    A table held past its blocks' release (a preempted request, until it is sent again) can
+    make a freed block look held twice: it is then looked at, and the count stays exact. (A
+    sliding window's released entries stay in a runner's copy of the table, as the messages
+    carry no release: one reused by another sequence of the same step would count as shared,
+    here as in the step log.)"""
 
     def __init__(self, block_size: int, num_groups: int = 1) -> None:
         if block_size < 1:
