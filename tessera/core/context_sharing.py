@@ -13,7 +13,7 @@ step whose sequences share blocks reads less distinct KV than the sum of their c
 
 Blocks 7, 8 and 9 are one set of memory; the second reader finds them in the CPU's cache. On this
 machine (the default model, bf16) 8 decodes at 576 tokens over one shared 512-token prefix took
-18.1 ms, where 8 at 512 private tokens took 21.2 ms; the calibration grid's fit priced a shared
+24.9 ms, where 8 at 512 private tokens took 29.0 ms; the calibration grid's fit priced a shared
 token's re-read at nothing beyond its attention pairs (docs/simulator.md).
 
 Here, below the engine and the simulator: the step log (tessera/engine/step_log.py) writes the
