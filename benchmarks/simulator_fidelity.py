@@ -52,13 +52,12 @@ from tessera.bench.serve import load_bench_tokenizer, run_bench
 from tessera.bench.sweep import ServerProcess, free_port
 from tessera.config import EngineArgs
 from tessera.entrypoints.cli import build_parser
-from tessera.simulator.batch import batch_shape
 from tessera.simulator.calibrate import GridProbe
 from tessera.simulator.cli import load_samples, run_point
 from tessera.simulator.cost_model import ProfiledCostModel
 from tessera.simulator.replay import compare, real_request_times, replay
 from tessera.simulator.serving import TRACE
-from tessera.simulator.step_fit import LoggedStep, fit_serving_rates, step_kind
+from tessera.simulator.step_fit import LoggedStep, fit_serving_rates, logged_batch, step_kind
 from tessera.simulator.trace import read_trace
 
 RANDOM = ("--dataset random --random-input-len 256 --random-output-len 64 "
@@ -114,8 +113,7 @@ def in_window(trace, start: float, end: float):
 
 
 def logged_steps(steps, block_bytes: int) -> list[LoggedStep]:
-    return [LoggedStep(batch_shape(((n, c) for _, n, c in s.reqs), s.swap_blocks * block_bytes),
-                       s.seconds) for s in steps]
+    return [LoggedStep(logged_batch(s, block_bytes), s.seconds) for s in steps]
 
 
 def kind(step: LoggedStep) -> str:

@@ -311,7 +311,7 @@ class LLMEngine:
         self.step_times.record(
             t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens
         )
-        if self.step_log is not None and scheduler_output.total_num_scheduled_tokens:
+        if self.step_log is not None:
             self.step_log.step(scheduler_output, core_outputs, outputs, t0, t3,
                                self.has_unfinished_requests())
         if watched:

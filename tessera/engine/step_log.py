@@ -20,9 +20,12 @@ Every time is `time.perf_counter()` seconds (one clock for the whole file). Reco
              caching off for the request)
     step     step (0, 1, ...), start, end, busy (work was left: the next step began at once),
              num_seqs, num_tokens, reqs ([req_id, new tokens, computed tokens before] per
-             scheduled stream), preempted (request ids), ignored (request ids refused as never
-             fitting), swap_out and swap_in (blocks), tokens ({req_id: token ids it gained}),
-             finished ({req_id: its output length}, streams that ended in this step)
+             scheduled stream), num_shared_context_tokens (of the KV tokens the step's streams
+             read, those in blocks another of them reads too: a shared prefix's blocks counted
+             once, tessera/core/context_sharing.py; absent in logs written before it, read as
+             0), preempted (request ids), ignored (request ids refused as never fitting),
+             swap_out and swap_in (blocks), tokens ({req_id: token ids it gained}), finished
+             ({req_id: its output length}, streams that ended in this step)
     abort    time, request_ids (the client went away)
 
 Steps that scheduled nothing are not logged (an idle engine polls only while KV transfers are
@@ -38,6 +41,7 @@ import time
 from collections.abc import Iterable
 
 from tessera.config import EngineConfig
+from tessera.core.context_sharing import BlockTables
 from tessera.core.core_output import EngineCoreOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.outputs import RequestOutput
@@ -56,8 +60,9 @@ def _plain(config) -> dict:
 
 
 class StepLog:
-    """Writes one engine's step log. The engine calls `arrival`, `step` and `abort`; nothing
-    else writes the file. Line-buffered: a server stopped by a signal keeps every line."""
+    """Writes one engine's step log. The engine calls `arrival`, `step` (for every step, also one
+    that scheduled nothing: the block tables follow every message) and `abort`; nothing else
+    writes the file. Line-buffered: a server stopped by a signal keeps every line."""
 
     def __init__(self, path: str, config: EngineConfig, num_gpu_blocks: int,
                  num_cpu_blocks: int, model: str, block_bytes: int | None = None,
@@ -65,6 +70,7 @@ class StepLog:
         self._file = open(path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115
         self._num_steps = 0
         self._num_output: dict[str, int] = {}  # req_id -> output tokens so far
+        self._block_tables = BlockTables.for_cache(config.cache, num_draft_gpu_blocks)
         self._write({"type": "header", "format": FORMAT, "version": FORMAT_VERSION,
                      "model": model, "num_gpu_blocks": num_gpu_blocks,
                      "num_cpu_blocks": num_cpu_blocks,
@@ -85,6 +91,10 @@ class StepLog:
 
     def step(self, out: SchedulerOutput, core_outputs: list[EngineCoreOutput],
              outputs: Iterable[RequestOutput], start: float, end: float, busy: bool) -> None:
+        """Log the step `out` scheduled (nothing when it scheduled no token)."""
+        self._block_tables.update(out)
+        if not out.total_num_scheduled_tokens:
+            return
         computed = out.num_computed_tokens_by_req()
         tokens: dict[str, list[int]] = {}
         for core in core_outputs:
@@ -105,6 +115,7 @@ class StepLog:
             "num_seqs": len(out.num_scheduled_tokens),
             "num_tokens": out.total_num_scheduled_tokens,
             "reqs": [[r, n, computed[r]] for r, n in out.num_scheduled_tokens.items()],
+            "num_shared_context_tokens": self._block_tables.num_shared_context_tokens(out),
             "preempted": list(out.preempted_request_ids),
             "ignored": list(out.ignored_request_ids),
             "swap_out": len(out.blocks_to_swap_out), "swap_in": len(out.blocks_to_swap_in),

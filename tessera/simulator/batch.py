@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tessera.config import SpeculativeConfig
+from tessera.core.context_sharing import BlockTables
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sequence import is_decode
@@ -36,7 +37,11 @@ class BatchShape:
     num_context_tokens: KV tokens attention reads (each sequence's context after this step);
     num_attention_pairs: (query, key) pairs attention scores, n * c + n * (n + 1) / 2 for n new
     tokens after c cached ones (c + 1 for a decode): attention FLOPs grow with it;
-    swap_bytes: KV bytes moved between device and swap space before the step.
+    swap_bytes: KV bytes moved between device and swap space before the step;
+    num_shared_context_tokens: of num_context_tokens, those in KV blocks another sequence of the
+    step reads too, beyond the first reader (a prefix-cache hit's blocks, a forked prompt's:
+    tessera/core/context_sharing.py). One set of memory, read from the CPU's cache by the
+    second reader: a shared prefix costs less than as many private tokens.
     """
 
     num_prefill_tokens: int = 0
@@ -45,15 +50,23 @@ class BatchShape:
     num_seqs: int = 0
     swap_bytes: int = 0
     num_attention_pairs: int = 0
+    num_shared_context_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
+    @property
+    def num_distinct_context_tokens(self) -> int:
+        """The KV tokens of distinct blocks the step reads (shared blocks counted once)."""
+        return self.num_context_tokens - self.num_shared_context_tokens
 
-def batch_shape(reqs: Iterable[tuple[int, int]], swap_bytes: int = 0) -> BatchShape:
-    """The shape of a step from each scheduled request's (new tokens, tokens computed before):
-    the simulated runner's and the real server's step log's (tessera/engine/step_log.py)."""
+
+def batch_shape(reqs: Iterable[tuple[int, int]], swap_bytes: int = 0,
+                num_shared_context_tokens: int = 0) -> BatchShape:
+    """The shape of a step from each scheduled request's (new tokens, tokens computed before)
+    and its shared context tokens: the simulated runner's and the real server's step log's
+    (tessera/engine/step_log.py)."""
     prefill = decode = context = pairs = seqs = 0
     for n, c in reqs:
         seqs += 1
@@ -63,7 +76,11 @@ def batch_shape(reqs: Iterable[tuple[int, int]], swap_bytes: int = 0) -> BatchSh
             decode += 1
         else:
             prefill += n
-    return BatchShape(prefill, decode, context, seqs, swap_bytes, pairs)
+    if not 0 <= num_shared_context_tokens <= context:
+        raise ValueError(f"num_shared_context_tokens ({num_shared_context_tokens}) must be "
+                         f"between 0 and the step's context tokens ({context})")
+    return BatchShape(prefill, decode, context, seqs, swap_bytes, pairs,
+                      num_shared_context_tokens)
 
 
 class AcceptanceModel(Protocol):
@@ -79,16 +96,19 @@ class AcceptanceModel(Protocol):
 
 class SyntheticRunner:
     """Plays the runner from the messages alone: request lengths and computed counters per req_id,
-    no tensors. `block_bytes` turns swapped blocks into bytes."""
+    no tensors. `block_bytes` turns swapped blocks into bytes; `block_tables` (None: no sharing
+    counted) follows the block tables to count each step's shared context tokens."""
 
     def __init__(self, block_bytes: int, acceptance: AcceptanceModel | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 block_tables: BlockTables | None = None) -> None:
         if speculative is not None and acceptance is None:
             raise ValueError("--speculative-config needs an acceptance model "
                              "(--spec-acceptance-rate)")
         self.block_bytes = block_bytes
         self.acceptance = acceptance
         self.speculative = speculative
+        self.block_tables = block_tables
         self._num_tokens: dict[str, int] = {}  # req_id -> prompt + output length the runner knows
 
     def execute(self, out: SchedulerOutput) -> tuple[BatchShape, ModelRunnerOutput]:
@@ -115,8 +135,12 @@ class SyntheticRunner:
                 req_ids.append(req_id)
                 sampled.append([SYNTHETIC_TOKEN_ID] * k)
         num_swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        shared = 0
+        if self.block_tables is not None:
+            self.block_tables.update(out)
+            shared = self.block_tables.num_shared_context_tokens(out)
         shape = batch_shape([(n, computed[r]) for r, n in out.num_scheduled_tokens.items()],
-                            num_swapped * self.block_bytes)
+                            num_swapped * self.block_bytes, shared)
         result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         sc = self.speculative
         if sc is not None and sc.is_enabled_for(out.speculation_batch_size):

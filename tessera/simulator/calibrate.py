@@ -1,9 +1,11 @@
 """`tessera simulate calibrate`: time the real model runner on this machine over a grid of batch
 shapes and fit the profiled cost model (tessera/simulator/fit.py says which model and why).
 
-A shape is (decode sequences D, their context C, prefill tokens P after Pc cached ones). Each is
-timed with hand-built `SchedulerOutput`s through the real `ModelRunner.execute_model` (the same
-persistent batch, attention backend, kernels and sampler the server runs):
+A shape is (decode sequences D, their context C, prefill tokens P after Pc cached ones, and S
+tokens at the start of every context held in blocks they all share, as prefix caching shares a
+common prompt prefix). Each is timed with hand-built `SchedulerOutput`s through the real
+`ModelRunner.execute_model` (the same persistent batch, attention backend, kernels and sampler
+the server runs):
 
     warm-up step   D decode requests sent whole with num_computed_tokens = C (their KV is zeros:
                    the timing of attention does not depend on the values), and the prefill
@@ -17,6 +19,7 @@ sizes the KV pools from --kv-cache-space exactly as the server does.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import platform
@@ -27,9 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.config import EngineArgs
+from tessera.core.context_sharing import num_shared_context_tokens
 from tessera.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tessera.sampling.params import SamplingParams
-from tessera.simulator.batch import BatchShape
+from tessera.simulator.batch import BatchShape, batch_shape
 from tessera.simulator.cost_model import FEATURES, features
 from tessera.simulator.fit import fit_step_times
 from tessera.simulator.specs import load_hardware
@@ -46,22 +50,29 @@ class Shape:
     decode_context: int
     num_prefill_tokens: int
     prefill_context: int = 0
+    # the first shared_prefix tokens of every decode's context and of the prefill's cached one
+    # (whole blocks of it) are the same blocks: a prefix-cache hit's
+    shared_prefix: int = 0
 
 
 def grid_shapes(name: str) -> list[Shape]:
     """The shapes of a named grid: decodes over contexts, mixed with prefills, prefills alone,
-    and prefill chunks after a cached context (chunked prefill, prefix hits)."""
+    prefill chunks after a cached context (chunked prefill, prefix hits), and decodes over a
+    shared prefix, alone and beside a chunk after the same prefix (prefix caching)."""
     if name == "tiny":  # for tests on a tiny model
         return [Shape(d, c, p) for d in (1, 3) for c in (4, 12) for p in (0, 8)] + [
-            Shape(0, 0, 16), Shape(0, 0, 24, 8)]
+            Shape(0, 0, 16), Shape(0, 0, 24, 8), Shape(3, 40, 0, 0, 32),
+            Shape(3, 40, 8, 32, 32)]
     if name == "small":
         decodes, contexts, prefills = (1, 8, 32, 64), (128, 512), (0, 256)
         alone, chunks = (32, 256, 1024), ((256, 512), (32, 512), (64, 1024))
         mixed = ((8, 128, 256), (8, 248, 128), (32, 32, 512))
+        shared = ((2, 576, 0), (8, 576, 0), (32, 576, 0), (8, 576, 32))
     elif name == "default":
         decodes, contexts, prefills = (1, 4, 16, 32, 64), (64, 256, 768), (0, 128, 512)
         alone, chunks = (32, 256, 1024, 2048), ((512, 512), (256, 1536), (32, 512), (64, 1024))
         mixed = ((8, 128, 256), (8, 248, 128), (32, 32, 512), (32, 480, 256))
+        shared = ((4, 768, 0), (16, 768, 0), (64, 768, 0), (16, 768, 64))
     else:
         raise ValueError(f"--grid must be tiny, small or default, got {name!r}")
     shapes = [Shape(d, c, p) for d in decodes for c in contexts for p in prefills]
@@ -70,6 +81,10 @@ def grid_shapes(name: str) -> list[Shape]:
     # decodes beside a chunk that continues a cached context: every prefill step of chunked
     # prefill, and the cached-prefix steps of prefix caching, look like this
     shapes += [Shape(d, 256, p, pc) for d, p, pc in mixed]
+    # the steps of prefix caching: decodes over one shared 512-token prefix, alone and beside
+    # a request's first chunk after it (a prefix hit); without them the fit prices the shared
+    # blocks as private ones
+    shapes += [Shape(d, c, p, 512 if p else 0, 512) for d, c, p in shared]
     return shapes
 
 
@@ -91,19 +106,28 @@ class _Driver:
         return NewRequestData(f"cal{self.next_id}", self._tokens(n_tokens), [], self.params,
                               blocks, n_computed)
 
-    def fits(self, shape: Shape, repeats: int) -> bool:
+    def _tables(self, shape: Shape, repeats: int) -> tuple[list[list[int]], list[int], int]:
+        """The decodes' block tables and the prefill's, the shared blocks first in each (as a
+        prefix-cache hit hands them out), and how many blocks they hold in all."""
         bs = self.block_size
-        need = shape.num_decodes * cdiv(shape.decode_context + repeats + 2, bs)
-        need += cdiv(shape.prefill_context + shape.num_prefill_tokens, bs)
-        return need <= self.num_blocks
+        free = itertools.count()
+        shared = [next(free) for _ in range(shape.shared_prefix // bs)]
+
+        def table(num_tokens: int, prefix: list[int]) -> list[int]:
+            return prefix + [next(free) for _ in range(cdiv(num_tokens, bs) - len(prefix))]
+
+        decodes = [table(shape.decode_context + repeats + 2, shared)
+                   for _ in range(shape.num_decodes)]
+        pc = shape.prefill_context
+        prefill = table(pc + shape.num_prefill_tokens, shared[:pc // bs])
+        return decodes, prefill, next(free)
+
+    def fits(self, shape: Shape, repeats: int) -> bool:
+        return self._tables(shape, repeats)[2] <= self.num_blocks
 
     def time_shape(self, shape: Shape, repeats: int) -> tuple[BatchShape, list[float]]:
-        bs, c = self.block_size, shape.decode_context
-        free = iter(range(self.num_blocks))
-        decode_blocks = [[next(free) for _ in range(cdiv(c + repeats + 2, bs))]
-                         for _ in range(shape.num_decodes)]
-        prefill_blocks = [next(free) for _ in range(cdiv(shape.prefill_context +
-                                                          shape.num_prefill_tokens, bs))]
+        c = shape.decode_context
+        decode_blocks, prefill_blocks, _ = self._tables(shape, repeats)
         decodes = [self._new(c + 1, c, blocks) for blocks in decode_blocks]
         times = []
         prefill_id = None
@@ -131,13 +155,14 @@ class _Driver:
             elapsed = time.perf_counter() - t0
             if step > 0:
                 times.append(elapsed)
-                ctx = c + step
+                ctx = c + step  # the decodes' context before this step
                 p, pc = shape.num_prefill_tokens, shape.prefill_context
-                batch = BatchShape(
-                    num_prefill_tokens=p, num_decode_tokens=shape.num_decodes,
-                    num_context_tokens=shape.num_decodes * (ctx + 1) + (pc + p if p else 0),
-                    num_seqs=shape.num_decodes + (1 if p else 0),
-                    num_attention_pairs=shape.num_decodes * (ctx + 1) + p * pc + p * (p + 1) // 2)
+                reads = [(blocks, ctx + 1) for blocks in decode_blocks]
+                reqs = [(1, ctx)] * shape.num_decodes
+                if p:
+                    reads.append((prefill_blocks, pc + p))
+                    reqs.append((p, pc))
+                batch = batch_shape(reqs, 0, num_shared_context_tokens(reads, self.block_size))
         done = SchedulerOutput(finished_req_ids=[d.req_id for d in decodes] +
                                ([prefill_id] if prefill_id else []))
         self.runner.execute_model(done)

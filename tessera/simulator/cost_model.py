@@ -25,14 +25,18 @@ from tessera.simulator.batch import BatchShape
 from tessera.simulator.parallel import LinkSpec, TensorParallelCost, parse_link
 from tessera.utils import kv_bytes_per_token
 
-# the features of the profiled model, in order: (name, BatchShape attribute or None for 1)
+# the features of the profiled model, in order: (name, BatchShape attribute or None for 1). A
+# context token is priced once per distinct block it lives in; a shared one (a block another
+# sequence of the step also reads, a cached prefix) at its own, lower rate: the second reader
+# finds the block in the CPU's cache (tessera/core/context_sharing.py)
 FEATURES: tuple[tuple[str, str | None], ...] = (
     ("step", None),
     ("prefill_token", "num_prefill_tokens"),
     ("decode_token", "num_decode_tokens"),
-    ("context_token", "num_context_tokens"),
+    ("context_token", "num_distinct_context_tokens"),
     ("seq", "num_seqs"),
     ("attention_pair", "num_attention_pairs"),
+    ("shared_context_token", "num_shared_context_tokens"),
 )
 
 
@@ -120,7 +124,10 @@ class ProfiledCostModel(CostModel):
 
     def __init__(self, profile: dict, path: str | None = None) -> None:
         try:
-            coefs = profile["coefficients"]
+            coefs = dict(profile["coefficients"])
+            # a profile whose grid had no shared blocks (calibrated before shared-prefix shapes
+            # were in it) knows one rate for every context token
+            coefs.setdefault("shared_context_token", coefs["context_token"])
             self.coefficients = [float(coefs[name]) for name, _ in FEATURES]
             self.swap_s_per_byte = float(profile["swap_s_per_byte"])
             # time around the runner behind the server (tessera/simulator/serving.py): per

@@ -27,6 +27,7 @@ import heapq
 import time
 
 from tessera.config import EngineConfig
+from tessera.core.context_sharing import BlockTables
 from tessera.core.kv_cache_groups import cache_group_windows
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.runner_output import KVTransferStats
@@ -59,7 +60,8 @@ class _Instance:
         self.num_groups = num_groups  # pool blocks per token block of every layer
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks,
                                    num_cpu_blocks, clock=self.clock, kv_connector=connector)
-        self.runner = SyntheticRunner(cost.geometry.pool_block_bytes(config.cache))
+        self.runner = SyntheticRunner(cost.geometry.pool_block_bytes(config.cache),
+                                      block_tables=BlockTables.for_cache(config.cache))
         self.free_at = 0.0
         self.num_steps = 0
         self.landing: list[tuple[float, str]] = []  # consumer: (when a pull lands, req_id)

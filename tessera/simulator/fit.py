@@ -1,14 +1,16 @@
 """Fitting the profiled cost model: non-negative least squares on relative error.
 
 Why this model. Each feature (a step, a prefill token, a decode token, a context token read, a
-sequence, an attention pair) is a cost that adds up: the weights stream once per step, every
-token pays the linears, attention pays per cached token read and per scored pair, every sequence
-pays its per-request bookkeeping and sampling. So step time is a sum of non-negative rates times
-counts. Plain least squares on such a grid happily returns a negative rate for one of two
-correlated features (decode tokens and sequences move together), which then extrapolates to
-negative or shrinking step times outside the grid; bounding every rate at >= 0 keeps each term
-physical. Rows are weighted by 1 / measured time so a 15 ms decode step is fitted as closely, in
-relative terms, as a 1 s prefill: the latencies users read (TPOT) are made of the small steps.
+sequence, an attention pair, a shared context token) is a cost that adds up: the weights stream
+once per step, every token pays the linears, attention pays per cached token read and per scored
+pair, every sequence pays its per-request bookkeeping and sampling, and a token of a block that
+another sequence of the step reads too (a shared prefix) pays a re-read from the CPU's cache. So
+step time is a sum of non-negative rates times counts. Plain least squares on such a grid
+happily returns a negative rate for one of two correlated features (decode tokens and sequences
+move together), which then extrapolates to negative or shrinking step times outside the grid;
+bounding every rate at >= 0 keeps each term physical. Rows are weighted by 1 / measured time so
+a 15 ms decode step is fitted as closely, in relative terms, as a 1 s prefill: the latencies
+users read (TPOT) are made of the small steps.
 
 Lawson and Hanson's active-set NNLS (Solving Least Squares Problems, 1974, ch. 23), in numpy, on
 columns scaled to unit maximum so that the tolerance means the same for every feature.

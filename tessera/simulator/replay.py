@@ -29,6 +29,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from tessera.core.context_sharing import BlockTables
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.sampling.params import SamplingParams
@@ -84,10 +85,9 @@ class LoggedStepTimes:
             self.own_time = step.end - step.start
             return self.seconds[self._next - 1]
         if self._coefs is None:
-            from tessera.simulator.batch import batch_shape
+            from tessera.simulator.step_fit import logged_batch
 
-            rows = [features(batch_shape(((n, c) for _, n, c in s.reqs)))
-                    for s in self.trace.steps]
+            rows = [features(logged_batch(s)) for s in self.trace.steps]
             times = [max(s.seconds, 1e-6) for s in self.trace.steps]
             self._coefs = (fit_step_times(rows, times)[0] if len(rows) >= len(FEATURES)
                            else [statistics.median(times or [0.0])] + [0.0] * (len(FEATURES) - 1))
@@ -100,8 +100,9 @@ class ReplayRunner(SyntheticRunner):
     """The synthetic runner, answering each stream's logged tokens in order (synthetic ones once
     a stream has used up its log)."""
 
-    def __init__(self, block_bytes: int, tokens: dict[str, list[int]]) -> None:
-        super().__init__(block_bytes)
+    def __init__(self, block_bytes: int, tokens: dict[str, list[int]],
+                 block_tables: BlockTables | None = None) -> None:
+        super().__init__(block_bytes, block_tables=block_tables)
         self.tokens = tokens
         self.cursor: dict[str, int] = {}
 
@@ -142,7 +143,9 @@ def replay(trace: Trace) -> ReplayOutcome:
     sched = Scheduler(trace.scheduler_config(), trace.cache_config(), h["num_gpu_blocks"],
                       h["num_cpu_blocks"], clock=clock,
                       num_draft_gpu_blocks=h.get("num_draft_gpu_blocks", 0))
-    runner = ReplayRunner(trace.block_bytes, trace.output_tokens())
+    runner = ReplayRunner(trace.block_bytes, trace.output_tokens(),
+                          BlockTables.for_cache(trace.cache_config(),
+                                                h.get("num_draft_gpu_blocks", 0)))
     cost = LoggedStepTimes(trace)
     final = trace.final_lengths()
     streams: dict[str, tuple[str, int]] = {}  # req_id -> (request_id, index)

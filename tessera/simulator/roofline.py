@@ -5,7 +5,7 @@ A step is two kernels families, each bound by compute or by memory, whichever is
     linear    = max(FLOPs of every linear for the step's tokens (LM head per sequence),
                     weight bytes streamed once)                 / (peak * efficiency)
     attention = max(4 * layers * heads * head_dim per (query, key) pair,
-                    KV bytes of every context read once)        / (peak * efficiency)
+                    KV bytes of every distinct block read once) / (peak * efficiency)
     step      = linear + attention + step_overhead_s (host work: scheduling, launches, sampling)
     swap      = swap bytes / host link bandwidth (blocking, as the runner's swap is)
 
@@ -109,7 +109,8 @@ class RooflineCostModel(CostModel):
 
     def attention_time(self, batch: BatchShape) -> float:
         flops = batch.num_attention_pairs * self.model.attention_flops_per_pair
-        kv_bytes = batch.num_context_tokens * self._kv_bytes_per_token
+        # a block several sequences read (a shared prefix) streams from memory once
+        kv_bytes = batch.num_distinct_context_tokens * self._kv_bytes_per_token
         return max(flops / self._flops, kv_bytes / self._bandwidth)
 
     def compute_time(self, batch: BatchShape) -> float:

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from tessera.config import EngineConfig
 from tessera.core.admission import draft_pool_blocks
+from tessera.core.context_sharing import BlockTables
 from tessera.core.core_output import EngineCoreOutput
 from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
@@ -138,11 +139,12 @@ class Simulator:
         self.cost_model = cost_model
         self.clock = VirtualClock()
         # a draft model with a window: its own pool, as the engine sizes it
+        num_draft_blocks = draft_pool_blocks(config, num_gpu_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_gpu_blocks, num_cpu_blocks,
-                                   clock=self.clock,
-                                   num_draft_gpu_blocks=draft_pool_blocks(config, num_gpu_blocks))
+                                   clock=self.clock, num_draft_gpu_blocks=num_draft_blocks)
         self.runner = SyntheticRunner(cost_model.geometry.pool_block_bytes(config.cache),
-                                      acceptance, config.speculative)
+                                      acceptance, config.speculative,
+                                      BlockTables.for_cache(config.cache, num_draft_blocks))
         self.max_concurrency = max_concurrency
 
     def run(self, requests: list[SimRequest], record_timeline: bool = True,

@@ -5,10 +5,14 @@ the fit is in seconds."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from tessera.simulator.batch import BatchShape, batch_shape
 from tessera.simulator.cost_model import SERVING_FEATURES, ProfiledCostModel, features
 from tessera.simulator.fit import weighted_nnls
+
+if TYPE_CHECKING:
+    from tessera.simulator.trace import Step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +21,12 @@ class LoggedStep:
 
     batch: BatchShape
     seconds: float
+
+
+def logged_batch(step: Step, block_bytes: int = 0) -> BatchShape:
+    """The batch shape of a logged step; `block_bytes` (of one KV block) prices its swaps."""
+    return batch_shape(((n, c) for _, n, c in step.reqs), step.swap_blocks * block_bytes,
+                       step.num_shared_context_tokens)
 
 
 def read_step_log(path: str, block_bytes: int | None = None) -> list[LoggedStep]:
@@ -28,8 +38,7 @@ def read_step_log(path: str, block_bytes: int | None = None) -> list[LoggedStep]
 
     trace = read_trace(path)
     size = trace.block_bytes if block_bytes is None else block_bytes
-    return [LoggedStep(batch_shape(((n, c) for _, n, c in s.reqs), s.swap_blocks * size),
-                       s.seconds) for s in trace.steps]
+    return [LoggedStep(logged_batch(s, size), s.seconds) for s in trace.steps]
 
 
 def step_kind(batch: BatchShape) -> str:

@@ -40,6 +40,9 @@ class Step:
     swap_blocks: int
     tokens: dict[str, list[int]]
     finished: dict[str, int]
+    # of the KV tokens its streams read, those in blocks another of them reads too (0 in a log
+    # written before the step log carried it)
+    num_shared_context_tokens: int = 0
 
     def schedule(self) -> tuple[list[tuple[str, int, int]], list[str]]:
         """What a replay must reproduce: the sorted (req_id, new, computed) and preemptions."""
@@ -112,7 +115,8 @@ def read_trace(path: str) -> Trace:
                 r["step"], r["start"], r["end"], bool(r["busy"]), end - r["start"],
                 [(str(q), int(n), int(c)) for q, n, c in r["reqs"]], list(r["preempted"]),
                 int(r["swap_out"]) + int(r["swap_in"]), r["tokens"],
-                {k: int(v) for k, v in r["finished"].items()}))
+                {k: int(v) for k, v in r["finished"].items()},
+                int(r.get("num_shared_context_tokens", 0))))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--replay {path}: a malformed record ({type(e).__name__}: {e})") from None
     return trace

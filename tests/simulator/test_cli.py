@@ -119,8 +119,10 @@ def test_calibrate_a_tiny_model_then_simulate_with_its_profile(tiny_llama, tmp_p
                  "--repeats", "1", "--num-gpu-blocks-override", "64", "--swap-space", "0.01",
                  "--output", str(profile)]) == 0
     data = json.loads(profile.read_text())
-    assert len(data["grid"]) == 10 and data["dtype"] == "float32"
+    assert len(data["grid"]) == 12 and data["dtype"] == "float32"
     assert all(c >= 0 for c in data["coefficients"].values())
+    assert "shared_context_token" in data["coefficients"]  # the grid has shared prefixes
+    assert any(p["batch"]["num_shared_context_tokens"] for p in data["grid"])
     assert data["kv_geometry"] == {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
                                    "elem_size": 4}
     assert data["swap_s_per_byte"] > 0 and data["fit"]["method"].startswith("non-negative")

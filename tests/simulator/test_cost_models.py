@@ -23,6 +23,7 @@ from tessera.simulator.specs import (
     load_model_config,
     model_config_names,
 )
+from tessera.utils import cdiv
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -120,22 +121,86 @@ def test_roofline_refuses_a_cache_that_does_not_fit():
 
 
 def _profile(coefs):
-    return {"coefficients": dict(zip([n for n, _ in FEATURES], coefs, strict=True)),
+    """A profile with `coefs` for the first features (a profile calibrated before the later ones
+    existed lacks them)."""
+    return {"coefficients": dict(zip([n for n, _ in FEATURES], coefs, strict=False)),
             "swap_s_per_byte": 1e-10, "dtype": "bfloat16", "max_position_embeddings": 2048,
             "kv_geometry": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "elem_size": 2}}
 
 
 def test_profiled_model_is_the_fitted_linear_form():
-    coefs = [0.01, 1e-3, 2e-4, 1e-6, 5e-5, 1e-8]
+    coefs = [0.01, 1e-3, 2e-4, 1e-6, 5e-5, 1e-8, 3e-7]
     model = ProfiledCostModel(_profile(coefs))
     b = BatchShape(num_prefill_tokens=100, num_decode_tokens=10, num_context_tokens=5000,
-                   num_seqs=11, num_attention_pairs=9000, swap_bytes=10**6)
-    expected = 0.01 + 0.1 + 2e-3 + 5e-3 + 11 * 5e-5 + 9e-5 + 1e-4
+                   num_seqs=11, num_attention_pairs=9000, swap_bytes=10**6,
+                   num_shared_context_tokens=2000)
+    expected = 0.01 + 0.1 + 2e-3 + 3000 * 1e-6 + 11 * 5e-5 + 9e-5 + 2000 * 3e-7 + 1e-4
     assert model.step_time(b) == pytest.approx(expected)
     assert model.step_time(BatchShape()) == 0.0
     assert model.geometry.block_bytes(16) == 16 * 2 * 2 * 1 * 4 * 2
     with pytest.raises(ValueError, match="profile"):
         ProfiledCostModel({"coefficients": {}})
+
+
+def _decodes_over_a_prefix(shared: bool) -> BatchShape:
+    """8 decodes at 576 tokens of context whose first 512 are one shared prefix, or private."""
+    return BatchShape(num_decode_tokens=8, num_seqs=8, num_context_tokens=8 * 577,
+                      num_attention_pairs=8 * 577,
+                      num_shared_context_tokens=7 * 512 if shared else 0)
+
+
+def test_a_shared_prefix_is_priced_below_as_many_private_tokens():
+    # profiled: a shared token at its own rate (below a private one's, as calibrated here)
+    model = ProfiledCostModel(_profile([0.015, 2e-4, 1e-4, 1e-6, 3e-4, 7e-7, 2e-7]))
+    shared, private = _decodes_over_a_prefix(True), _decodes_over_a_prefix(False)
+    assert model.step_time(shared) == pytest.approx(
+        model.step_time(private) - 7 * 512 * (1e-6 - 2e-7))
+    # roofline: the prefix's KV streams from memory once
+    h100 = RooflineCostModel(load_model_config("Llama-3-8B"), load_hardware("H100-SXM"),
+                             "bfloat16")
+    assert h100.attention_time(shared) < h100.attention_time(private)
+    assert h100.attention_time(shared) == pytest.approx(
+        h100.attention_time(private) * (8 * 577 - 7 * 512) / (8 * 577))
+
+
+def test_a_profile_without_the_shared_rate_prices_shared_tokens_as_private_ones():
+    """A profile calibrated before the grid had shared prefixes keeps its prices."""
+    old = ProfiledCostModel(_profile([0.015, 2e-4, 1e-4, 1e-6, 3e-4, 7e-7]))
+    assert "shared_context_token" not in old.profile["coefficients"]
+    assert old.step_time(_decodes_over_a_prefix(True)) == pytest.approx(
+        old.step_time(_decodes_over_a_prefix(False)))
+
+
+def test_the_grid_times_decodes_over_a_shared_prefix():
+    """The calibration grid's shared-prefix shapes hand every request the same prefix blocks,
+    as a prefix hit does, and describe the step with its shared tokens."""
+    from tessera.simulator.calibrate import Shape, _Driver, grid_shapes
+
+    class Runner:  # records the messages; the timing itself is not under test here
+        def __init__(self):
+            self.outs = []
+
+        def execute_model(self, out):
+            self.outs.append(out)
+
+    runner = Runner()
+    driver = _Driver(runner, block_size=16, vocab_size=100, num_blocks=64)
+    # 3 decodes at 40 tokens and an 8-token chunk after 32 cached, all over one 32-token prefix
+    batch, times = driver.time_shape(Shape(3, 40, 8, 32, shared_prefix=32), repeats=2)
+    assert len(times) == 2
+    reqs = runner.outs[0].scheduled_new_reqs
+    assert {tuple(r.block_ids[:2]) for r in reqs} == {tuple(reqs[0].block_ids[:2])}
+    private = [b for r in reqs for b in r.block_ids[2:]]
+    assert len(set(private)) == len(private)
+    # the last timed step: decodes at 42 + 1 tokens, the chunk at 40; 3 of 4 readers re-read
+    assert batch.num_context_tokens == 3 * 43 + 40
+    assert batch.num_shared_context_tokens == 3 * 32
+    # the shared blocks are counted once when checking that a shape fits the cache
+    need = 32 + 8 * (cdiv(576 + 2 + 2, 16) - 32)
+    assert _Driver(runner, 16, 100, need).fits(Shape(8, 576, 0, 0, 512), 2)
+    assert not _Driver(runner, 16, 100, need - 1).fits(Shape(8, 576, 0, 0, 512), 2)
+    for grid in ("tiny", "small", "default"):
+        assert any(s.shared_prefix and s.num_decodes > 1 for s in grid_shapes(grid))
 
 
 def test_nnls_matches_a_known_solution_and_stays_non_negative():
@@ -188,6 +253,26 @@ def test_synthetic_runner_describes_the_batch_and_samples_like_a_runner():
     assert batch.num_decode_tokens == 1 and result.req_ids == ["a"]
 
 
+def test_synthetic_runner_counts_the_blocks_requests_share():
+    from tessera.core.context_sharing import BlockTables
+
+    def new(req_id, blocks, prompt_len, computed):
+        return NewRequestData(req_id, list(range(prompt_len)), [], SamplingParams(), blocks,
+                              computed)
+
+    runner = SyntheticRunner(block_bytes=100, block_tables=BlockTables(block_size=4))
+    # b hits a's first two blocks (8 tokens): its chunk starts after them
+    out = SchedulerOutput(scheduled_new_reqs=[new("a", [0, 1, 2], 10, 9),
+                                              new("b", [0, 1, 3], 12, 8)],
+                          num_scheduled_tokens={"a": 1, "b": 4})
+    batch, _ = runner.execute(out)
+    assert batch.num_context_tokens == 10 + 12 and batch.num_shared_context_tokens == 8
+    assert batch.num_distinct_context_tokens == 14
+    # without block tables nothing is counted as shared
+    alone = SyntheticRunner(block_bytes=100).execute(out)[0]
+    assert alone.num_shared_context_tokens == 0 and alone.num_context_tokens == 22
+
+
 def test_spec_decode_seam_needs_an_acceptance_model():
     out = SchedulerOutput(scheduled_new_reqs=[_new("a", 10, 9)], num_scheduled_tokens={"a": 3},
                           scheduled_spec_decode_tokens={"a": [5, 6]})
@@ -220,6 +305,25 @@ def test_step_log_intervals_run_start_to_start_while_busy(tmp_path):
     assert steps[1].batch == BatchShape(num_prefill_tokens=5, num_decode_tokens=1,
                                         num_context_tokens=14, num_seqs=2,
                                         num_attention_pairs=9 + 15)
+
+
+def test_step_log_shared_context_tokens_are_read_and_old_logs_read_as_none(tmp_path):
+    import json
+
+    from tessera.simulator.step_fit import read_step_log
+    from tests.simulator.sim_fakes import step_log_lines
+
+    lines = step_log_lines([([[1, 40], [1, 40]], 0.02), ([[1, 41], [1, 41]], 0.02)])
+    old = tmp_path / "old.jsonl"  # written before the log carried the count
+    old.write_text("\n".join(lines) + "\n")
+    assert [s.batch.num_shared_context_tokens for s in read_step_log(str(old))] == [0, 0]
+    records = [json.loads(line) for line in lines]
+    records[2]["num_shared_context_tokens"] = 32
+    new = tmp_path / "new.jsonl"
+    new.write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = read_step_log(str(new))
+    assert [s.batch.num_shared_context_tokens for s in steps] == [0, 32]
+    assert steps[1].batch.num_distinct_context_tokens == 2 * 42 - 32
 
 
 def test_serving_rates_are_fitted_to_the_logged_steps(tmp_path):

@@ -84,7 +84,55 @@ def test_a_replayed_run_has_the_real_schedule_step_by_step(logs, name):
         assert report["relative_error"][key]["p99"] < 0.05
 
 
-def test_aborts_refusals_and_n_above_one_replay_too(tiny_model, tmp_path):
+def _replayed_shared_tokens(trace, monkeypatch) -> list[int]:
+    """The shared context tokens the replay's runner counts in each step it prices."""
+    from tessera.simulator.replay import ReplayRunner
+
+    seen: list[int] = []
+    execute = ReplayRunner.execute
+
+    def counting(self, out):
+        shape, result = execute(self, out)
+        if out.total_num_scheduled_tokens:  # the steps a log holds
+            seen.append(shape.num_shared_context_tokens)
+        return shape, result
+
+    monkeypatch.setattr(ReplayRunner, "execute", counting)
+    replay(trace)
+    return seen
+
+
+def test_the_log_counts_shared_prefix_blocks_as_the_simulator_does(tiny_model, tmp_path, logs,
+                                                                   monkeypatch):
+    """Three requests on one 16-token prefix (4 blocks of 4), the later two hitting the first's
+    cached blocks: the engine logs the blocks they share in each step (2 re-reads of 16 tokens
+    while all three decode), and the replay's runner, following the same scheduler's messages,
+    counts the same in every step."""
+    from tessera import LLM
+
+    llm = LLM(model=tiny_model, block_size=4, max_model_len=64, num_gpu_blocks_override=64,
+              enable_prefix_caching=True)
+    engine = llm.llm_engine
+    log = str(tmp_path / "prefix.jsonl")
+    engine.start_step_log(log)
+    prefix = list(range(200, 216))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": prefix + [5, 6, 7]}, greedy)
+    engine.step()
+    engine.add_request("b", {"prompt_token_ids": prefix + [8, 9]}, greedy)
+    engine.add_request("c", {"prompt_token_ids": prefix + [10]}, greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    trace = read_trace(log)
+    logged = [s.num_shared_context_tokens for s in trace.steps]
+    assert 2 * 16 in logged and all(n <= 2 * 16 for n in logged)
+    assert _replayed_shared_tokens(trace, monkeypatch) == logged
+    private = read_trace(logs["recompute"])  # distinct prompts: no block is shared
+    assert {s.num_shared_context_tokens for s in private.steps} == {0}
+
+
+def test_aborts_refusals_and_n_above_one_replay_too(tiny_model, tmp_path, monkeypatch):
     """A request refused as too long, one aborted mid-run, one with n = 2 (forked children),
     and a late arrival after the engine idled: the replay still has the real schedule."""
     llm = _llm(tiny_model, preemption_mode="recompute")
@@ -114,6 +162,10 @@ def test_aborts_refusals_and_n_above_one_replay_too(tiny_model, tmp_path):
     assert report["first_divergence"] is None
     assert report["misses"] == {"ttft": [], "e2el": []}
     assert {r["request_id"] for r in report["requests"]} == {"a", "two", "late"}
+    # the forked children read their prompt's blocks together; the replay counts the same
+    logged = [s.num_shared_context_tokens for s in trace.steps]
+    assert max(logged) > 0
+    assert _replayed_shared_tokens(trace, monkeypatch) == logged
 
 
 def test_a_divergence_is_found_and_named(logs):

@@ -117,6 +117,20 @@ def test_prefix_caching_hits_shared_prompts():
     assert ttft_on[0] == pytest.approx(ttft_off[0]) and ttft_on[3] < ttft_off[3]
 
 
+def test_decodes_over_a_cached_prefix_reach_the_cost_model_as_shared_context():
+    """Four requests on one 64-token prefix (16 blocks of 4), decoding together: with prefix
+    caching each step beside the first reader re-reads the prefix blocks; without it every
+    request has its own copy and nothing is shared."""
+    shared = list(range(1, 65))
+    reqs = [SimRequest(shared + [1000 + k, 2000 + k], 16, 0.02 * k) for k in range(4)]
+    on, off = FixedCost(), FixedCost()
+    _sim(on, enable_prefix_caching=True).run(reqs)
+    _sim(off, enable_prefix_caching=False).run(reqs)
+    assert {b.num_shared_context_tokens for b in off.batches} == {0}
+    four = [b for b in on.batches if b.num_decode_tokens == 4]
+    assert four and {b.num_shared_context_tokens for b in four} == {3 * 64}
+
+
 def test_a_request_that_never_fits_fails_as_on_the_server():
     outcome = _sim(num_gpu_blocks=8).run([_req(64, 4), _req(8, 2, base=300)])
     big, small = request_results(outcome)
