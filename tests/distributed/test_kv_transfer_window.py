@@ -10,25 +10,12 @@ import json
 import socket
 
 import pytest
-import torch
-import transformers
+from tiny_windowed import TARGETS, WINDOW, save_tiny
 
 from tessera import LLM, SamplingParams
 
-WINDOW = 8
 NUM_TOKENS = 10
 PROMPTS = [[(5 * i + 7 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((31, 42, 23))]
-_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-               tie_word_embeddings=False)
-TARGETS = {
-    "mistral": ("MistralConfig", "MistralForCausalLM",
-                dict(num_hidden_layers=2, sliding_window=WINDOW)),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
-                    layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                 "sliding_attention"])),
-}
 
 
 def _free_port() -> int:
@@ -39,11 +26,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
 def model(request, tmp_path_factory):
-    config_name, model_name, extra = TARGETS[request.param]
-    config = getattr(transformers, config_name)(**{**_COMMON, **extra})
-    torch.manual_seed(7)
-    path = str(tmp_path_factory.mktemp(request.param))
-    getattr(transformers, model_name)(config).eval().save_pretrained(path)
+    path = save_tiny(tmp_path_factory.mktemp(request.param), *TARGETS[request.param], seed=7)
     return request.param, path
 
 

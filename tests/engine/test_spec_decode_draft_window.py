@@ -9,40 +9,20 @@ table holds the right KV, not just a verified guess."""
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
+from tiny_windowed import TARGETS, save_tiny
 
 from tessera import LLM, SamplingParams
 
-WINDOW = 8
 NUM_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 300 + 5 for j in range(20 + 9 * i)]}
            for i in range(3)]
-_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-               tie_word_embeddings=False)
-TARGETS = {
-    "mistral": ("MistralConfig", "MistralForCausalLM",
-                dict(num_hidden_layers=2, sliding_window=WINDOW)),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
-                    layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                 "sliding_attention"])),
-}
-
-
-def _save(path, config_name: str, model_name: str, extra: dict, seed: int) -> str:
-    config = getattr(transformers, config_name)(**{**_COMMON, **extra})
-    torch.manual_seed(seed)
-    getattr(transformers, model_name)(config).eval().save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
 def target(request, tmp_path_factory):
     """(name, target dir, plain greedy tokens of PROMPTS)."""
-    path = _save(tmp_path_factory.mktemp(request.param), *TARGETS[request.param], seed=3)
+    path = save_tiny(tmp_path_factory.mktemp(request.param), *TARGETS[request.param], seed=3)
     plain = _run(LLM(model=path, block_size=4, max_model_len=96))
     return request.param, path, plain
 
@@ -50,7 +30,7 @@ def target(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_draft(tmp_path_factory):
     """A random one-layer Llama with the targets' vocabulary: full attention."""
-    return _save(tmp_path_factory.mktemp("draft"), "LlamaConfig", "LlamaForCausalLM",
+    return save_tiny(tmp_path_factory.mktemp("draft"), "LlamaConfig", "LlamaForCausalLM",
                  dict(num_hidden_layers=1), seed=4)
 
 
@@ -101,7 +81,7 @@ def test_other_draft_keeps_greedy_output(target, llama_draft, engine_args):
 
 
 def test_without_a_window_the_draft_follows_the_target_table(llama_draft, tmp_path):
-    path = _save(tmp_path / "llama", "LlamaConfig", "LlamaForCausalLM",
+    path = save_tiny(tmp_path / "llama", "LlamaConfig", "LlamaForCausalLM",
                  dict(num_hidden_layers=2), seed=5)
     llm = LLM(model=path, block_size=4, max_model_len=96, speculative_config=_spec(llama_draft))
     bm = llm.llm_engine.scheduler.block_manager

@@ -15,12 +15,9 @@ import torch
 from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.hf_loader import load_hf_dir
 from tessera.model.loader import load_model
-from tessera.model.registry import get_model_class
-from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
-from tessera.worker.model_runner import ModelRunner
-from tessera.worker.static_batch import StaticBatch
 from tests.gguf_header import add_decoder_header
 from tests.model.test_moe_families import make_hf_moe
+from tests.model_logits import model_logits
 
 _NAMES = {  # HF leaf -> llama.cpp's name
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -102,16 +99,6 @@ def write_moe_gguf(path, arch: str, hf_dir: str, expert_type=None, per_expert=Fa
     writer.close()
 
 
-def _logits(path: str, prompt: list[int], quantization: str = "none") -> torch.Tensor:
-    cfg, weights = load_model(path, quantization)
-    cpu, bs = torch.device("cpu"), 8
-    ours = get_model_class(cfg.architecture)(cfg, weights, torch.float32, cpu, 256)
-    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
-                       torch.float32)
-    batch = StaticBatch(ModelRunner(ours, CacheEngine(spec, 16, 0, cpu), bs, cpu), bs)
-    return batch.logits([batch.new_seq(prompt, len(prompt))], all_positions=True).float()
-
-
 PROMPT = list(range(5, 35))
 
 
@@ -125,7 +112,7 @@ def test_gguf_logits_match_hf(family, per_expert, tmp_path):
     write_moe_gguf(path, arch, str(tmp_path / "hf"), per_expert=per_expert)
     cfg, _ = load_model(str(path))
     assert cfg.architecture == type(model).__name__ and cfg.num_experts == 8
-    got = _logits(str(path), PROMPT)
+    got = model_logits(str(path), PROMPT)
     with torch.inference_mode():
         ref = model(torch.tensor([PROMPT])).logits[0].float()
     assert (got - ref).abs().max().item() < 2e-4 * max(1.0, ref.abs().max().item())
@@ -141,8 +128,8 @@ def test_quantized_experts_stay_quantized(tmp_path):
     _, weights = load_model(path, "gguf")
     name = "model.layers.1.mlp.experts.5.down_proj.weight"
     assert isinstance(weights[name], QuantizedTensor) and tuple(weights[name].shape) == (64, 32)
-    quantized = _logits(path, PROMPT, "gguf")
-    dequantized = _logits(path, PROMPT, "none")
+    quantized = model_logits(path, PROMPT, "gguf")
+    dequantized = model_logits(path, PROMPT, "none")
     assert (quantized - dequantized).abs().max().item() < 1e-4 * dequantized.abs().max().item()
     with torch.inference_mode():
         ref = model(torch.tensor([PROMPT])).logits[0].float()

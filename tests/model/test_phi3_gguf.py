@@ -20,10 +20,7 @@ from tessera import LLM, SamplingParams
 from tessera.distributed.sharding import ShardPlan
 from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.loader import load_model, read_model_config
-from tessera.model.registry import get_model_class
-from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
-from tessera.worker.model_runner import ModelRunner
-from tessera.worker.static_batch import StaticBatch
+from tests.model_logits import model_logits
 
 Q = gguf.GGMLQuantizationType
 T = gguf.TokenType
@@ -179,16 +176,12 @@ def phi3(request, tmp_path_factory):
 
 
 def _our_logits(path: str, prompt: list[int], quantization: str) -> torch.Tensor:
-    cfg, weights = load_model(path, quantization)
-    # "gguf": the Q8_0 rows of the fused tensors stay in their blocks, split by rows
-    kept = isinstance(weights["model.layers.0.mlp.up_proj.weight"], QuantizedTensor)
-    assert kept == (quantization == "gguf")
-    cpu, bs = torch.device("cpu"), 8
-    ours = get_model_class(cfg.architecture)(cfg, weights, torch.float32, cpu, 256)
-    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
-                       torch.float32)
-    batch = StaticBatch(ModelRunner(ours, CacheEngine(spec, 16, 0, cpu), bs, cpu), bs)
-    return batch.logits([batch.new_seq(prompt, len(prompt))], all_positions=True).float()
+    def kept_quantized(weights) -> None:
+        # "gguf": the Q8_0 rows of the fused tensors stay in their blocks, split by rows
+        kept = isinstance(weights["model.layers.0.mlp.up_proj.weight"], QuantizedTensor)
+        assert kept == (quantization == "gguf")
+
+    return model_logits(path, prompt, quantization, kept_quantized)
 
 
 def test_config_from_phi3_metadata(phi3):
