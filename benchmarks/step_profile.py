@@ -165,6 +165,10 @@ def instrument(engine, timers: ExclusiveTimers) -> Patches:
     p.set(meta_cls, "attend", w("attention: attend", meta_cls.attend))
     if "forward" in vars(meta_cls):  # the kernel stores the new K/V in the same call
         p.set(meta_cls, "forward", w("attention: kv write + attend (one call)", meta_cls.forward))
+    p.set(base, "forward_qkv", w("attention: forward (python, out buffer)", base.forward_qkv))
+    if "forward_qkv" in vars(meta_cls):  # one call on the fused projection's output
+        p.set(meta_cls, "forward_qkv",
+              w("attention: kv write + attend (one call)", meta_cls.forward_qkv))
     return p
 
 
@@ -217,6 +221,7 @@ def stub_kernels(engine) -> Patches:
         if getattr(lin, "_kernel", None) is not None:  # QuantLinear: writes into its output
             p.set(lin, "_kernel", noop)
             p.set(lin, "_int8_kernel", noop)
+            p.set(lin, "_int8_call", None)  # its bound fast call, so that the no-op runs
         elif getattr(lin, "kernel", None) is not None:  # Linear: the packed dense kernel
             n = lin.out_features
             p.set(lin, "kernel", lambda x, n=n: x.new_empty(x.shape[0], n))
@@ -227,6 +232,12 @@ def stub_kernels(engine) -> Patches:
         return torch.empty_like(q) if out is None else out
 
     p.set(paged_kernel, "paged_attention", no_attention)
+    backend = engine.executor.runner.attn_backend
+    if getattr(backend, "_qkv_kernel", None) is not None:
+        def no_qkv_attention(qkv, num_heads, num_kv_heads, k_cache, *args):
+            return qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[3])
+
+        p.set(backend, "_qkv_kernel", no_qkv_attention)
     return p
 
 
