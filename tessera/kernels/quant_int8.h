@@ -415,6 +415,49 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QRow* xr, float* out) {
 
 #endif
 
+// Row n of a weight of kind F as gguf's values (the embedding lookup of a tied lm_head): code
+// * d + m, or code * d_(k / 16) for the signed kinds. code * d is exact (d has at most ~19
+// significant bits, the code 5), so the fma's one rounding equals dequantize_int8's mul + add.
+template <typename F, typename T>
+void int8_row(const uint8_t* w, int64_t K, int64_t n, T* out) {
+  const int64_t nb = K / kQK;
+  if constexpr (is_interleaved<F>()) {
+    const int64_t r = n % kCols;
+    const uint8_t* rec = w + (n / kCols) * nb * F::kRecord;
+    for (int64_t b = 0; b < nb; ++b, rec += F::kRecord, out += kQK) {
+      const float d = scale_at<typename F::Scale>(rec, r);
+      const float m = F::kSigned ? 0.f : scale_at<typename F::Scale>(rec, kCols + r);
+      const uint8_t* c = rec + F::kHead + 4 * r;
+      for (int t = 0; t < F::kChunks; ++t) {
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = c[32 * t + i];
+          if constexpr (F::kSigned) {
+            out[4 * t + i] = static_cast<T>(static_cast<float>(static_cast<int8_t>(byte)) * d);
+          } else {
+            out[4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte & 15), d, m));
+            out[16 + 4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte >> 4), d, m));
+          }
+        }
+      }
+    }
+  } else {
+    const uint8_t* rec = w + n * nb * F::kRecord;
+    for (int64_t b = 0; b < nb; ++b, rec += F::kRecord, out += kQK) {
+      const uint8_t* c = rec + F::kHead;
+      for (int64_t k = 0; k < kQK; ++k) {
+        if constexpr (F::kUnsigned) {
+          const float d = scale_at<typename F::Scale>(rec, 0);
+          const float m = scale_at<typename F::Scale>(rec, 1);
+          out[k] = static_cast<T>(std::fma(static_cast<float>(c[k]), d, m));
+        } else {
+          const float d = scale_at<typename F::Scale>(rec, static_cast<int>(k * F::kGroups / kQK));
+          out[k] = static_cast<T>(static_cast<float>(static_cast<int8_t>(c[k])) * d);
+        }
+      }
+    }
+  }
+}
+
 // Weight rows a unit of work: a chunk of rows stays in L1/L2 while every row group of x passes.
 constexpr int64_t kRowsPerChunk = 16;
 constexpr int kRowGroup = 4;
