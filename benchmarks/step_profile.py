@@ -221,7 +221,6 @@ def stub_kernels(engine) -> Patches:
         if getattr(lin, "_kernel", None) is not None:  # QuantLinear: writes into its output
             p.set(lin, "_kernel", noop)
             p.set(lin, "_int8_kernel", noop)
-            p.set(lin, "_int8_call", None)  # its bound fast call, so that the no-op runs
         elif getattr(lin, "kernel", None) is not None:  # Linear: the packed dense kernel
             n = lin.out_features
             p.set(lin, "kernel", lambda x, n=n: x.new_empty(x.shape[0], n))
