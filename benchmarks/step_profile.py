@@ -165,6 +165,10 @@ def instrument(engine, timers: ExclusiveTimers) -> Patches:
     p.set(meta_cls, "attend", w("attention: attend", meta_cls.attend))
     if "forward" in vars(meta_cls):  # the kernel stores the new K/V in the same call
         p.set(meta_cls, "forward", w("attention: kv write + attend (one call)", meta_cls.forward))
+    p.set(base, "forward_qkv", w("attention: forward (python, out buffer)", base.forward_qkv))
+    if "forward_qkv" in vars(meta_cls):  # one call on the fused projection's output
+        p.set(meta_cls, "forward_qkv",
+              w("attention: kv write + attend (one call)", meta_cls.forward_qkv))
     return p
 
 
@@ -227,6 +231,12 @@ def stub_kernels(engine) -> Patches:
         return torch.empty_like(q) if out is None else out
 
     p.set(paged_kernel, "paged_attention", no_attention)
+    backend = engine.executor.runner.attn_backend
+    if getattr(backend, "_qkv_kernel", None) is not None:
+        def no_qkv_attention(qkv, num_heads, num_kv_heads, k_cache, *args):
+            return qkv.new_empty(qkv.shape[0], num_heads * k_cache.shape[3])
+
+        p.set(backend, "_qkv_kernel", no_qkv_attention)
     return p
 
 

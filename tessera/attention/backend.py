@@ -11,6 +11,10 @@ attention layer calls.
                                      model.forward, never       then attends
                                      a global)
 
+Llama-family layers call `meta.forward_qkv(qkv, num_heads, num_kv_heads, ...)` on the fused
+projection's output instead: by default it slices q, k, v and calls `forward`; the paged kernel
+takes qkv whole (one C++ call, no head views built in Python).
+
 The backend is chosen once, at start-up (`select_attention_backend`); per-step metadata (block
 tables, masks) is built once per step, not per layer: at batch 1 fixed per-op overhead was ~35% of
 a 20 ms bf16 step (DESIGN.md).
@@ -83,6 +87,28 @@ class AttentionMetadata(ABC):
         if window is not None or softcap is not None:
             return self.attend_windowed(q, k_cache, v_cache, scale, out, window, softcap)
         return self.attend(q, k, v, k_cache, v_cache, scale, out)
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] q | k | v
+        num_heads: int,
+        num_kv_heads: int,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """`forward` on the fused projection's output (RoPE applied): returns
+        [num_tokens, num_heads * head_dim]. A backend that can take qkv whole saves the layer
+        its slicing into head views (the paged kernel does)."""
+        n, head_dim = qkv.shape[0], k_cache.shape[3]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q = qkv[:, :q_size].view(n, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
+        out = self.forward(q, k, v, k_cache, v_cache, scale, window=window, softcap=softcap)
+        return out.view(n, q_size)
 
     def attend_windowed(
         self,

@@ -12,12 +12,13 @@ whether its prompt arrived whole, in chunks, or after a prefix-cache hit: bf16 g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from tessera.attention.backend import AttentionBackend, AttentionMetadata, SeqSpan, check_spans
-from tessera.kernels.paged_attention import paged_attention, paged_attention_available
+from tessera.kernels.paged_attention import paged_attention, paged_attention_available, qkv_kernel
 from tessera.utils import cdiv
 
 
@@ -26,6 +27,9 @@ class PagedKernelMetadata(AttentionMetadata):
     token_block_tables: torch.Tensor  # [num_tokens, max_blocks] its sequence's table, padded
     token_seq_lens: torch.Tensor  # [num_tokens] tokens it attends to (position + 1)
     _window_starts: dict[int, torch.Tensor] = field(default_factory=dict, kw_only=True, repr=False)
+    # the C++ paged_attention_qkv for this step's tensors, looked up once by the backend (None:
+    # forward_qkv slices and goes through forward)
+    qkv_kernel: Callable[..., torch.Tensor] | None = field(default=None, kw_only=True, repr=False)
 
     def forward(
         self,
@@ -48,6 +52,27 @@ class PagedKernelMetadata(AttentionMetadata):
             q, k_cache, v_cache, self.token_block_tables, self.token_seq_lens, scale, out=out,
             new_kv=(k, v, self.slot_mapping), seq_starts=self._starts(window),
         )
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """One kernel call on the fused projection's output (the head views are built in C++);
+        soft-capped scores take the base class's path."""
+        if softcap is None and self.qkv_kernel is not None and qkv.stride(-1) == 1:
+            return self.qkv_kernel(
+                qkv, num_heads, num_kv_heads, k_cache, v_cache, self.token_block_tables,
+                self.token_seq_lens, float(scale), self.slot_mapping, self._starts(window),
+            )
+        return super().forward_qkv(qkv, num_heads, num_kv_heads, k_cache, v_cache, scale, window,
+                                   softcap)
 
     def _starts(self, window: int | None) -> torch.Tensor | None:
         """[num_tokens] the first key each row sees under `window` (once per step and window)."""
@@ -76,6 +101,13 @@ class PagedKernelMetadata(AttentionMetadata):
 
 class PagedKernelBackend(AttentionBackend):
     name = "paged_kernel"
+
+    def __init__(self, device: torch.device, block_size: int):
+        super().__init__(device, block_size)
+        # the C++ paged_attention_qkv, looked up once: the build that serves this CPU does not
+        # change while the engine runs (the linears keep theirs too); it reads fp32 and bf16
+        # activations and caches (every --kv-cache-dtype) and checks them itself
+        self._qkv_kernel = qkv_kernel(self.device, torch.float32, torch.float32)
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
@@ -106,4 +138,5 @@ class PagedKernelBackend(AttentionBackend):
             token_seq_lens=lens,
             spans=spans,
             block_size=bs,
+            qkv_kernel=self._qkv_kernel,
         )

@@ -261,6 +261,33 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+// A decode layer's call on the fused projection's output: q, k, v are the column ranges
+// [0, H D), [H D, (H + KVH) D), [(H + KVH) D, (H + 2 KVH) D) of qkv [T, (H + 2 KVH) D] (RoPE
+// applied); the new K/V are stored at slot_mapping, then every row attends. Returns
+// out [T, H D], the o-projection's input. Why: slicing q, k, v into head views, allocating out
+// and flattening it again were seven torch calls a layer in Python (~15 us a layer at batch 1,
+// ~0.45 ms of a 30-layer decode step), here views built in C++.
+torch::Tensor paged_attention_qkv(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
+                                  torch::Tensor k_cache, torch::Tensor v_cache,
+                                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                  torch::Tensor slot_mapping,
+                                  c10::optional<torch::Tensor> seq_starts) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [T, width] with contiguous rows");
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be [num_blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0, "num_heads and num_kv_heads must be positive");
+  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "qkv width ", qkv.size(1), " is not (",
+              num_heads, " + 2 * ", num_kv_heads, ") heads of ", D);
+  const torch::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
+  const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
+  const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
+  torch::Tensor out = torch::empty({T, q_size}, qkv.options());
+  paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out.view({T, num_heads, D}),
+                  k, v, slot_mapping, seq_starts);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -271,4 +298,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seq_lens"), py::arg("scale"), py::arg("out"), py::arg("k_new") = py::none(),
         py::arg("v_new") = py::none(), py::arg("slot_mapping") = py::none(),
         py::arg("seq_starts") = py::none());
+  m.def("paged_attention_qkv", &paged_attention_qkv,
+        "Store k/v of the fused projection's output at slot_mapping, attend with its q; "
+        "returns [T, num_heads * head_dim]",
+        py::arg("qkv"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("slot_mapping"), py::arg("seq_starts") = py::none());
 }

@@ -21,6 +21,7 @@ GQA: query head h reads kv head h // (num_heads // num_kv_heads) (HF repeat_kv o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -98,6 +99,47 @@ def paged_attention(
     if new_kv is not None:
         write_kv(new_kv[0], new_kv[1], k_cache, v_cache, new_kv[2])
     return _torch_fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, out, seq_starts)
+
+
+def paged_attention_qkv(
+    qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim] q | k | v, RoPE applied
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [T, max_blocks] int64 or int32
+    seq_lens: torch.Tensor,  # [T] int64
+    scale: float,
+    slot_mapping: torch.Tensor,  # [T] int64
+    seq_starts: torch.Tensor | None = None,  # [T] int64
+) -> torch.Tensor:
+    """`paged_attention` on the fused q|k|v projection's output: its k and v stored at
+    `slot_mapping`, its q attending; returns [T, num_heads * head_dim], the o-projection's input.
+    One kernel call with the head views built in C++ (`qkv_kernel`), else the same values
+    through `paged_attention`."""
+    kernel = qkv_kernel(qkv.device, qkv.dtype, k_cache.dtype)
+    if kernel is not None:
+        return kernel(qkv, num_heads, num_kv_heads, k_cache, v_cache, block_tables, seq_lens,
+                      float(scale), slot_mapping, seq_starts)
+    n, head_dim = qkv.shape[0], k_cache.shape[3]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(n, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
+    out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                          new_kv=(k, v, slot_mapping), seq_starts=seq_starts)
+    return out.view(n, q_size)
+
+
+def qkv_kernel(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> Callable[..., torch.Tensor] | None:
+    """The C++ `paged_attention_qkv` when it serves these tensors, else None. A caller that
+    attends every layer looks it up once (the lookup asks which build serves this CPU, ~2 us)."""
+    if not paged_attention_available(device, dtype, kv_dtype):
+        return None
+    assert _module is not None
+    return _module.paged_attention_qkv
 
 
 def _torch_fallback(

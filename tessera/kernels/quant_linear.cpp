@@ -335,6 +335,40 @@ void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, 
   });
 }
 
+// Rows `ids` of a weight in the integer path's layout (quant_int8.py), dequantized into out
+// [T, K] (float32, or bf16 as torch's cast rounds): the embedding lookup of a tied lm_head. In
+// torch ops (dequantize_int8_rows: a gather of the rows' groups, then ~15 ops decoding them) it
+// cost ~0.28 ms of a batch-1 decode step (one token); here it is a pass over one row's bytes.
+void int8_rows_out(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor ids,
+                   torch::Tensor out) {
+  using namespace tessera_int8;
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
+              "ids must be a contiguous int64 vector");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == ids.numel() && out.size(1) == K,
+              "out must be a contiguous [T, K]");
+  TORCH_CHECK(K > 0 && K % kQK == 0, "K (", K, ") is not a multiple of 32");
+  const int64_t rows = packed.numel() / ((K / kQK) * tessera_int8::record_bytes(kind));
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.numel(); ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < rows, "id ", id[t], " is outside the packed rows");
+  const bool f32 = out.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(f32 || out.scalar_type() == torch::kBFloat16, "out must be float32 or bfloat16");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  with_kind(kind, [&](auto f) {
+    using F = decltype(f);
+    at::parallel_for(0, ids.numel(), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (f32) {
+          int8_row<F>(w, K, id[t], out.data_ptr<float>() + t * K);
+        } else {
+          int8_row<F>(w, K, id[t], out.data_ptr<at::BFloat16>() + t * K);
+        }
+      }
+    });
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_record_bytes", &int8_record_bytes, "bytes of one block record of an int8 kind");
   m.def("int8_dot_instruction", &int8_dot_instruction, "the integer dot product of this build");
@@ -345,4 +379,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_reads_pairs", &bf16_reads_pairs, "bf16 activations read the pairs code layout");
   m.def("quant_linear_out", &quant_linear_out, "y = x @ W^T (+ bias) on packed GGUF blocks");
   m.def("dequantize_rows_out", &dequantize_rows_out, "rows `ids` of a packed weight, dequantized");
+  m.def("int8_rows_out", &int8_rows_out, "rows `ids` of an int8-path weight, dequantized");
 }

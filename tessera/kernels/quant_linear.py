@@ -138,13 +138,18 @@ def lookup_rows(
     """Rows `ids` [T] of a packed weight -> [T, K] in `dtype`: the quantized embedding lookup.
     The C++ kernel where it runs (2048 ids: 40 ms in torch ops, a fraction of a ms there), else
     dequantize_rows; the same values either way."""
-    if isinstance(fmt, Int8Format):  # row-major records: T rows' bytes decoded in torch
-        return dequantize_int8_rows(fmt, packed, k, ids).to(dtype)
     module = (
         _module()
         if packed.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         else None
     )
+    if isinstance(fmt, Int8Format):
+        if module is None:  # T rows' records decoded in torch
+            return dequantize_int8_rows(fmt, packed, k, ids).to(dtype)
+        ids = ids.to(torch.int64).contiguous().view(-1)
+        out = torch.empty(ids.numel(), k, dtype=dtype)
+        module.int8_rows_out(packed, fmt.kernel_id, k, ids, out)
+        return out
     if module is None:
         return dequantize_rows(fmt, packed, k, ids, pairs).to(dtype)
     ids = ids.to(torch.int64).contiguous().view(-1)

@@ -139,12 +139,9 @@ class LlamaLayer:
         if self.clip_qkv is not None:  # OLMoE
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         rope.apply_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k are adjacent
-        q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.qk_size].view(n, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
-        attn = meta.forward(q, k, v, k_cache, v_cache, self.scale,
-                            window=self.window, softcap=self.softcap)  # [n, H, D]
-        o = self.wo(attn.view(n, -1))
+        attn = meta.forward_qkv(qkv, self.num_heads, self.num_kv_heads, k_cache, v_cache,
+                                self.scale, window=self.window, softcap=self.softcap)  # [n, H D]
+        o = self.wo(attn)
         if self.tp is not None:  # row-parallel: each rank holds a partial sum
             self.tp.all_reduce_(o)
         if self.pre_mlp_norm is None:

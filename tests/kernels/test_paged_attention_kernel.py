@@ -255,6 +255,46 @@ def test_new_kv_on_the_torch_fallback(monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
+def _qkv_case(q_dtype, kv_dtype):
+    """_new_kv_case's rows as one fused qkv tensor [4, (9 + 2 * 3) * 64] (q its first 9 heads)."""
+    q, k, v, k_cache, v_cache, tables, lens, slots = _new_kv_case(q_dtype, kv_dtype)
+    qkv = torch.cat([q.reshape(4, -1), k.reshape(4, -1), v.reshape(4, -1)], dim=1)
+    return qkv, k_cache, v_cache, tables, lens, slots
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.bfloat16,) * 2, *MIXED])
+def test_qkv_call_equals_sliced_call(kernel, dtypes):
+    """paged_attention_qkv on the fused projection's output: the cache and the output bitwise
+    those of paged_attention on q, k, v sliced from it, flattened to [T, H D]."""
+    qkv, k_cache, v_cache, tables, lens, slots = _qkv_case(*dtypes)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q = qkv[:, : 9 * 64].view(4, 9, 64)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(4, 3, 64), qkv[:, 12 * 64 :].view(4, 3, 64)
+    expected = pa.paged_attention(q, k_ref, v_ref, tables, lens, 0.125, new_kv=(k, v, slots))
+    fn = pa.qkv_kernel(qkv.device, qkv.dtype, k_cache.dtype)
+    assert fn is not None
+    out = fn(qkv, 9, 3, k_cache, v_cache, tables, lens, 0.125, slots, None)
+    assert out.shape == (4, 9 * 64) and out.dtype == qkv.dtype
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(out, expected.view(4, -1))
+    with pytest.raises(RuntimeError, match="qkv width"):
+        fn(qkv, 8, 3, k_cache, v_cache, tables, lens, 0.125, slots, None)
+
+
+def test_qkv_call_on_the_torch_fallback(monkeypatch):
+    """Without the kernel, paged_attention_qkv slices and stores through write_kv: the same
+    values as the kernel's call, within the fallback's rounding."""
+    qkv, k_cache, v_cache, tables, lens, slots = _qkv_case(torch.float32, torch.float32)
+    tables[tables >= k_cache.shape[0]] = 0  # the gather reads padding blocks: keep them valid
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected = pa.paged_attention_qkv(qkv, 9, 3, k_ref, v_ref, tables, lens, 0.125, slots)
+    monkeypatch.setattr(pa, "paged_attention_available", lambda *a: False)
+    assert pa.qkv_kernel(qkv.device, qkv.dtype, k_cache.dtype) is None
+    out = pa.paged_attention_qkv(qkv, 9, 3, k_cache, v_cache, tables, lens, 0.125, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
 def _reference_window(q, k_cache, v_cache, tables, lens, starts, scale):
     """_reference over tokens [start, len) of each row: a window's keys only."""
     out = torch.empty(q.shape, dtype=torch.float32)

@@ -17,7 +17,7 @@ import torch
 from quant_weights import random_weight
 
 from tessera.kernels import quant_linear as ql
-from tessera.kernels.quant_int8 import QK, dequantize_int8
+from tessera.kernels.quant_int8 import QK, dequantize_int8, dequantize_int8_rows
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -61,9 +61,15 @@ def test_packed_records_decode_to_gguf_values(qtype):
     ref = _gguf_values(w)
     assert torch.equal(dequantize_int8(part.fmt, part.packed, n, k), ref)
     ids = torch.tensor([n - 1, 0, 5, n - 1])
+    # the torch decoding (no kernel) and the kernel's lookup (int8_rows_out)
+    assert torch.equal(dequantize_int8_rows(part.fmt, part.packed, k, ids), ref[ids])
     for dtype in (torch.float32, torch.bfloat16):
         got = ql.lookup_rows(part.fmt, part.packed, k, ids, dtype)
         assert torch.equal(got, ref[ids].to(dtype))
+    if ql.int8_kernel_supported(torch.float32, CPU):
+        with pytest.raises(RuntimeError, match="outside the packed rows"):
+            ql.lookup_rows(part.fmt, part.packed, k, torch.tensor([part.fmt.padded_rows(n)]),
+                           torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
