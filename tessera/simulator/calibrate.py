@@ -7,8 +7,9 @@ common prompt prefix). Each is timed with hand-built `SchedulerOutput`s through 
 `ModelRunner.execute_model` (the same persistent batch, attention backend, kernels and sampler
 the server runs):
 
-    warm-up step   D decode requests sent whole with num_computed_tokens = C (their KV is zeros:
-                   the timing of attention does not depend on the values), and the prefill
+    warm-up steps  D decode requests sent whole with num_computed_tokens = C (their KV is zeros:
+                   the timing of attention does not depend on the values), and the prefill;
+                   then one step of the steps below (`WARMUP_STEPS`)
     timed steps    the D decodes as diffs (one new token each, as the scheduler sends them), the
                    prefill as a fresh request each time (a prefill always is new)
 
@@ -42,6 +43,11 @@ from tessera.utils import cdiv
 logger = logging.getLogger(__name__)
 
 MACHINE_SPEC = "cpu-zen4-2core"  # the hardware spec of the machine calibrated here
+# Untimed steps of a shape before its timed ones: the requests sent whole, then one step of diffs.
+# The first diff step after a shape's first step ran 1-4 ms slower than the steady decode steps
+# a server runs (on this machine, the default model: 16-21 ms against 15-16 for one decode), and
+# with two timed steps a shape it bent the fit's per-step cost up by ~15%.
+WARMUP_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ class _Driver:
         def table(num_tokens: int, prefix: list[int]) -> list[int]:
             return prefix + [next(free) for _ in range(cdiv(num_tokens, bs) - len(prefix))]
 
-        decodes = [table(shape.decode_context + repeats + 2, shared)
+        decodes = [table(shape.decode_context + repeats + WARMUP_STEPS + 1, shared)
                    for _ in range(shape.num_decodes)]
         pc = shape.prefill_context
         prefill = table(pc + shape.num_prefill_tokens, shared[:pc // bs])
@@ -132,7 +138,7 @@ class _Driver:
         times = []
         prefill_id = None
         batch = BatchShape()
-        for step in range(repeats + 1):
+        for step in range(repeats + WARMUP_STEPS):
             out = SchedulerOutput()
             if step == 0:
                 out.scheduled_new_reqs = list(decodes)
@@ -153,7 +159,7 @@ class _Driver:
             t0 = time.perf_counter()
             self.runner.execute_model(out)
             elapsed = time.perf_counter() - t0
-            if step > 0:
+            if step >= WARMUP_STEPS:
                 times.append(elapsed)
                 ctx = c + step  # the decodes' context before this step
                 p, pc = shape.num_prefill_tokens, shape.prefill_context

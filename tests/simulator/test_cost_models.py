@@ -192,11 +192,13 @@ def test_the_grid_times_decodes_over_a_shared_prefix():
     assert {tuple(r.block_ids[:2]) for r in reqs} == {tuple(reqs[0].block_ids[:2])}
     private = [b for r in reqs for b in r.block_ids[2:]]
     assert len(set(private)) == len(private)
-    # the last timed step: decodes at 42 + 1 tokens, the chunk at 40; 3 of 4 readers re-read
-    assert batch.num_context_tokens == 3 * 43 + 40
+    # two untimed steps first (the requests sent whole, one step of diffs)
+    assert len(runner.outs) == 2 + 2 + 1  # and the message that finishes them
+    # the last timed step: decodes at 43 + 1 tokens, the chunk at 40; 3 of 4 readers re-read
+    assert batch.num_context_tokens == 3 * 44 + 40
     assert batch.num_shared_context_tokens == 3 * 32
     # the shared blocks are counted once when checking that a shape fits the cache
-    need = 32 + 8 * (cdiv(576 + 2 + 2, 16) - 32)
+    need = 32 + 8 * (cdiv(576 + 2 + 3, 16) - 32)
     assert _Driver(runner, 16, 100, need).fits(Shape(8, 576, 0, 0, 512), 2)
     assert not _Driver(runner, 16, 100, need - 1).fits(Shape(8, 576, 0, 0, 512), 2)
     for grid in ("tiny", "small", "default"):
