@@ -85,11 +85,13 @@ class LLMEngine:
         self.clock = clock
         self.grammar_backend = grammar_backend or GrammarBackend(tokenizer, vocab_size,
                                                                  eos_token_ids)
+        # each KV cache group's window, as the block manager keeps them (fixed by the config)
+        self.group_windows = cache_group_windows(config.cache.sliding_window,
+                                                 config.cache.layer_windows)
         if kv_connector is None and config.kv_transfer is not None:
             kv_connector = PullConnectorScheduler(
                 config.kv_transfer, config.cache.block_size, clock=clock,
-                num_groups=len(cache_group_windows(config.cache.sliding_window,
-                                                   config.cache.layer_windows)))
+                num_groups=len(self.group_windows))
         self.scheduler = Scheduler(
             config.scheduler, config.cache, executor.num_gpu_blocks, executor.num_cpu_blocks,
             clock=clock, eos_token_ids=eos_token_ids, kv_connector=kv_connector,
@@ -162,8 +164,7 @@ class LLMEngine:
                 raise ValueError("kv_transfer_params: a request with n > 1 cannot move its KV")
             check_kv_transfer_params(params.kv_transfer_params, self.config.kv_transfer,
                                      len(token_ids), self.config.cache.block_size,
-                                     len(cache_group_windows(self.config.cache.sliding_window,
-                                                             self.config.cache.layer_windows)))
+                                     len(self.group_windows))
         arrival = self.clock() if arrival_time is None else arrival_time
         group = SequenceGroup(
             request_id=request_id,
@@ -235,8 +236,7 @@ class LLMEngine:
         cache = self.config.cache
         need, usable, _ = cache_fit(params.n, longest, cache.block_size,
                                     self.executor.num_gpu_blocks, cache.watermark,
-                                    group_windows=cache_group_windows(cache.sliding_window,
-                                                                      cache.layer_windows),
+                                    group_windows=self.group_windows,
                                     max_chunk_tokens=self.config.scheduler.max_num_batched_tokens)
         if self.executor.num_draft_gpu_blocks:  # the draft's own pool holds every token block
             draft = cache_fit(params.n, longest, cache.block_size,
