@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from tessera.config import default_num_threads
+from tessera.config import QUANTIZATION_CHOICES, default_num_threads
 from tessera.model.default_model import resolve_model_path
 from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.llama import LlamaForCausalLM
@@ -197,7 +197,7 @@ def compare_quantization(batches, ctx, steps, prefill_len, rounds: int = 3) -> N
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--quantization", default="gguf", choices=["none", "gguf", "gguf_int8"])
+    ap.add_argument("--quantization", default="gguf", choices=QUANTIZATION_CHOICES)
     ap.add_argument("--compare-quantization", action="store_true")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=256)

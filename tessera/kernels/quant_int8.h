@@ -491,33 +491,38 @@ void run_int8(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, i
   (void)ldx;
 }
 
+// Rows [m_begin, M) of x against the group of 8 output rows at wg (its records stay in L1),
+// kXRows at a time: y[m][n0 + c] for the group's outputs below N.
+template <typename F, typename T>
+inline void group_rows(const uint8_t* wg, int64_t nb, const QRow* rows, int64_t m_begin, int64_t M,
+                       T* y, int64_t ldy, int64_t n0, int64_t N, const float* bias) {
+  float out[kXRows][kCols];
+  const int64_t cols = std::min(kCols, N - n0);
+  auto store = [&](int64_t m, int nrows) {
+    for (int r = 0; r < nrows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        y[(m + r) * ldy + n0 + c] = static_cast<T>(bias ? out[r][c] + bias[n0 + c] : out[r][c]);
+  };
+  int64_t m = m_begin;
+  for (; m + kXRows <= M; m += kXRows) {
+    dot_group<F, kXRows>(wg, nb, rows + m, out);
+    store(m, kXRows);
+  }
+  for (; m < M; ++m) {
+    dot_group<F, 1>(wg, nb, rows + m, out);
+    store(m, 1);
+  }
+}
+
 // y[M, N] (row stride ldy) = x @ W^T (+ bias) for an interleaved kind: each group of 8 output
-// rows (its records stay in L1) meets every row of x, kXRows at a time.
+// rows meets every row of x (group_rows).
 template <typename F, typename T>
 void run_int8_groups(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int64_t ldy,
                      const float* bias, const QRow* rows) {
   const int64_t nb = K / kQK, groups = (N + kCols - 1) / kCols, group_bytes = nb * F::kRecord;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    float out[kXRows][kCols];
-    auto store = [&](int64_t m, int nrows, int64_t n0) {
-      const int64_t cols = std::min(kCols, N - n0);
-      for (int r = 0; r < nrows; ++r)
-        for (int64_t c = 0; c < cols; ++c)
-          y[(m + r) * ldy + n0 + c] =
-              static_cast<T>(bias ? out[r][c] + bias[n0 + c] : out[r][c]);
-    };
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* wg = w + g * group_bytes;
-      int64_t m = 0;
-      for (; m + kXRows <= M; m += kXRows) {
-        dot_group<F, kXRows>(wg, nb, rows + m, out);
-        store(m, kXRows, g * kCols);
-      }
-      for (; m < M; ++m) {
-        dot_group<F, 1>(wg, nb, rows + m, out);
-        store(m, 1, g * kCols);
-      }
-    }
+    for (int64_t g = begin; g < end; ++g)
+      group_rows<F>(w + g * group_bytes, nb, rows, 0, M, y, ldy, g * kCols, N, bias);
   });
 }
 

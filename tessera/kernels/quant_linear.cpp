@@ -31,6 +31,7 @@
 #include "quant_exact.h"
 #include "quant_formats.h"
 #include "quant_int8.h"
+#include "quant_int8_amx.h"
 #include "quant_rows.h"
 #if !defined(__AVX512F__)
 #include "linear_generic.h"
@@ -273,6 +274,16 @@ std::string int8_dot_instruction() {
 #endif
 }
 
+// From how many rows of x a call runs the interleaved kinds on AMX-INT8 tiles (tdpbsud /
+// tdpbssd, quant_int8_amx.h), or 0 where this build or process does not use them.
+int64_t int8_amx_min_rows() {
+#if defined(TESSERA_HAVE_AMX_INT8)
+  return tessera_tiles::amx_ready() ? tessera_int8::kTileRows : 0;
+#else
+  return 0;
+#endif
+}
+
 // y (an [M, N] view with a contiguous last dim) = x [M, K] @ W^T (+ bias) on the integer path
 // (quant_int8.h): x fp32 or bf16, quantized here per row to Q8 blocks; `packed` the row-major
 // records of `kind` ([N, K / 32 records]); `bias` float32 [>= N] or None.
@@ -320,10 +331,16 @@ void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, 
   with_kind(kind, [&](auto f) {
     using F = decltype(f);
     if constexpr (is_interleaved<F>()) {
+      auto groups = [&](auto* yp) {
+#if defined(TESSERA_HAVE_AMX_INT8)
+        if (run_int8_groups_amx<F>(M, K, w, N, yp, y.stride(0), b, rows.data())) return;
+#endif
+        run_int8_groups<F>(M, K, w, N, yp, y.stride(0), b, rows.data());
+      };
       if (f32) {
-        run_int8_groups<F>(M, K, w, N, y.data_ptr<float>(), y.stride(0), b, rows.data());
+        groups(y.data_ptr<float>());
       } else {
-        run_int8_groups<F>(M, K, w, N, y.data_ptr<at::BFloat16>(), y.stride(0), b, rows.data());
+        groups(y.data_ptr<at::BFloat16>());
       }
     } else if (f32) {
       run_int8<F>(x.data_ptr<float>(), x.stride(0), M, K, w, N, y.data_ptr<float>(), y.stride(0),
@@ -372,6 +389,8 @@ void int8_rows_out(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_record_bytes", &int8_record_bytes, "bytes of one block record of an int8 kind");
   m.def("int8_dot_instruction", &int8_dot_instruction, "the integer dot product of this build");
+  m.def("int8_amx_min_rows", &int8_amx_min_rows,
+        "rows from which the integer path runs AMX-INT8 tiles (0: never)");
   m.def("quant_linear_int8_out", &quant_linear_int8_out,
         "y = x @ W^T (+ bias): x quantized per row to Q8 blocks, integer products");
   m.def("supported_dtypes", &supported_dtypes, "activation dtypes this build serves");

@@ -68,7 +68,7 @@ _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 _HEADERS = tuple(
     Path(__file__).with_name(h)
     for h in ("quant_formats.h", "quant_blocksum.h", "quant_exact.h", "quant_rows.h",
-              "quant_int8.h")
+              "quant_int8.h", "quant_int8_amx.h")
 )
 # fp32: the row count from which a panel is dequantized once into a dense panel and the dense
 # tiles run over it (same result, bit for bit); below it each block is dequantized in registers
@@ -102,6 +102,14 @@ def int8_dot_instruction() -> str | None:
     portable), or None without a kernel."""
     module = _module()
     return None if module is None else str(module.int8_dot_instruction())
+
+
+def int8_amx_min_rows() -> int:
+    """From how many rows a call runs Q4_0, Q4_1, Q8_0 and Q4_K on AMX-INT8 tiles (the same bits
+    as the vpdpbusd loop, which takes fewer rows); 0 where this CPU, build or TESSERA_DISABLE_AMX
+    leaves them on vector instructions."""
+    module = _module()
+    return 0 if module is None else int(module.int8_amx_min_rows())
 
 
 def quant_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:

@@ -26,7 +26,8 @@ def test_bf16_kernels_without_amx():
     # the AVX-512 build only: the avx2 and portable builds never use AMX
     env = dict(os.environ, TESSERA_DISABLE_AMX="1", PYTHONPATH=str(ROOT), TESSERA_CPU_ISA="avx512")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           "tests/kernels/test_linear_kernel.py", "tests/kernels/test_quant_linear_kernel.py"]
+           "tests/kernels/test_linear_kernel.py", "tests/kernels/test_quant_linear_kernel.py",
+           "tests/kernels/test_quant_int8_kernel.py"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout

@@ -9,6 +9,7 @@ within the Q8 rounding of the float64 product; and a row's bits do not depend on
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -92,15 +93,31 @@ def test_kernel_equals_its_integer_arithmetic(qtype, dtype):
     assert ((y - exact).abs() / scale).max().item() < 1e-2
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
-def test_a_row_does_not_depend_on_its_batch(qtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_row_does_not_depend_on_its_batch(qtype, dtype):
+    """Also across the AMX-INT8 tiles (16 rows and more, where the CPU has them) and the
+    vpdpbusd loop (a lone row, the rows after the last 16, an odd last group of 8 outputs)."""
     _kernel()
-    w = random_weight(qtype, 70, 256, seed=4, int8=True)
-    lin = ql.QuantLinear([w.pack()], torch.float32, CPU)
-    x = torch.randn(11, 256)
-    alone = torch.cat([lin(x[i : i + 1]) for i in range(11)])
-    for m in (2, 4, 5, 8, 11):
+    w = random_weight(qtype, 72, 256, seed=4, int8=True)  # 9 groups of 8: the last one odd
+    lin = ql.QuantLinear([w.pack(ql.pad_bias(torch.randn(72).to(dtype)))], dtype, CPU)
+    x = torch.randn(40, 256).to(dtype)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(40)])
+    for m in (2, 4, 5, 8, 11, 16, 17, 33, 40):
         assert torch.equal(lin(x[:m]), alone[:m]), m
+
+
+def test_amx_int8_tiles_serve_where_the_cpu_has_them(isa):
+    """The AVX-512 build runs 16 rows and more on AMX-INT8 where the CPU and kernel allow it
+    (TESSERA_DISABLE_AMX turns the tiles off); no other build does."""
+    _kernel()
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = []
+    disabled = os.environ.get("TESSERA_DISABLE_AMX", "") not in ("", "0")
+    usable = isa == "avx512" and {"amx_int8", "amx_bf16", "amx_tile"} <= set(flags)
+    assert ql.int8_amx_min_rows() == (16 if usable and not disabled else 0)
 
 
 def test_parts_of_mixed_types_fill_their_columns_with_their_biases():
