@@ -37,11 +37,9 @@ def flag_name(name: str) -> str:
 # vLLM's --dtype spellings; "auto" is the checkpoint's own dtype (tessera/model/checkpoint_dtype.py)
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "half", "float16")
 # --quantization: see ModelConfig.quantization; docs/cpu_kernels.md says which runs where
-QUANTIZATION_CHOICES = ("none", "gguf", "gguf_int8")
-# gguf (exact products) stays the default until the integer path meets its accuracy bar: greedy
-# W1 equal to the dequantized fp32 model on >= 90% of requests (measured: 34/64) and perplexity
-# within 1% (docs/cpu_kernels.md)
-QUANTIZATION_DEFAULT = "gguf"
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gguf_int8")
+# auto: the faster of gguf and gguf_int8 on this CPU (tessera/model/loader.py, auto_quantization)
+QUANTIZATION_DEFAULT = "auto"
 RESOLVED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
@@ -75,7 +73,8 @@ class ModelConfig:
     max_logprobs: int = 20
     # "gguf_int8": a GGUF's weights stay in their blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and
     # run on integer dot products against activations quantized per row to Q8 blocks; "gguf":
-    # the blocks with exact float products (Q5_K dequantized); "none": all dequantized at load
+    # the blocks with exact float products (Q5_K dequantized); "none": all dequantized at load;
+    # "auto": gguf_int8 where its kernel is the faster one (the AVX2 build), else gguf
     quantization: str = QUANTIZATION_DEFAULT
 
     def __post_init__(self) -> None:
@@ -532,10 +531,11 @@ class EngineArgs:
     )
     quantization: str = _arg(
         QUANTIZATION_DEFAULT,
-        "gguf (default): keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and run "
-        "exact float products on them; gguf_int8: the same blocks (and Q5_K) against activations "
-        "quantized per row to 8-bit blocks, integer dot products (llama.cpp's form); none: "
-        "dequantize all at load",
+        "auto (default): gguf_int8 where the integer kernel is the faster one (CPUs without "
+        "AVX-512), else gguf; gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, "
+        "Q6_K) and run exact float products on them; gguf_int8: the same blocks (and Q5_K) "
+        "against activations quantized per row to 8-bit blocks, integer dot products (llama.cpp's "
+        "form); none: dequantize all at load",
         choices=list(QUANTIZATION_CHOICES),
     )
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda:0")

@@ -107,7 +107,8 @@ _PLAIN_TYPES = {
 }
 
 
-QUANTIZATION_CHOICES = ("none", "gguf", "gguf_int8")
+# what a load is asked for: --quantization once "auto" is resolved (loader.weight_quantization)
+RESOLVED_QUANTIZATIONS = ("none", "gguf", "gguf_int8")
 
 
 def load_gguf(
@@ -117,9 +118,9 @@ def load_gguf(
     quantization="gguf" `QuantizedTensor`s for the weights a quantized kernel serves. With a
     tensor-parallel `plan`, each tensor is cut to the rank's slice as it is read, so no more
     than one whole tensor is ever held."""
-    if quantization not in QUANTIZATION_CHOICES:
+    if quantization not in RESOLVED_QUANTIZATIONS:
         raise ValueError(
-            f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
+            f"--quantization must be one of {', '.join(RESOLVED_QUANTIZATIONS)}, got {quantization!r}"
         )
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}

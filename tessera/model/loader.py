@@ -46,15 +46,33 @@ def load_model(
     return config, weights
 
 
+def auto_quantization(device: str) -> str:
+    """What `--quantization auto` (the default) runs a GGUF on: "gguf_int8" on the AVX2 build
+    (CPUs without AVX-512: Zen 2/3, client chips), where the integer kernels decode the default
+    model 2.6x as fast as the exact ones and prefill 1.2x; else "gguf". On AVX-512 the exact
+    kernels decode at batch 1 as fast (1.05x) and, in bf16 on AMX, run batches faster, and they
+    give the dequantized model's greedy tokens, which 8-bit activations do not at near-ties
+    (docs/cpu_kernels.md has the figures)."""
+    from tessera.kernels.build import cpu_isa
+
+    if torch.device(device).type != "cpu":
+        return "gguf"
+    return "gguf_int8" if cpu_isa() == "avx2" else "gguf"
+
+
 def weight_quantization(quantization: str, dtype: str, device: str) -> str:
     """What `load_model` is asked for under `--quantization quantization` with this compute dtype
-    and device. "gguf_int8" keeps a GGUF's blocks for the integer kernel where it serves (a CPU
-    with the C++ kernels built, any ISA), else falls back to "gguf"; "gguf" keeps them where the
-    exact kernel serves; elsewhere the weights are dequantized once, at load. Why: without a
-    kernel a quantized layer would hold dense weights anyway."""
+    and device. "auto" is auto_quantization's pick. "gguf_int8" keeps a GGUF's blocks for the
+    integer kernel where it serves (a CPU with the C++ kernels built, any ISA), else falls back
+    to "gguf"; "gguf" keeps them where the exact kernel serves; elsewhere the weights are
+    dequantized once, at load. Why: without a kernel a quantized layer would hold dense weights
+    anyway."""
     from tessera.kernels.quant_linear import int8_kernel_supported, quant_kernel_supported
 
     torch_dtype, torch_device = getattr(torch, dtype), torch.device(device)
+    if quantization == "auto":
+        quantization = auto_quantization(device)
+        logger.info("--quantization auto: %s on %s", quantization, device)
     if quantization == "gguf_int8":
         if int8_kernel_supported(torch_dtype, torch_device):
             return quantization

@@ -5,7 +5,7 @@ fp32 (--quantization none), whose own reference is HF on the GGUF (tests/model/t
 the dense ones on gguf's dequantized weights bit for bit, so tokens and logprobs are identical; on
 the torch fallback only the near-tie rule holds.
 
---quantization gguf_int8 (the default): activations rounded per row to 8-bit blocks, so logits
+--quantization gguf_int8 (what the default, auto, picks on the AVX2 build): activations rounded per row to 8-bit blocks, so logits
 move by ~1e-2; greedy tokens agree with the dequantized model except where its top two logits
 are close, and batching, chunking and prefix caching still never change a token.
 """
@@ -96,8 +96,7 @@ def int8_bundle(default_model_path):
 def test_integer_path_keeps_every_gguf_type_quantized(int8_bundle):
     from tessera.config import EngineArgs
 
-    # the exact products stay the default until the integer path meets its accuracy bar
-    assert EngineArgs().quantization == "gguf" and int8_bundle.quantization == "gguf_int8"
+    assert EngineArgs().quantization == "auto" and int8_bundle.quantization == "gguf_int8"
     model = int8_bundle.model
     layer = model.layers[0]
     for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2):
@@ -163,6 +162,22 @@ def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
     assert weight_quantization("gguf_int8", "bfloat16", "cpu") == "gguf"  # the exact one
     monkeypatch.setattr(ql, "int8_kernel_supported", lambda dtype, device: True)
     assert weight_quantization("gguf_int8", "float32", "cpu") == "gguf_int8"
+
+
+@pytest.mark.parametrize(("isa", "device", "expected"), [
+    ("avx2", "cpu", "gguf_int8"), ("avx512", "cpu", "gguf"), ("portable", "cpu", "gguf"),
+    ("avx2", "cuda:0", "gguf"),
+])
+def test_auto_picks_the_integer_path_on_the_avx2_build(monkeypatch, isa, device, expected):
+    """--quantization auto (the default): gguf_int8 on the AVX2 build, where its kernels are 2.6x
+    the exact ones at decode; the exact products elsewhere."""
+    import tessera.kernels.build as build
+    from tessera.model.loader import auto_quantization, weight_quantization
+
+    monkeypatch.setattr(build, "cpu_isa", lambda: isa)
+    assert auto_quantization(device) == expected
+    if device == "cpu" and quant_kernel_supported(torch.float32, torch.device("cpu")):
+        assert weight_quantization("auto", "float32", device) == expected
 
 
 def _prompt_logits(path, prompt: list[int], quantization: str, dtype: torch.dtype) -> torch.Tensor:
