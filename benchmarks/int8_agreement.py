@@ -3,9 +3,15 @@ workload W1, and each one's offline output tok/s, in one run.
 
     flock -x /work/cpu.lock python benchmarks/int8_agreement.py [--quantization gguf_int8,gguf]
     flock -x /work/cpu.lock python benchmarks/int8_agreement.py --teacher-forced
+    python benchmarks/int8_agreement.py --teacher-forced --llama-cpp [--build-dir DIR]
 
 Prints, per setting: how many of W1's 64 requests produce exactly the reference's tokens
 (`--quantization none`, float32), how many tokens match before the first difference, and tok/s.
+
+`--llama-cpp`: also llama.cpp's greedy output on the same GGUF and token ids against the same
+reference: what agreement llama.cpp's own integer form reaches (llama-server from
+benchmarks/llamacpp_peer.py's build, one slot, fp32 KV cache, flash attention off, weight
+repacking off, greedy with ignore_eos; 127.0.0.1 only, stopped at the end).
 
 `--teacher-forced`: the reference generates once, with its top-2 logprobs; each setting then
 scores the reference's own tokens, one prefill a request, and its first argmax that differs is
@@ -18,7 +24,14 @@ not).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
 import time
+import urllib.request
+from collections.abc import Iterator
 
 import torch
 from throughput import build_workload  # benchmarks/ is on sys.path when this runs as a script
@@ -72,12 +85,72 @@ def first_differences(quantization: str, prompts, ref_ids) -> list[int | None]:
     return firsts
 
 
+@contextlib.contextmanager
+def llama_server(build_dir: str, model: str, threads: int) -> Iterator[str]:
+    """A llama-server on a free 127.0.0.1 port for the duration; yields its base URL."""
+    from llamacpp_peer import llama_bench_path
+
+    server = os.path.join(os.path.dirname(llama_bench_path(build_dir)), "llama-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-np", "1", "-c", "2048", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "--no-repack"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health",
+                                                                      timeout=2) as r:
+                if r.status == 200:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {cmd}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_llama_cpp(build_dir: str, prompts, out_lens, threads: int) -> list[list[int]]:
+    """llama.cpp's greedy tokens for each request, one at a time."""
+    from tessera.model.default_model import resolve_model_path
+
+    ids = []
+    with llama_server(build_dir, resolve_model_path(None), threads) as url:
+        for p, n in zip(prompts, out_lens, strict=True):
+            body = {"prompt": p, "n_predict": n, "temperature": 0.0, "top_k": 1,
+                    "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                ids.append(list(json.loads(r.read())["tokens"]))
+    return ids
+
+
+def agreement(ids, ref) -> tuple[int, int]:
+    """(requests identical to the reference, tokens before each request's first difference)."""
+    same = sum(a == b for a, b in zip(ids, ref, strict=True))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                      min(len(a), len(b)))
+                 for a, b in zip(ids, ref, strict=True))
+    return same, prefix
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quantization", default="gguf_int8,gguf")
     ap.add_argument("--workload", default="w1")
     ap.add_argument("--teacher-forced", action="store_true",
                     help="score the reference's tokens instead of generating again")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also llama.cpp's greedy output on the same GGUF against the reference")
+    ap.add_argument("--build-dir", default=None, help="llama.cpp build (llamacpp_peer.py's)")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     prompts, out_lens = build_workload(args.workload)
     ref, ref_tps, gaps = run("none", prompts, out_lens, 2 if args.teacher_forced else None)
@@ -94,12 +167,18 @@ def main() -> None:
             print(f"  (first difference, reference's top-2 logprob gap there): {at}")
             continue
         ids, tps, _ = run(q, prompts, out_lens)
-        same = sum(a == b for a, b in zip(ids, ref, strict=True))
-        prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y),
-                          len(a))
-                     for a, b in zip(ids, ref, strict=True))
+        same, prefix = agreement(ids, ref)
         print(f"{q}: {same}/{len(ref)} requests identical to none ({100 * same / len(ref):.1f}%), "
               f"{prefix}/{total} tokens before the first difference; {tps:.1f} output tok/s")
+    if args.llama_cpp:
+        from llamacpp_peer import DEFAULT_BUILD_DIR
+
+        start = time.perf_counter()
+        ids = run_llama_cpp(args.build_dir or DEFAULT_BUILD_DIR, prompts, out_lens, args.threads)
+        same, prefix = agreement(ids, ref)
+        print(f"llama.cpp: {same}/{len(ref)} requests identical to none "
+              f"({100 * same / len(ref):.1f}%), {prefix}/{total} tokens before the first "
+              f"difference ({time.perf_counter() - start:.0f} s)")
 
 
 if __name__ == "__main__":
