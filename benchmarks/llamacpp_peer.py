@@ -122,10 +122,10 @@ def tessera_child(model: str, quantization: str, threads: int) -> dict[str, floa
     sys.path.insert(0, HERE)
     from runner import Ours  # benchmarks/runner.py
 
-    from tessera.model.loader import load_model
+    from tessera.model.loader import load_model, weight_quantization
 
     torch.set_num_threads(threads)
-    cfg, weights = load_model(model, quantization)
+    cfg, weights = load_model(model, weight_quantization(quantization, "float32", "cpu"))
     ours = Ours(cfg, weights, torch.float32)
     del weights
     gen = torch.Generator().manual_seed(0)

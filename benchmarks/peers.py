@@ -27,8 +27,9 @@ Peers:
   llama-bench's tg128 and pp512 on the same GGUF, per TESSERA_CPU_ISA (benchmarks/llamacpp_peer.py).
 
 vLLM runs the dequantized weights (an HF checkpoint has no Q4_1); Tessera runs the GGUF as its
-default does (`--quantization gguf`: exact products, which reproduce the dequantized matmuls'
-tokens; `gguf_int8`: integer products on 8-bit activations; `none` dequantizes).
+default does (`--quantization auto`: `gguf_int8` on the AVX2 build, `gguf` elsewhere; `gguf`:
+exact products, which reproduce the dequantized matmuls' tokens; `gguf_int8`: integer products on
+8-bit activations; `none` dequantizes).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="do not LD_PRELOAD tcmalloc and Intel OpenMP into vLLM (its CPU docs' setup)",
     )
     ap.add_argument("--hf-batch", type=int, default=0, help="also HF static batching at this size")
-    ap.add_argument("--quantization", default="gguf", choices=["gguf", "gguf_int8", "none"],
-                    help="Tessera's")
+    ap.add_argument("--quantization", default="auto",
+                    choices=["auto", "gguf", "gguf_int8", "none"], help="Tessera's")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="instead of the offline workload: llama.cpp's llama-bench (pp512, tg128) "
                          "against Tessera's 512-token prefill and batch-1 decode on the same GGUF "

@@ -7,7 +7,7 @@ achieved GFLOP/s against a matmul peak measured here. Ratios are what carry acro
     python benchmarks/runner.py [--dtype bfloat16] [--batches 1,16,64] [--skip-hf]
     python benchmarks/runner.py --profile 8,16,32,64 [--dtype bfloat16]   # where engine decode
     steps go
-    python benchmarks/runner.py --quantization none   # today's dequantized weights (default: gguf)
+    python benchmarks/runner.py --quantization none   # dequantized weights (default: auto)
     python benchmarks/runner.py --compare-quantization   # GGUF-quantized vs bf16 vs fp32, one run
 
 `--compare-quantization` runs the same workloads on the default model with its Q4_1/Q8_0 weights
@@ -31,7 +31,7 @@ from tessera.config import QUANTIZATION_CHOICES, default_num_threads
 from tessera.model.default_model import resolve_model_path
 from tessera.model.gguf_quant import QuantizedTensor
 from tessera.model.llama import LlamaForCausalLM
-from tessera.model.loader import load_model
+from tessera.model.loader import load_model, weight_quantization
 from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
 from tessera.worker.model_runner import ModelRunner
 from tessera.worker.static_batch import StaticBatch
@@ -197,7 +197,7 @@ def compare_quantization(batches, ctx, steps, prefill_len, rounds: int = 3) -> N
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--quantization", default="gguf", choices=QUANTIZATION_CHOICES)
+    ap.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
     ap.add_argument("--compare-quantization", action="store_true")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=256)
@@ -234,7 +234,8 @@ def main() -> None:
         main_profile([int(b) for b in args.profile.split(",")], args.dtype, args.quantization,
                      args.ctx, args.steps, spec, cpu_time=args.cpu_time)
         return
-    cfg, weights = load_model(resolve_model_path(None), args.quantization)
+    cfg, weights = load_model(resolve_model_path(None),
+                              weight_quantization(args.quantization, args.dtype, "cpu"))
     peak = matmul_peak(dtype)
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} matmul peak {peak:.0f} GFLOP/s")
     results = {

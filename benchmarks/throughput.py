@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-batch", default="16", help="HF batch size, or a comma list to run each")
-    ap.add_argument("--quantization", default="gguf", choices=QUANTIZATION_CHOICES)
+    ap.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
     ap.add_argument("--compare-quantization", action="store_true")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --compare-quantization: rounds of all four models in turn (medians)")

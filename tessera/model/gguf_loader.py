@@ -120,7 +120,8 @@ def load_gguf(
     than one whole tensor is ever held."""
     if quantization not in RESOLVED_QUANTIZATIONS:
         raise ValueError(
-            f"--quantization must be one of {', '.join(RESOLVED_QUANTIZATIONS)}, got {quantization!r}"
+            f"--quantization must be one of {', '.join(RESOLVED_QUANTIZATIONS)}, "
+            f"got {quantization!r}"
         )
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}

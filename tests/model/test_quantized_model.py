@@ -5,9 +5,10 @@ fp32 (--quantization none), whose own reference is HF on the GGUF (tests/model/t
 the dense ones on gguf's dequantized weights bit for bit, so tokens and logprobs are identical; on
 the torch fallback only the near-tie rule holds.
 
---quantization gguf_int8 (what the default, auto, picks on the AVX2 build): activations rounded per row to 8-bit blocks, so logits
-move by ~1e-2; greedy tokens agree with the dequantized model except where its top two logits
-are close, and batching, chunking and prefix caching still never change a token.
+--quantization gguf_int8 (what the default, auto, picks on the AVX2 build): activations rounded
+per row to 8-bit blocks, so logits move by ~1e-2; greedy tokens agree with the dequantized model
+except where its top two logits are close, and batching, chunking and prefix caching still never
+change a token.
 """
 
 from __future__ import annotations
