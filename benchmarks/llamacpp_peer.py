@@ -125,7 +125,7 @@ def tessera_child(model: str, quantization: str, threads: int) -> dict[str, floa
     from tessera.model.loader import load_model, weight_quantization
 
     torch.set_num_threads(threads)
-    cfg, weights = load_model(model, weight_quantization(quantization, "float32", "cpu"))
+    cfg, weights = load_model(model, weight_quantization(quantization, "float32", "cpu", model))
     ours = Ours(cfg, weights, torch.float32)
     del weights
     gen = torch.Generator().manual_seed(0)

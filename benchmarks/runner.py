@@ -234,8 +234,8 @@ def main() -> None:
         main_profile([int(b) for b in args.profile.split(",")], args.dtype, args.quantization,
                      args.ctx, args.steps, spec, cpu_time=args.cpu_time)
         return
-    cfg, weights = load_model(resolve_model_path(None),
-                              weight_quantization(args.quantization, args.dtype, "cpu"))
+    path = resolve_model_path(None)
+    cfg, weights = load_model(path, weight_quantization(args.quantization, args.dtype, "cpu", path))
     peak = matmul_peak(dtype)
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} matmul peak {peak:.0f} GFLOP/s")
     results = {

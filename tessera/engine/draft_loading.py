@@ -46,7 +46,7 @@ def build_draft_proposer(config: EngineConfig, target_path: str, target_model, t
     else:
         try:
             arch, weights = load_model(path, weight_quantization(
-                config.model.quantization, config.model.dtype, config.device.device))
+                config.model.quantization, config.model.dtype, config.device.device, path))
         except ValueError as e:
             raise ValueError(f"speculative_config: model {spec.model!r}: {e}") from e
         _check_vocabulary(spec.model, path, arch, target_arch, target_tokenizer)

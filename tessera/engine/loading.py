@@ -56,7 +56,7 @@ def load_bundle(args: EngineArgs) -> ModelBundle:
         None, stored_dtype)
     torch.set_num_threads(early.parallel.threads_per_node)  # --num-threads; packing uses them too
     arch, weights = load_model(path, weight_quantization(
-        early.model.quantization, early.model.dtype, early.device.device))
+        early.model.quantization, early.model.dtype, early.device.device, path))
     config = args.create_engine_config(
         arch.max_position_embeddings, stored_dtype, arch.uniform_window, arch.layer_windows
     )

@@ -46,32 +46,43 @@ def load_model(
     return config, weights
 
 
-def auto_quantization(device: str) -> str:
+def auto_quantization(device: str, path: str | None = None) -> str:
     """What `--quantization auto` (the default) runs a GGUF on: "gguf_int8" on the AVX2 build
-    (CPUs without AVX-512: Zen 2/3, client chips), where the integer kernels decode the default
-    model 2.6x as fast as the exact ones and prefill 1.2x; else "gguf". On AVX-512 the exact
-    kernels decode at batch 1 as fast (1.05x) and, in bf16 on AMX, run batches faster, and they
-    give the dequantized model's greedy tokens, which 8-bit activations do not at near-ties
-    (docs/cpu_kernels.md has the figures)."""
+    (CPUs without AVX-512: Zen 2/3, client chips) when most of the file's matrices are 4-6-bit
+    types, else "gguf". Why: there the integer kernels decode the default model (Q4_1) 2.6x as
+    fast as the exact ones and prefill 1.2x, while rounding activations to 8 bits adds little to
+    what 4-6-bit weights already round; with 8-bit or float weights it would be the larger error.
+    On AVX-512 the exact kernels decode at batch 1 as fast (1.05x), run bf16 batches faster on
+    AMX, and give the dequantized model's greedy tokens, which 8-bit activations do not at
+    near-ties (docs/cpu_kernels.md has the figures). `path` None: the rule for a 4-bit file."""
     from tessera.kernels.build import cpu_isa
 
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or cpu_isa() != "avx2":
         return "gguf"
-    return "gguf_int8" if cpu_isa() == "avx2" else "gguf"
+    if path is not None:
+        if not path.endswith(".gguf"):
+            return "gguf"  # no blocks to keep: nothing changes
+        from tessera.model.gguf_loader import low_bit_weight_share
+
+        if low_bit_weight_share(path) < 0.5:
+            return "gguf"
+    return "gguf_int8"
 
 
-def weight_quantization(quantization: str, dtype: str, device: str) -> str:
+def weight_quantization(
+    quantization: str, dtype: str, device: str, path: str | None = None
+) -> str:
     """What `load_model` is asked for under `--quantization quantization` with this compute dtype
-    and device. "auto" is auto_quantization's pick. "gguf_int8" keeps a GGUF's blocks for the
-    integer kernel where it serves (a CPU with the C++ kernels built, any ISA), else falls back
-    to "gguf"; "gguf" keeps them where the exact kernel serves; elsewhere the weights are
-    dequantized once, at load. Why: without a kernel a quantized layer would hold dense weights
-    anyway."""
+    and device, for the model at `path`. "auto" is auto_quantization's pick. "gguf_int8" keeps a
+    GGUF's blocks for the integer kernel where it serves (a CPU with the C++ kernels built, any
+    ISA), else falls back to "gguf"; "gguf" keeps them where the exact kernel serves; elsewhere
+    the weights are dequantized once, at load. Why: without a kernel a quantized layer would hold
+    dense weights anyway."""
     from tessera.kernels.quant_linear import int8_kernel_supported, quant_kernel_supported
 
     torch_dtype, torch_device = getattr(torch, dtype), torch.device(device)
     if quantization == "auto":
-        quantization = auto_quantization(device)
+        quantization = auto_quantization(device, path)
         logger.info("--quantization auto: %s on %s", quantization, device)
     if quantization == "gguf_int8":
         if int8_kernel_supported(torch_dtype, torch_device):

@@ -198,7 +198,7 @@ def build_rank_runner(init: WorkerInit, rank: int, world_size: int, device: torc
     plan = ShardPlan.for_arch(arch, rank, world_size, config.parallel.enable_expert_parallel)
     tp = TensorParallelGroup(plan, device)
     quantization = weight_quantization(config.model.quantization, config.model.dtype,
-                                       config.device.device)
+                                       config.device.device, init.model_path)
     _, weights = load_model(init.model_path, quantization, plan)
     dtype = getattr(torch, config.model.dtype)
     torch.manual_seed(config.model.seed)

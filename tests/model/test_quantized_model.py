@@ -169,16 +169,48 @@ def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
     ("avx2", "cpu", "gguf_int8"), ("avx512", "cpu", "gguf"), ("portable", "cpu", "gguf"),
     ("avx2", "cuda:0", "gguf"),
 ])
-def test_auto_picks_the_integer_path_on_the_avx2_build(monkeypatch, isa, device, expected):
-    """--quantization auto (the default): gguf_int8 on the AVX2 build, where its kernels are 2.6x
-    the exact ones at decode; the exact products elsewhere."""
+def test_auto_picks_the_integer_path_on_the_avx2_build(monkeypatch, default_model_path, isa,
+                                                       device, expected):
+    """--quantization auto (the default): gguf_int8 on the AVX2 build for a 4-bit GGUF (the
+    default model: Q4_1 layers, a Q8_0 embedding), where its kernels are 2.6x the exact ones at
+    decode; the exact products elsewhere."""
     import tessera.kernels.build as build
     from tessera.model.loader import auto_quantization, weight_quantization
 
     monkeypatch.setattr(build, "cpu_isa", lambda: isa)
-    assert auto_quantization(device) == expected
+    assert auto_quantization(device, default_model_path) == expected
     if device == "cpu" and quant_kernel_supported(torch.float32, torch.device("cpu")):
-        assert weight_quantization("auto", "float32", device) == expected
+        assert weight_quantization("auto", "float32", device, default_model_path) == expected
+
+
+def test_auto_keeps_exact_products_for_8_bit_and_float_weights(monkeypatch, tmp_path):
+    """8-bit or float matrices: rounding activations to 8 bits would be the larger error, so
+    auto keeps the exact products even on the AVX2 build; an HF directory has no blocks."""
+    import gguf
+    import numpy as np
+
+    import tessera.kernels.build as build
+    from tessera.model.gguf_loader import low_bit_weight_share
+    from tessera.model.loader import auto_quantization
+
+    monkeypatch.setattr(build, "cpu_isa", lambda: "avx2")
+    rng = np.random.default_rng(0)
+    paths = {}
+    for name, qtype in (("q8", gguf.GGMLQuantizationType.Q8_0),
+                        ("q4", gguf.GGMLQuantizationType.Q4_0)):
+        w = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        data = rng.standard_normal((64, 256)).astype(np.float32)
+        w.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        w.add_tensor("blk.0.ffn_norm.weight", np.ones(256, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths[name] = str(tmp_path / f"{name}.gguf")
+    assert low_bit_weight_share(paths["q8"]) == 0.0 and low_bit_weight_share(paths["q4"]) == 1.0
+    assert auto_quantization("cpu", paths["q8"]) == "gguf"
+    assert auto_quantization("cpu", paths["q4"]) == "gguf_int8"
+    assert auto_quantization("cpu", str(tmp_path)) == "gguf"
 
 
 def _prompt_logits(path, prompt: list[int], quantization: str, dtype: torch.dtype) -> torch.Tensor:
