@@ -57,6 +57,10 @@ torch::Tensor linear_generic(torch::Tensor x, torch::Tensor packed, int64_t N,
 
 bool available(torch::Tensor weight) { return kernel_supports(weight); }
 
+// Whether bf16 runs on AMX tiles in this process (linear_amx.h: the CPU has AMX, the kernel was
+// built for it, the OS granted the tile state and TESSERA_DISABLE_AMX is unset).
+bool amx_active() { return amx_ready(); }
+
 // W [N, K] -> panels (see the header comment). Zero rows pad N to a multiple of kPanel.
 torch::Tensor pack_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
@@ -227,6 +231,7 @@ torch::Tensor pack_bias(torch::Tensor bias) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build serves the weight's dtype/shape");
+  m.def("amx_active", &amx_active, "whether bf16 runs on AMX tiles in this process");
   m.def("pack_weight", &pack_weight, "pack W [N, K] into kPanel-wide panels");
   m.def("pack_bias", &pack_bias, "bias as float32 padded to the panel width");
   m.def("linear", &linear, "y = x @ W^T (+ bias) on packed W");

@@ -53,6 +53,14 @@ def linear_kernel_supported(weight: torch.Tensor) -> bool:
     return module is not None and bool(module.available(weight))
 
 
+def linear_kernel_uses_amx() -> bool:
+    """True when bf16 linears run on AMX tiles in this process (linear_amx.h): the CPU has AMX, the
+    kernel was built for it, Linux granted the tile state and TESSERA_DISABLE_AMX is unset. AMX
+    sums are not the same bits as the vdpbf16ps tiles', so one process uses one or the other."""
+    module = _module()
+    return module is not None and bool(module.amx_active())
+
+
 class PackedLinearWeight:
     """A weight [N, K] (and optional bias [N]) packed once into the kernel's panels; callable."""
 
