@@ -141,13 +141,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
     amx_pack_rows(x.data_ptr<at::BFloat16>(), ldx, M, K, xa.data_ptr<at::BFloat16>());
     const at::BFloat16* w_ptr = packed.data_ptr<at::BFloat16>();
     at::BFloat16* y_ptr = y.data_ptr<at::BFloat16>();
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    const AmxRowBlocks blocks(M);
+    at::parallel_for(0, blocks.count * num_panels, 1, [&](int64_t begin, int64_t end) {
       amx_configure(M);  // tile state is per thread
       for (int64_t u = begin; u < end; ++u) {
-        const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
-        const int64_t m0 = rb * rows_per_block;
+        // row-block-major: a block's rows stay in L2 while every panel streams past them
+        const int64_t p = u % num_panels, m0 = u / num_panels * blocks.rows;
         const int64_t n0 = p * kPanel;
-        amx_rows_against_panel(xa_ptr + m0 * K, std::min(rows_per_block, M - m0),
+        amx_rows_against_panel(xa_ptr + m0 * K, std::min(blocks.rows, M - m0),
                                w_ptr + p * K * kPanel, K, y_ptr + m0 * N + n0, N, N - n0,
                                b ? b + n0 : nullptr);
       }

@@ -50,14 +50,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// One row group (amx_rows_against_panel): tiles 0-2 C (fp32 [rows][16]), 3 A (rows x 32 bf16),
-// 4-6 B (16 pair-rows x 16 outputs). Two row groups (amx_two_groups_against_panel, M > 16 only):
-// 0-5 C ([group][column]), 6 A, 7 B. `rows` = min(M, 16) for tiles 0-3: a tdpbf16ps costs by its
-// rows, and a lone decode row needs one, not 16 (each C element's sum is the same whatever the
-// tile's row count); with M > 16 every tile has 16.
+// Tiles 0-2: C (fp32 [rows][16]); 3: A (rows x 32 bf16); 4-6: B (16 pair-rows x 16 outputs).
+// `rows` = min(M, 16): a tdpbf16ps costs by its rows, and a lone decode row needs one, not 16
+// (each C element's sum is the same whatever the tile's row count).
 inline void amx_configure(int64_t rows) {
   TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
+  for (int t = 0; t < 7; ++t) {
     cfg.rows[t] = t < 4 ? static_cast<uint8_t>(std::min<int64_t>(rows, 16)) : 16;
     cfg.colsb[t] = 64;
   }
@@ -89,6 +87,28 @@ constexpr int64_t kAmxStepElems = kAmxK * kPanel;
 // stalls on a miss, and with few rows (decode) there is too little TMUL work to hide it.
 constexpr int64_t kAmxPrefetchSteps = 4;
 
+// Rows of x per block when M is large: blocks run row-block-major (each block against every panel
+// in turn), so a block's packed rows (kAmxRowsPerBlock * K * 2 bytes, 1.2 MB at K = 1536) stay in
+// L2 while the panels stream past, and the weights are read once per block. Panel-major order (all
+// M rows against one panel, then the next) re-streams every packed row from L3 for each 48
+// outputs: at M = 2048 that cost ~30% (benchmarks/linear.py). Up to kAmxRowsPerBlock rows are one
+// block, so for those the two orders are the same.
+#ifndef AMX_RB
+#define AMX_RB 384
+#endif
+constexpr int64_t kAmxRowsPerBlock = AMX_RB;
+
+// M rows cut into blocks of at most kAmxRowsPerBlock, evened out (whole row groups each) so that
+// the two threads' shares of (block, panel) units hold about the same number of rows.
+struct AmxRowBlocks {
+  int64_t rows, count;
+  explicit AmxRowBlocks(int64_t M) {
+    const int64_t n = (M + kAmxRowsPerBlock - 1) / kAmxRowsPerBlock;
+    rows = round_up((M + n - 1) / n, kAmxRows);
+    count = (M + rows - 1) / rows;
+  }
+};
+
 // B pair-rows of a dense bf16 panel, read in place (prefetching ahead when asked).
 struct DensePanelB {
   const at::BFloat16* panel;
@@ -104,87 +124,20 @@ struct DensePanelB {
   }
 };
 
-// One row group's C tiles `c0`..`c0 + 2` (fp32 sums over the K steps) -> rows [0, rows) of y: the
-// K tail (K % 32, read from the dense `panel`) added per row in K order, then bias, then stored.
-inline void amx_store_group(int c0, const at::BFloat16* xg, int64_t rows, int64_t K,
-                            const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
-                            int64_t n_valid, const float* bias) {
-  alignas(64) float c[kAmxRows * kPanel];  // [16][kPanel] fp32 sums of one row group
-  constexpr int64_t kCStride = kPanel * sizeof(float);
-  // _tile_stored takes an immediate tile number
-  if (c0 == 0) {
-    _tile_stored(0, c, kCStride);
-    _tile_stored(1, c + 16, kCStride);
-    _tile_stored(2, c + 32, kCStride);
-  } else {
-    _tile_stored(3, c, kCStride);
-    _tile_stored(4, c + 16, kCStride);
-    _tile_stored(5, c + 32, kCStride);
-  }
-  const int64_t k_main = K / kAmxK * kAmxK;
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 acc[kVecs];
-    for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_loadu_ps(c + r * kPanel + 16 * v);
-    const int32_t* xpairs = reinterpret_cast<const int32_t*>(xg + r * K);
-    for (int64_t k2 = k_main / 2; k2 < K / 2; ++k2) {  // the K tail, in K order
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xpairs[k2]);
-      for (int v = 0; v < kVecs; ++v)
-        acc[v] = _mm512_dpbf16_ps(
-            acc[v], xv, (__m512bh)_mm512_loadu_si512(panel + k2 * 2 * kPanel + 32 * v));
-    }
-    store_row(y + r * ldy, n_valid, acc, bias);
-  }
-}
-
 // Rows [0, M) of x (amx_pack_rows) against one bf16 panel [K/2][kPanel][2]; the caller has
 // configured the tiles on this thread (amx_configure with the batch's row count; a smaller last
 // group computes zero padding rows it never stores). `b_at(k0)` gives the 16 pair-rows of K step
 // k0 in the panel layout: the dense panel itself, or a block dequantized into L1 just before
 // (quant_linear.cpp); the K tail (K % 32, dense panels only) is read from `panel`.
-//
-// Two row groups share each pass over the panel: six C tiles, one A and one B tile reloaded in the
-// order A0 B0 B1 B2 A1 B1 B0 (7 tile loads per 6 products instead of 8), so B streams from L2
-// once per 32 rows, not once per 16. Each C element still gets the same tdpbf16ps sequence over
-// the K steps from zero, so a row's bits do not depend on which pass computed it. A last single
-// group (M - g <= 16) takes the one-group pass.
 template <typename BAt>
 inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::BFloat16* panel,
                                    int64_t K, at::BFloat16* y, int64_t ldy, int64_t n_valid,
                                    const float* bias, const BAt& b_at) {
+  alignas(64) float c[kAmxRows * kPanel];  // [16][kPanel] fp32 sums of one row group
   const int64_t k_main = K / kAmxK * kAmxK;
   constexpr int64_t kBStride = 2 * kPanel * sizeof(at::BFloat16);  // bytes between pair-rows
   const int64_t a_stride = K * sizeof(at::BFloat16);
-  int64_t g = 0;
-  for (; M - g > kAmxRows; g += 2 * kAmxRows) {
-    const at::BFloat16* x0 = xp + g * K;
-    const at::BFloat16* x1 = x0 + kAmxRows * K;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int64_t k0 = 0; k0 < k_main; k0 += kAmxK) {
-      const at::BFloat16* b = b_at(k0);
-      _tile_loadd(6, x0 + k0, a_stride);
-      _tile_loadd(7, b, kBStride);
-      _tile_dpbf16ps(0, 6, 7);
-      _tile_loadd(7, b + 32, kBStride);
-      _tile_dpbf16ps(1, 6, 7);
-      _tile_loadd(7, b + 64, kBStride);
-      _tile_dpbf16ps(2, 6, 7);
-      _tile_loadd(6, x1 + k0, a_stride);
-      _tile_dpbf16ps(5, 6, 7);
-      _tile_loadd(7, b + 32, kBStride);
-      _tile_dpbf16ps(4, 6, 7);
-      _tile_loadd(7, b, kBStride);
-      _tile_dpbf16ps(3, 6, 7);
-    }
-    amx_store_group(0, x0, kAmxRows, K, panel, y + g * ldy, ldy, n_valid, bias);
-    amx_store_group(3, x1, std::min(kAmxRows, M - g - kAmxRows), K, panel,
-                    y + (g + kAmxRows) * ldy, ldy, n_valid, bias);
-  }
-  if (g < M) {
+  for (int64_t g = 0; g < M; g += kAmxRows) {
     const at::BFloat16* xg = xp + g * K;
     _tile_zero(0);
     _tile_zero(1);
@@ -199,7 +152,23 @@ inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::
       _tile_dpbf16ps(1, 3, 5);
       _tile_dpbf16ps(2, 3, 6);
     }
-    amx_store_group(0, xg, M - g, K, panel, y + g * ldy, ldy, n_valid, bias);
+    constexpr int64_t kCStride = kPanel * sizeof(float);
+    _tile_stored(0, c, kCStride);
+    _tile_stored(1, c + 16, kCStride);
+    _tile_stored(2, c + 32, kCStride);
+    const int64_t rows = std::min(kAmxRows, M - g);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 acc[kVecs];
+      for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_loadu_ps(c + r * kPanel + 16 * v);
+      const int32_t* xpairs = reinterpret_cast<const int32_t*>(xg + r * K);
+      for (int64_t k2 = k_main / 2; k2 < K / 2; ++k2) {  // the K tail, in K order
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xpairs[k2]);
+        for (int v = 0; v < kVecs; ++v)
+          acc[v] = _mm512_dpbf16_ps(
+              acc[v], xv, (__m512bh)_mm512_loadu_si512(panel + k2 * 2 * kPanel + 32 * v));
+      }
+      store_row(y + (g + r) * ldy, n_valid, acc, bias);
+    }
   }
 }
 

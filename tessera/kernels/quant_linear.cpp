@@ -47,18 +47,18 @@ using namespace tessera_quant;
 // bf16 activations on AMX (linear_amx.h), for every M, as the dense kernel's AMX path does (so
 // the two agree bit for bit). One row group (decode, M <= 16): each K step's block is dequantized
 // into a 3 KB buffer just before its tiles load it, so the quantized bytes are the only stream
-// from memory. More rows: each panel is dequantized once per thread into a dense bf16 panel in
-// L2, and every row group runs over it.
+// from memory. More rows: each (row block, panel) unit dequantizes its panel into a dense bf16
+// panel in L2 and runs the block's row groups over it; up to kAmxRowsPerBlock rows that is once
+// per panel.
 template <typename F>
 void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* packed,
              int64_t num_panels, int64_t N, at::BFloat16* y, int64_t ldy, const float* bias) {
   at::BFloat16* const xa = align64(
       thread_scratch<at::BFloat16, Scratch::kPackedRows>(round_up(M, kAmxRows) * K + kAlignElems));
   amx_pack_rows(x, ldx, M, K, xa);
-  const int64_t rows_per_block = std::min(M, kRowsPerBlock);
-  const int64_t num_row_blocks = (M + rows_per_block - 1) / rows_per_block;
+  const AmxRowBlocks blocks(M);
   const int64_t panel_bytes = (K / F::kBlock) * F::kRecord;
-  at::parallel_for(0, num_row_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks.count * num_panels, 1, [&](int64_t begin, int64_t end) {
     amx_configure(M);
     if (M <= kAmxRows && K % kAmxK == 0) {
       alignas(64) at::BFloat16 step[kAmxStepElems];
@@ -77,16 +77,12 @@ void run_amx(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const uin
     }
     at::BFloat16* const buf =
         align64(thread_scratch<at::BFloat16, Scratch::kDequantPanel>(K * kPanel + kAlignElems));
-    int64_t buf_panel = -1;
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t p = u / num_row_blocks, rb = u % num_row_blocks;
-      const int64_t m0 = rb * rows_per_block;
+      // row-block-major, as the dense kernel's AMX path (linear_amx.h: AmxRowBlocks)
+      const int64_t p = u % num_panels, m0 = u / num_panels * blocks.rows;
       const int64_t n0 = p * kPanel;
-      if (buf_panel != p) {
-        dequant_panel<F>(packed + p * panel_bytes, 0, K / F::kBlock, buf);
-        buf_panel = p;
-      }
-      amx_rows_against_panel(xa + m0 * K, std::min(rows_per_block, M - m0), buf, K,
+      dequant_panel<F>(packed + p * panel_bytes, 0, K / F::kBlock, buf);
+      amx_rows_against_panel(xa + m0 * K, std::min(blocks.rows, M - m0), buf, K,
                              y + m0 * ldy + n0, ldy, N - n0, bias ? bias + n0 : nullptr);
     }
     _tile_release();
