@@ -93,10 +93,7 @@ constexpr int64_t kAmxPrefetchSteps = 4;
 // M rows against one panel, then the next) re-streams every packed row from L3 for each 48
 // outputs: at M = 2048 that cost ~30% (benchmarks/linear.py). Up to kAmxRowsPerBlock rows are one
 // block, so for those the two orders are the same.
-#ifndef AMX_RB
-#define AMX_RB 384
-#endif
-constexpr int64_t kAmxRowsPerBlock = AMX_RB;
+constexpr int64_t kAmxRowsPerBlock = 384;
 
 // M rows cut into blocks of at most kAmxRowsPerBlock, evened out (whole row groups each) so that
 // the two threads' shares of (block, panel) units hold about the same number of rows.
@@ -129,6 +126,12 @@ struct DensePanelB {
 // group computes zero padding rows it never stores). `b_at(k0)` gives the 16 pair-rows of K step
 // k0 in the panel layout: the dense panel itself, or a block dequantized into L1 just before
 // (quant_linear.cpp); the K tail (K % 32, dense panels only) is read from `panel`.
+//
+// One row group per pass. Two groups per pass (six C tiles; one A and one B tile reloaded in the
+// order A0 B0 B1 B2 A1 B1 B0, so B is read once per 32 rows) gave the same bits but measured 4-10%
+// slower at M = 64-2048 on Sapphire Rapids (in-process A/B): with two operand tiles every tile
+// load must wait for the product still reading that tile, so loads and products serialize, where
+// here the four loads of a K step are independent.
 template <typename BAt>
 inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::BFloat16* panel,
                                    int64_t K, at::BFloat16* y, int64_t ldy, int64_t n_valid,
