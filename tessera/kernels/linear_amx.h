@@ -128,10 +128,10 @@ struct DensePanelB {
 // (quant_linear.cpp); the K tail (K % 32, dense panels only) is read from `panel`.
 //
 // One row group per pass. Two groups per pass (six C tiles; one A and one B tile reloaded in the
-// order A0 B0 B1 B2 A1 B1 B0, so B is read once per 32 rows) gave the same bits but measured 4-10%
-// slower at M = 64-2048 on Sapphire Rapids (in-process A/B): with two operand tiles every tile
-// load must wait for the product still reading that tile, so loads and products serialize, where
-// here the four loads of a K step are independent.
+// order A0 B0 B1 B2 A1 B1 B0, so B is read once per 32 rows) gives the same bits but measured no
+// faster on Sapphire Rapids (in-process A/B at M = 17-2048, within the +-5% noise of two shared
+// cores), likely because with two operand tiles each load waits for the product still reading
+// that tile, while here the four loads of a K step are independent.
 template <typename BAt>
 inline void amx_rows_against_panel(const at::BFloat16* xp, int64_t M, const at::BFloat16* panel,
                                    int64_t K, at::BFloat16* y, int64_t ldy, int64_t n_valid,

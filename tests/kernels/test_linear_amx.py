@@ -1,7 +1,8 @@
-"""The bf16 AMX tiles (linear_amx.h) run two 16-row groups per pass over a panel when M > 16, and
-one group for a lone last group (and for M <= 16). Every row must come out bit for bit as the
-same row computed alone (M = 1: one group, one tile row), whichever pass, row block (96 rows) or
-thread computed it: K tails (K % 32), partial panels (N % 48), bias and padding rows included."""
+"""The bf16 AMX tiles (linear_amx.h): every row of an M-row call must come out bit for bit as the
+same row computed alone (M = 1: one row group, one tile row), whichever row group, row block
+(kAmxRowsPerBlock = 384 rows, run row-block-major) or thread computed it: K tails (K % 32),
+partial panels (N % 48), bias and padding rows included. The GGUF path (quant_linear.cpp's
+run_amx) must equal the dense kernel on the dequantized weights."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _require_amx() -> None:
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("n,k", SHAPES, ids=lambda v: str(v))
-def test_two_group_pass_rows_equal_rows_alone(n, k, bias):
+def test_rows_equal_rows_alone_at_every_m(n, k, bias):
     _require_amx()
     gen = torch.Generator().manual_seed(n * 31 + k)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
