@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from tessera.kernels.build import VEC_HEADER, load_extension
+from tessera.kernels.hugepages import in_huge_pages
 
 _SOURCE = Path(__file__).with_name("linear.cpp")
 TILES_HEADER = Path(__file__).with_name(
@@ -69,7 +70,7 @@ class PackedLinearWeight:
         assert module is not None, "check linear_kernel_supported first"
         self._linear = module.linear  # looked up once: this is called ~120 times a step
         self.out_features = weight.shape[0]
-        self.panels = module.pack_weight(weight.contiguous())
+        self.panels = in_huge_pages(module.pack_weight(weight.contiguous()))
         self.bias = module.pack_bias(bias) if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

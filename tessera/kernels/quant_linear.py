@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.kernels.build import VEC_HEADER, load_extension
+from tessera.kernels.hugepages import in_huge_pages
 from tessera.kernels.linear import AMX_HEADER, GENERIC_HEADER, TILES_HEADER
 from tessera.kernels.quant_int8 import Int8Format, dequantize_int8, dequantize_int8_rows
 from tessera.kernels.quant_layout import (
@@ -184,7 +185,10 @@ class QuantLinear:
         self._int8_kernel = None if module is None else module.quant_linear_int8_out
         self._dense_min_rows = DENSE_MIN_ROWS.get(dtype, 0)
         self._dense: list[torch.Tensor] | None = None
-        if self._kernel is None:
+        if self._kernel is not None:
+            for p in self.parts:  # streamed whole at every step (hugepages.py says why)
+                p.packed = in_huge_pages(p.packed)
+        else:
             logger.warning(
                 "quantized linear: no C++ kernel for %s on %s; its weights are dequantized once "
                 "(memory of dense weights)",
