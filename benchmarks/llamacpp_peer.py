@@ -11,7 +11,10 @@ two cores) and cached outside the repository (default ~/.cache/tessera/llama.cpp
 Tessera: the model runner on the same file (benchmarks/runner.py's `Ours`, the default engine
 settings' model, fp32 activations), each TESSERA_CPU_ISA in its own process: one 512-token
 prefill after a warm-up, then 128 decode steps at batch 1 from a 16-token prompt. Printed: both
-figures per engine and the ratios Tessera / llama.cpp. benchmarks/peers.py --llama-cpp runs this.
+figures per engine and the ratios Tessera / llama.cpp; then each decode's share of the DRAM
+roofline: the weight bytes a decode token streams (every projection and the lm_head) times its
+tok/s, over the streaming-read bandwidth benchmarks/w1_ceiling.py measures.
+benchmarks/peers.py --llama-cpp runs this.
 """
 
 from __future__ import annotations
@@ -141,7 +144,16 @@ def tessera_child(model: str, quantization: str, threads: int) -> dict[str, floa
         for _ in range(128):
             tok = ours.decode(tok)
         decode = 128 / (time.perf_counter() - t)
-    return {"prefill": prefill, "decode": decode}
+    # what a decode step streams: every layer's projections and the lm_head
+    return {"prefill": prefill, "decode": decode, "weight_bytes": ours.weight_bytes["linear"]}
+
+
+def dram_read_bandwidth() -> float:
+    """Bytes/s of a streaming read from DRAM on torch's threads (w1_ceiling.py's peak)."""
+    import torch
+    from w1_ceiling import measure_peaks
+
+    return measure_peaks(torch.float32).bandwidth
 
 
 def run_tessera(model: str, quantization: str, threads: int, isa: str) -> dict[str, float]:
@@ -199,6 +211,15 @@ def compare(
                 f"{r['model']:<34}{r['isa']:<9}{r['quantization']:<10}{label:<7}{ours:>9.1f}"
                 f"{peer:>11.1f}{ours / peer:>7.2f}x"
             )
+    bandwidth = dram_read_bandwidth()
+    print(f"decode against the DRAM roofline (streaming read {bandwidth / 1e9:.1f} GB/s, "
+          "benchmarks/w1_ceiling.py's): weight bytes a token x tok/s")
+    for r in rows:
+        streamed = r["tessera"]["decode"] * r["tessera"]["weight_bytes"]
+        r["roofline"] = streamed / bandwidth
+        print(f"{r['model']:<34}{r['isa']:<9}{r['quantization']:<10}"
+              f"{r['tessera']['weight_bytes'] / 1e6:>8.1f} MB a token  {streamed / 1e9:>5.1f} GB/s"
+              f"  {100 * r['roofline']:>5.1f}% of the roofline")
     return rows
 
 
