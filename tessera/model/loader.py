@@ -49,12 +49,12 @@ def load_model(
 def auto_quantization(device: str, path: str | None = None) -> str:
     """What `--quantization auto` (the default) runs a GGUF on: "gguf_int8" on the AVX2 build
     (CPUs without AVX-512: Zen 2/3, client chips) when most of the file's matrices are 4-6-bit
-    types, else "gguf". Why: there the integer kernels decode the default model (Q4_1) 2.6x as
-    fast as the exact ones and prefill 1.2x, while rounding activations to 8 bits adds little to
-    what 4-6-bit weights already round; with 8-bit or float weights it would be the larger error.
-    On AVX-512 the exact kernels decode at batch 1 as fast (1.05x), run bf16 batches faster on
-    AMX, and give the dequantized model's greedy tokens, which 8-bit activations do not at
-    near-ties (docs/cpu_kernels.md has the figures). `path` None: the rule for a 4-bit file."""
+    types, else "gguf". Why: there the exact kernels decode at 0.46x llama.cpp's speed and the
+    integer ones at 1.2-1.4x, while rounding activations to 8 bits adds little to what 4-6-bit
+    weights already round (with 8-bit or float weights it would be the larger error). On AVX-512
+    the exact kernels already beat llama.cpp and give the dequantized model's greedy tokens, which
+    8-bit activations change at near-ties, so `gguf_int8` (faster still in fp32) stays a choice
+    (docs/cpu_kernels.md has the figures). `path` None: the rule for a 4-bit file."""
     from tessera.kernels.build import cpu_isa
 
     if torch.device(device).type != "cpu" or cpu_isa() != "avx2":
