@@ -155,7 +155,11 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
     for (int64_t b = 0; b < nb; ++b) {
       const int set = static_cast<int>(b & 1);
       const uint8_t* bt = bbuf + b * kBBlockBytes;
-      if (set == 0) block_product<F, 0>(qg + b * kQK, K, bt); else block_product<F, 1>(qg + b * kQK, K, bt);
+      if (set == 0) {
+        block_product<F, 0>(qg + b * kQK, K, bt);
+      } else {
+        block_product<F, 1>(qg + b * kQK, K, bt);
+      }
       if (b > 0)
         scale_block<F>(c[1 - set], ga + (b - 1) * F::kRecord, gb + (b - 1) * F::kRecord, b - 1,
                        nb, dx, xsum, m0, acc);
