@@ -38,7 +38,7 @@ def flag_name(name: str) -> str:
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "half", "float16")
 # --quantization: see ModelConfig.quantization; docs/cpu_kernels.md says which runs where
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gguf_int8")
-# auto: the faster of gguf and gguf_int8 on this CPU (tessera/model/loader.py, auto_quantization)
+# auto: gguf_int8 or gguf by CPU and file (tessera/model/loader.py, auto_quantization)
 QUANTIZATION_DEFAULT = "auto"
 RESOLVED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
@@ -74,7 +74,7 @@ class ModelConfig:
     # "gguf_int8": a GGUF's weights stay in their blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and
     # run on integer dot products against activations quantized per row to Q8 blocks; "gguf":
     # the blocks with exact float products (Q5_K dequantized); "none": all dequantized at load;
-    # "auto": gguf_int8 where its kernel is the faster one (the AVX2 build), else gguf
+    # "auto": gguf_int8 on the AVX2 build for mostly 4-6-bit GGUFs, else gguf (loader.py)
     quantization: str = QUANTIZATION_DEFAULT
 
     def __post_init__(self) -> None:
@@ -531,8 +531,8 @@ class EngineArgs:
     )
     quantization: str = _arg(
         QUANTIZATION_DEFAULT,
-        "auto (default): gguf_int8 where the integer kernel is the faster one (CPUs without "
-        "AVX-512), else gguf; gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, "
+        "auto (default): gguf_int8 on CPUs without AVX-512 for GGUFs whose matrices are mostly "
+        "4-6-bit, where its kernels are the faster ones, else gguf; gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, "
         "Q6_K) and run exact float products on them; gguf_int8: the same blocks (and Q5_K) "
         "against activations quantized per row to 8-bit blocks, integer dot products (llama.cpp's "
         "form); none: dequantize all at load",
