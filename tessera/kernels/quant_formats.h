@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "linear_tiles.h"
+#include "prefetch.h"
 
 namespace tessera_quant {
 
@@ -80,9 +81,7 @@ constexpr int64_t kPrefetchBlocks = TESSERA_QUANT_PREFETCH_BLOCKS;
 
 template <typename F>
 inline void prefetch_ahead(const uint8_t* rec) {
-  const uint8_t* ahead = rec + kPrefetchBlocks * F::kRecord;
-  for (int64_t l = 0; l < F::kRecord; l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+  tessera_prefetch::prefetch_lines(rec + kPrefetchBlocks * F::kRecord, F::kRecord);
 }
 
 #endif  // __AVX512F__

@@ -44,6 +44,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "prefetch.h"
+
 #if defined(__AVX2__) && !defined(TESSERA_PORTABLE)
 #include <immintrin.h>
 #define TESSERA_INT8_AVX2 1
@@ -183,10 +185,7 @@ inline __m256i broadcast4(const int8_t* p) {
 constexpr int64_t kPrefetchBytes = TESSERA_INT8_PREFETCH;
 template <int64_t Bytes>
 inline void prefetch_ahead(const uint8_t* w) {
-  if constexpr (kPrefetchBytes > 0) {
-    for (int64_t off = 0; off < Bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T0);
-  }
+  if constexpr (kPrefetchBytes > 0) tessera_prefetch::prefetch_lines(w + kPrefetchBytes, Bytes);
 }
 
 // The exact integer sums of one block for the 8 rows of a group: lane r = <codes of row r, qx>.

@@ -1,0 +1,14 @@
+// Software prefetch of a weight stream, shared by the exact (quant_formats.h) and integer
+// (quant_int8.h) quantized kernels; each decides how far ahead of its reads to pull.
+#pragma once
+
+#include <cstdint>
+
+namespace tessera_prefetch {
+
+// One prefetch (prefetcht0: into L1) a 64-byte line over [p, p + bytes).
+inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+}  // namespace tessera_prefetch
