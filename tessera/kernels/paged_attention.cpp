@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_attention_amx.h"
 #include "paged_attention_avx512.h"
 #include "paged_attention_common.h"
 #include "paged_attention_fold.h"
@@ -95,45 +96,121 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     }
   }
 #endif
+  // the AMX path (bf16 q and cache), which also attends a prompt's rows in groups
+  using AttendRows = void (*)(const q_t*, const kv_t*, const kv_t*, const index_t*, int64_t,
+                              const RowGroup&, float, bool, int64_t, const Geometry&);
+  AttendRows attend_rows = nullptr;
+#if defined(TESSERA_HAVE_AMX)
+  if constexpr (std::is_same<q_t, at::BFloat16>::value && std::is_same<kv_t, at::BFloat16>::value) {
+    if (geo.group <= kLanes && tessera_tiles::amx_ready()) {
+      switch (geo.head_dim) {
+        case 32: attend_rows = attend_amx_rows<2, index_t>; attend = attend_amx<2, index_t>; break;
+        case 64: attend_rows = attend_amx_rows<4, index_t>; attend = attend_amx<4, index_t>; break;
+        case 96: attend_rows = attend_amx_rows<6, index_t>; attend = attend_amx<6, index_t>; break;
+        case 128: attend_rows = attend_amx_rows<8, index_t>; attend = attend_amx<8, index_t>; break;
+        case 256:
+          attend_rows = attend_amx_rows<16, index_t>;
+          attend = attend_amx<16, index_t>;
+          break;
+        default: break;
+      }
+    }
+  }
+#endif
+  const bool amx = attend_rows != nullptr;
+  auto begin_worker = [amx] {
+#if defined(TESSERA_HAVE_AMX)
+    if (amx) amx_attn_configure();
+#else
+    (void)amx;
+#endif
+  };
 
   const int64_t num_threads = at::get_num_threads();
   const int64_t D = geo.head_dim, H = geo.num_heads;
   const float fscale = static_cast<float>(scale);
   std::atomic<int64_t> next{0};
-  if (geo.num_seqs >= 4 * num_threads) {
-    // Enough rows to balance the threads: an item is a whole row, its partitions attended and
+  // Work units: single rows, or on the AMX path up to rows_per_group rows in a row that share
+  // their table and window start (a prompt's tokens), attended together: the units are
+  // [unit_first[u], unit_first[u + 1]).
+  const int64_t max_rows = amx ? rows_per_group(geo.group) : 1;
+  std::vector<int64_t> unit_first;
+  for (int64_t b = 0; b < geo.num_seqs;) {
+    unit_first.push_back(b);
+    const index_t* table = tables + b * geo.max_blocks;
+    int64_t e = b + 1;
+    while (e < geo.num_seqs && e - b < max_rows && geo.start(e) == geo.start(b) &&
+           std::equal(table, table + geo.max_blocks, tables + e * geo.max_blocks))
+      ++e;
+    b = e;
+  }
+  const int64_t num_units = static_cast<int64_t>(unit_first.size());
+  unit_first.push_back(geo.num_seqs);
+  if (num_units >= 4 * num_threads) {
+    // Enough units to balance the threads: an item is a unit, each row's partitions attended and
     // folded in order.
-    const int64_t num_workers = std::min(num_threads, geo.num_seqs);
+    const int64_t num_workers = std::min(num_threads, num_units);
     at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-      Scratch sc(geo);
+      begin_worker();
+      std::vector<Scratch> states(max_rows, Scratch(geo));
       const index_t* prev = nullptr;  // the table and length of this thread's previous row
       int64_t prev_len = 0;
+      int64_t rows[kLanes], ends[kLanes], parts[kLanes];
+      Scratch* state[kLanes];
       for (int64_t w = begin; w < end; ++w) {
-        for (int64_t b = next.fetch_add(1); b < geo.num_seqs; b = next.fetch_add(1)) {
-          const index_t* table = tables + b * geo.max_blocks;
-          const int64_t p0 = first_partition(geo.start(b));
-          const int64_t parts = num_partitions(lens[b]) - p0;
-          const int64_t warm = warm_tokens<kv_t>(table, lens[b], prev, prev_len, geo);
-          prev = table;
-          prev_len = lens[b];
-          for (int64_t p = 0; p < parts; ++p) {
-            const int64_t t_begin = std::max(geo.start(b), (p0 + p) * kPartition);
-            const int64_t t_end = std::min(lens[b], (p0 + p + 1) * kPartition);
-            attend(qp, kp, vp, table, t_begin, t_end, b, fscale, p == 0, warm, geo, sc);
-            if (parts == 1) break;
-            if (p == 0) {
-              std::copy(sc.acc.begin(), sc.acc.begin() + H * D, sc.fold_acc.begin());
-              std::copy(sc.m.begin(), sc.m.begin() + H, sc.fold_m.begin());
-              std::copy(sc.l.begin(), sc.l.begin() + H, sc.fold_l.begin());
+        for (int64_t u = next.fetch_add(1); u < num_units; u = next.fetch_add(1)) {
+          const int64_t b0 = unit_first[u], count = unit_first[u + 1] - b0;
+          const index_t* table = tables + b0 * geo.max_blocks;
+          const int64_t p0 = first_partition(geo.start(b0));
+          int64_t max_parts = 0;
+          for (int64_t i = 0; i < count; ++i) {
+            rows[i] = b0 + i;
+            state[i] = &states[i];
+            parts[i] = num_partitions(lens[b0 + i]) - p0;
+            max_parts = std::max(max_parts, parts[i]);
+          }
+          int64_t warm = 0;
+          if (count == 1) {
+            warm = warm_tokens<kv_t>(table, lens[b0], prev, prev_len, geo);
+            prev = table;
+            prev_len = lens[b0];
+          } else {
+            prev = nullptr;
+          }
+          for (int64_t p = 0; p < max_parts; ++p) {
+            const int64_t t_begin = std::max(geo.start(b0), (p0 + p) * kPartition);
+            for (int64_t i = 0; i < count; ++i)
+              ends[i] = std::min(lens[rows[i]], (p0 + p + 1) * kPartition);
+            if (count == 1) {
+              attend(qp, kp, vp, table, t_begin, ends[0], b0, fscale, p == 0, warm, geo, states[0]);
             } else {
-              fold_states(sc.fold_m.data(), sc.fold_l.data(), sc.fold_acc.data(), sc.m.data(),
-                          sc.l.data(), sc.acc.data(), H, D);
+              attend_rows(qp, kp, vp, table, t_begin, RowGroup{rows, ends, state, count}, fscale,
+                          p == 0, 0, geo);
+            }
+            // Each row's partitions folded in order. The last attend call may have covered
+            // only some of the unit's rows (ends <= t_begin for the others, whose state it
+            // reset): with more than one partition in the unit, every row's state goes to
+            // its fold arrays.
+            for (int64_t i = 0; i < count; ++i) {
+              if (p >= parts[i] || max_parts == 1) continue;  // no such partition, or no fold
+              Scratch& sc = states[i];
+              if (p == 0) {
+                std::copy(sc.acc.begin(), sc.acc.begin() + H * D, sc.fold_acc.begin());
+                std::copy(sc.m.begin(), sc.m.begin() + H, sc.fold_m.begin());
+                std::copy(sc.l.begin(), sc.l.begin() + H, sc.fold_l.begin());
+              } else {
+                fold_states(sc.fold_m.data(), sc.fold_l.data(), sc.fold_acc.data(), sc.m.data(),
+                            sc.l.data(), sc.acc.data(), H, D);
+              }
             }
           }
-          const bool folded = parts > 1;
-          for (int64_t h = 0; h < H; ++h)
-            store_head(op, geo, b, h, (folded ? sc.fold_acc : sc.acc).data() + h * D,
-                       (folded ? sc.fold_l : sc.l)[h]);
+          for (int64_t i = 0; i < count; ++i) {
+            const Scratch& sc = states[i];
+            const bool folded = max_parts > 1;
+            for (int64_t h = 0; h < H; ++h)
+              store_head(op, geo, rows[i], h, (folded ? sc.fold_acc : sc.acc).data() + h * D,
+                         (folded ? sc.fold_l : sc.l)[h]);
+          }
         }
       }
     });
@@ -150,6 +227,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t num_items = first[geo.num_seqs];
   const int64_t num_workers = std::min(num_threads, num_items);
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    begin_worker();
     Scratch sc(geo);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {

@@ -332,3 +332,39 @@ def test_sliding_window_starts(kernel, dtype, rows):
     fallback = pa._torch_fallback(q, k_cache, v_cache, in_cache, lens_t, 0.125,
                                   torch.empty_like(q), starts)
     torch.testing.assert_close(fallback.float(), ref, atol=tol, rtol=0)
+
+
+PROMPT_CASES = [((9, 3), 64, 16), ((9, 3), 64, 1), ((4, 4), 128, 32), ((32, 8), 64, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,head_dim,block_size", PROMPT_CASES, ids=[f"h{h}kv{k}-d{d}-bs{b}" for (h, k), d, b in
+                                                    PROMPT_CASES]
+)
+def test_prompt_rows_attended_together(kernel, dtype, heads, head_dim, block_size, isa):
+    """A prompt chunk's rows (one table, positions 6..299) after three decodes of other
+    sequences, as the runner batches them. On the AMX path consecutive rows sharing a table are
+    attended in groups that share every K/V tile: each row must still be bitwise what it is
+    alone, also rows whose group straddles a 128-token partition bound, and match the
+    reference."""
+    if isa != NATIVE and block_size != 16:
+        pytest.skip("other block sizes run on the CPU's own ISA only (test time)")
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    q, k_cache, v_cache, tables, lens = _make_case(
+        *heads, head_dim, block_size, [300, 40, 129, 1], dtype, gen, torch.int64
+    )
+    positions = torch.arange(6, 300)
+    rows_q = torch.cat([q[1:], torch.randn(len(positions), *q.shape[1:], generator=gen).to(dtype)])
+    rows_tables = torch.cat([tables[1:], tables[:1].expand(len(positions), -1)]).contiguous()
+    rows_lens = torch.cat([lens[1:], positions + 1])
+    out = pa.paged_attention(rows_q, k_cache, v_cache, rows_tables, rows_lens, 0.125)
+    ref = _reference(rows_q, k_cache, v_cache, rows_tables, rows_lens, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0)
+    bounds = [3 + p - 6 for p in (6, 7, 125, 126, 127, 128, 129, 130, 255, 256, 299)]
+    for b in [0, 1, 2, *bounds, *range(3, len(rows_lens), 17)]:
+        alone = pa.paged_attention(
+            rows_q[b : b + 1], k_cache, v_cache, rows_tables[b : b + 1], rows_lens[b : b + 1], 0.125
+        )
+        assert torch.equal(alone[0], out[b]), b
