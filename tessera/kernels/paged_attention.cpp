@@ -31,7 +31,9 @@
 // Two code paths with the same algorithm: AVX-512 (the avx512 build, -march=native;
 // head_dim 32/64/96/128/256; vdpbf16ps for bf16 scores where available) and plain C++ the
 // compiler vectorizes (paged_attention_scalar.h): the avx2 build (TESSERA_CPU_ISA, 8-lane FMA),
-// the portable build, and other head sizes.
+// the portable build, and other head sizes. Where the CPU has AMX, bf16 q over a bf16 cache takes
+// a third (paged_attention_amx.h): both products on tiles, and a prompt chunk's rows (consecutive
+// rows with one table and window start) attended in groups that share each K/V tile.
 
 #include <torch/extension.h>
 

@@ -1,31 +1,36 @@
 // The AMX path of paged_attention.cpp, for bf16 q over a bf16 cache where the CPU has AMX-BF16
-// (Sapphire Rapids and later): the rows, partitions, 32-token tiles and online softmax of
-// attend_avx512, with the two products on tiles.
+// (Sapphire Rapids and later): the rows and partitions of attend_avx512 (whose states run()
+// folds the same way), with the two products on tiles.
 //
-// Why: attend_avx512 spends ~55 cycles a token and kv head on vector arithmetic (dot products,
-// their transposed sums, the softmax per head, the widened V rows), so bf16 decode attention ran
-// compute-bound at ~19 GB/s even with its K/V in L2, half of a W1 decode step at batch 64. One
+// Why: attend_avx512 spends ~50 cycles a token and kv head on vector arithmetic (dot products,
+// their transposed sums, the softmax per head, widened V rows) even with its K/V in L2, and a
+// prompt's rows each walk their context alone, so prefill attention ran at ~100 GFLOP/s. One
 // tdpbf16ps does a 16 x 16 x 32 product.
 //
-// One product per 16 tokens of a tile, with up to 16 query heads as columns ("lanes"):
+// A call attends one partition (<= kPartition tokens) for a group of rows: its scores first,
+// then the softmax with the partition's own max (no rescaling between tiles), then P x V with
+// each output tile one sum over the partition's tiles. Up to 16 query heads are the columns
+// ("lanes") of the products:
 // - scores, transposed: S^T [16 tokens][lanes] = K rows (A: 16 rows of 32 dims, loaded in place
-//   from the cache with the row stride) x q^T (B: the lanes' q as pair-rows). The lanes of a
-//   block span several kv heads: each kv head's product adds into the same C tile with B zero in
-//   the other heads' columns, so a column only ever receives its own head's sums (the other
-//   products add exact zeros), whichever heads share its block.
-// - the softmax runs down the tokens with the lanes across a vector: the running max, the
-//   correction and l of every head of the block at once.
+//   from the cache with the row stride) x q^T (B: the lanes' q as pair-rows). A lone row's lanes
+//   span several kv heads: each kv head's product adds into the same C tile with B zero in the
+//   other heads' columns, so a column only ever receives its own head's sums (the others add
+//   exact zeros). A group of rows of one sequence (a prompt chunk: same table, same window
+//   start) fills the lanes with up to 16 / G rows' heads of one kv head instead, and shares
+//   every K tile, V pair and touch of the partition.
+// - the softmax runs down the tokens with the lanes across a vector; a token past a row's end is
+//   masked (the max skips it, P and l add exact zeros).
 // - out: O [lanes][16 dims] = P (A: bf16 [lanes][32 tokens]) x V (B: pair-rows of two tokens
 //   interleaved, one unpack each). The unpack leaves the dims of a B tile in a fixed permuted
-//   order; acc keeps that order until the end of the call (kDimOf).
+//   order, undone with one permute per 16 dims.
 // P is rounded to bf16 for the product, as transformers' eager attention does in bf16; l sums
 // the fp32 P.
 //
-// Row independence: a row's result comes from its own q, its context and the fixed tiles and
-// partitions; every tile product element is a dot product of one A row and one B column, the same
-// bits whichever rows or heads are beside it. So a row is bitwise the same alone, in any batch,
-// and in a prefill or a decode. It is not the bits of attend_avx512: a process uses one path for
-// every bf16 call (amx_ready decides once; TESSERA_DISABLE_AMX=1 picks the vector path).
+// Row independence: a row's result comes from its own q, its context and the fixed partitions;
+// every tile product element is a dot product of one A row and one B column, the same bits
+// whichever rows or heads are beside it. So a row is bitwise the same alone, in any batch, in a
+// group of a prefill or as a decode. It is not the bits of attend_avx512: a process uses one path
+// for every bf16 call (amx_ready decides once; TESSERA_DISABLE_AMX=1 picks the vector path).
 #pragma once
 
 #include "linear_amx.h"
