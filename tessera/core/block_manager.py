@@ -26,20 +26,16 @@ A sequence verifying draft tokens (speculative decoding, `seq.spec_token_ids`) g
 slots for them too; the slots of rejected drafts stay in its table and are written again by its
 next tokens (nothing reads a slot at or past `num_computed_tokens`).
 
-Sliding window (`sliding_window` set when every layer of the model attends to a window): a query
-at position p reads keys (p - window, p] only, so once a sequence's next position has moved a
-whole block past a block's last token, no layer will read that block again. `release_out_of_window`
-drops such blocks while the request runs (back to the free list, or, with prefix caching, to the
-evictable cached blocks, where other requests can still hit them) and leaves `NULL_BLOCK` in their
-table entries, so positions still index the table. Nothing reads a `NULL_BLOCK`: the attention
-path of windowed layers gathers only the window's blocks (tessera/attention/windowed.py).
-
-    window 20, block_size 16, next position 41:  keys 22..41 are visible
-    block table      [ NULL ,    3     ,    12    ]    block 0 (tokens 0..15) released
-
-KV cache groups (a table per group, interleaved in one list) and the draft model's own group and
-pool are laid out in core/block_layout.py; prefix hits across groups come from
-core/prefix_hits.py; the CPU side of swapping is core/swap_space.py.
+The block manager answers the scheduler and composes parts that each own their state:
+  core/block_layout.py   the table's shape over KV cache groups (one table per group, interleaved
+                         in one list; the draft model's own group and pool) and the sizing rules;
+  core/device_tables.py  the device tables: growth, copy-on-write, fork, free, and the sliding
+                         window's release of blocks no query reads again (`NULL_BLOCK` entries);
+  core/swap_space.py     the CPU pool and the tables of swapped sequences;
+  core/prefix_hits.py    prefix-cache hits across KV cache groups, and their chains.
+It keeps the admission accounting (which pool a group's peak footprint fits, the watermark) and
+the order of operations across parts (hits are taken before fresh blocks, a swapped-in table is
+offered to the prefix cache again).
 """
 
 from __future__ import annotations
@@ -52,6 +48,7 @@ from tessera.core.block_layout import (
     num_watermark_blocks,
 )
 from tessera.core.block_pool import BlockPool
+from tessera.core.device_tables import DeviceTables
 from tessera.core.prefix_cache import PrefixCache
 from tessera.core.prefix_hits import PrefixHits
 from tessera.core.swap_space import SwapSpace
@@ -62,7 +59,7 @@ from tessera.utils import cdiv
 __all__ = ["NULL_BLOCK", "AllocStatus", "BlockManager", "num_peak_blocks", "num_watermark_blocks"]
 
 _WAITING = SequenceStatus.WAITING
-_RUNNING = SequenceStatus.RUNNING
+_SWAPPED = SequenceStatus.SWAPPED
 
 
 class BlockManager:
@@ -118,7 +115,6 @@ class BlockManager:
         self.max_chunk_tokens = max_num_batched_tokens if self._any_window else None
         self.layout = BlockLayout(block_size, self.group_windows, self.draft_group,
                                   self.max_chunk_tokens)
-        self.num_released_blocks = 0  # released by the sliding window, in all
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -133,11 +129,8 @@ class BlockManager:
         )
         self.num_draft_gpu_blocks = num_draft_gpu_blocks
         self.draft_watermark_blocks = num_watermark_blocks(num_draft_gpu_blocks, watermark)
-        # per group, the pool its blocks come from
-        self._pools = [self.gpu] * self.num_groups
-        if self.draft_gpu is not None and self.draft_group is not None:
-            self._pools[self.draft_group] = self.draft_gpu
-        self._tables: dict[int, list[int]] = {}  # seq_id -> device block table
+        self.device = DeviceTables(self.layout, self.gpu, self.draft_gpu)
+        self._tables = self.device.tables  # seq_id -> device block table (read here only)
         self.swap = SwapSpace(num_cpu_blocks, self.layout, self.gpu, self.draft_gpu)
         self.cpu = self.swap.cpu
         self.prefix = PrefixHits(self.gpu, self.layout, enable_prefix_caching)
@@ -145,12 +138,6 @@ class BlockManager:
         self.prefix_cache = self.prefix_caches[0] if self.prefix_caches else None
         self.num_prefix_cache_queries = 0  # tokens looked up at admission
         self.num_prefix_cache_hits = 0  # of which found computed in the cache
-
-    def _pool_of(self, block: int) -> BlockPool:
-        """The pool a device block id belongs to (the draft's ids follow the target's)."""
-        if block < self.num_gpu_blocks or self.draft_gpu is None:
-            return self.gpu
-        return self.draft_gpu
 
     # admission
 
@@ -242,12 +229,8 @@ class BlockManager:
         num_hit_tokens = []
         for seq, table in zip(seqs, tables, strict=True):
             hit_tokens = len(table) // self.num_groups * self.block_size
-            pools = self._pools
-            ng = self.num_groups
             cover = self.layout.num_cover_tokens(seq, hit_tokens, whole)
-            for i in range(len(table), self.layout.num_blocks(cover)):
-                table.append(pools[i % ng].allocate())
-            self._tables[seq.seq_id] = table
+            self.device.add(seq, table, self.layout.num_blocks(cover))
             if self.prefix_caches:
                 self.prefix.admitted(seq, hit_tokens // self.block_size)
                 self.num_prefix_cache_queries += seq.get_len()
@@ -261,142 +244,32 @@ class BlockManager:
         """Blocks `append_slots` will take for the group's running sequences: growth, plus one
         copy per writer of a shared block except that its last holder writes in place (the
         draft pool's included)."""
-        return sum(self._append_needs(group))
-
-    def _append_needs(self, group: SequenceGroup) -> tuple[int, int]:
-        """`num_append_blocks` split into (target pool, draft pool)."""
-        bs = self.block_size
-        ng = self.num_groups
-        tables = self._tables
-        pool_of = self._pool_of
-        draft = self.draft_gpu
-        need = need_draft = 0
-        writers: dict[int, int] = {}  # shared block about to be written -> writers in this group
-        for seq in group.seqs:
-            if seq.status is not _RUNNING:
-                continue
-            table = tables[seq.seq_id]
-            num_tokens = self.layout.num_cover_tokens(seq, seq.num_computed_tokens)
-            grow = cdiv(num_tokens, bs) * ng - len(table)
-            if grow > 0:
-                if draft is None:
-                    need += grow
-                else:
-                    need += grow // ng * (ng - 1)
-                    need_draft += grow // ng
-            for i in range(
-                seq.num_computed_tokens // bs * ng,
-                min(len(table), ((num_tokens - 1) // bs + 1) * ng),
-            ):
-                block = table[i]
-                if block != NULL_BLOCK and pool_of(block).ref_counts[block] > 1:
-                    writers[block] = writers.get(block, 0) + 1
-        for block, w in writers.items():
-            pool = pool_of(block)
-            if pool is draft:
-                need_draft += min(w, pool.ref_counts[block] - 1)
-            else:
-                need += min(w, pool.ref_counts[block] - 1)
-        return need, need_draft
-
-    def _fits(self, needs: tuple[int, int]) -> bool:
-        return needs[0] <= self.gpu.num_free and (
-            self.draft_gpu is None or needs[1] <= self.draft_gpu.num_free)
+        return sum(self.device.append_needs(group))
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the group can get the slots for its new tokens."""
-        return self._fits(self._append_needs(group))
+        return self.device.fits(self.device.append_needs(group))
 
     def try_append_slots(self, group: SequenceGroup) -> list[tuple[int, int]] | None:
         """`can_append_slots` + `append_slots` for every running sequence of the group in one
-        pass: the copy-on-write pairs, or None (nothing changed) if the blocks are not there.
-        The hot path: a decode that lands in its own partial block costs a few lookups."""
-        bs = self.block_size
-        tables = self._tables
-        ref_counts = self.gpu.ref_counts
-        ng = self.num_groups
-        chunk = self.max_chunk_tokens
-        pool_of = self._pool_of
-        for seq in group.seqs:
-            if seq.status is not _RUNNING:
-                continue
-            table = tables[seq.seq_id]
-            num_tokens = (
-                len(seq.prompt_token_ids) + len(seq.output_token_ids) + len(seq.spec_token_ids)
-            )
-            if chunk is not None:
-                num_tokens = min(num_tokens, seq.num_computed_tokens + chunk)
-            last = (num_tokens - 1) // bs
-            if ng == 1:
-                if not (
-                    last < len(table)
-                    and seq.num_computed_tokens // bs == last
-                    and ref_counts[table[last]] == 1
-                ):
-                    break  # needs a new block or a copy: take the careful path
-            elif not (
-                (last + 1) * ng <= len(table)
-                and seq.num_computed_tokens // bs == last
-                and all(pool_of(b).ref_counts[b] == 1 for b in table[last * ng : (last + 1) * ng])
-            ):
-                break
-        else:
-            return []
-        if not self._fits(self._append_needs(group)):
-            return None
-        copies: list[tuple[int, int]] = []
-        for seq in group.seqs:
-            if seq.status is _RUNNING:
-                copies += self.append_slots(seq)
-        return copies
+        pass: the copy-on-write pairs, or None (nothing changed) if the blocks are not there."""
+        return self.device.try_append_slots(group)
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the table cover `seq.get_len()` tokens (plus its draft tokens' lookahead slots;
-        with a window at most one chunk past `num_computed_tokens`) and
-        give the sequence its own copy of every shared block it is about to write. Returns the
-        (src, dst) block copies to perform."""
-        bs = self.block_size
-        ng = self.num_groups
-        table = self._tables[seq.seq_id]
-        num_tokens = self.layout.num_cover_tokens(seq, seq.num_computed_tokens)
-        copies: list[tuple[int, int]] = []
-        for i in range(
-            seq.num_computed_tokens // bs * ng, min(len(table), ((num_tokens - 1) // bs + 1) * ng)
-        ):
-            block = table[i]
-            if block == NULL_BLOCK:
-                continue
-            pool = self._pool_of(block)
-            if pool.ref_counts[block] > 1:
-                assert not pool.is_hashed(block), "a prefix-cached block is about to be written"
-                new = pool.allocate()
-                pool.decref(block)
-                table[i] = new
-                copies.append((block, new))
-        pools = self._pools
-        for i in range(len(table), cdiv(num_tokens, bs) * ng):
-            table.append(pools[i % ng].allocate())
-        return copies
+        with a window at most one chunk past `num_computed_tokens`) and give the sequence its
+        own copy of every shared block it is about to write. Returns the (src, dst) block
+        copies to perform."""
+        return self.device.append_slots(seq)
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares all of the parent's blocks (ref counts go up)."""
-        table = list(self._tables[parent_seq.seq_id])
-        for block in table:
-            if block != NULL_BLOCK:
-                self._pool_of(block).incref(block)
-        self._tables[child_seq.seq_id] = table
+        self.device.fork(parent_seq, child_seq)
         self.prefix.fork(parent_seq, child_seq)
 
     def free(self, seq: Sequence) -> None:
         """Release whatever the sequence holds (device or CPU). Idempotent."""
-        sid = seq.seq_id
-        table = self._tables.pop(sid, None)
-        if table is not None:
-            # tail first: with prefix caching the prompt's head becomes the most recently used,
-            # so it is evicted last (it is the part other requests are likeliest to share)
-            for block in reversed(table):
-                if block != NULL_BLOCK:
-                    self._pool_of(block).decref(block)
+        self.device.free(seq)
         self.swap.free(seq)
         self.prefix.forget(seq)
 
@@ -433,7 +306,7 @@ class BlockManager:
         mapping = self.swap.swap_in(group, self._tables, mapping)
         if self.prefix_caches:  # fresh device blocks: offer their computed KV again
             for seq in group.seqs:
-                if seq.status is SequenceStatus.SWAPPED:
+                if seq.status is _SWAPPED:
                     self.prefix.admitted(seq, 0)
                     self.cache_computed_blocks(seq)
         return mapping
@@ -447,34 +320,15 @@ class BlockManager:
 
     def release_out_of_window(self, seq: Sequence, lag: int = 0) -> int:
         """Sliding window: release the sequence's leading blocks, in each window group, that no
-        query from its next position on can see (their last token is at or before
-        next - window). Returns how many. Offer them to the prefix cache first
-        (`cache_computed_blocks`) to keep them reusable. Released entries are always a leading
-        run of each group's table, so the scan walks back from the newest releasable entry and
-        stops at the first one already released: a step costs what it releases. `lag`: keep
-        what the query `lag` positions earlier still sees (a prompt held for a peer, whose
-        first query there is the last prompt token, core/kv_connector.py)."""
-        if not self._any_window:
-            return 0
-        table = self._tables.get(seq.seq_id)
-        if table is None:
-            return 0
-        bs = self.block_size
-        ng = self.num_groups
-        released = 0
-        for g, window in enumerate(self.group_windows):
-            if window is None:
-                continue
-            first_visible = seq.num_computed_tokens - lag - window + 1
-            for i in range(min(first_visible // bs, len(table) // ng) - 1, -1, -1):
-                block = table[i * ng + g]
-                if block == NULL_BLOCK:
-                    break
-                table[i * ng + g] = NULL_BLOCK
-                self.gpu.decref(block)
-                released += 1
-        self.num_released_blocks += released
-        return released
+        query from its next position on can see; returns how many (core/device_tables.py).
+        Offer them to the prefix cache first (`cache_computed_blocks`) to keep them reusable.
+        `lag`: keep what the query `lag` positions earlier still sees."""
+        return self.device.release_out_of_window(seq, lag)
+
+    @property
+    def num_released_blocks(self) -> int:
+        """Blocks released by the sliding window, in all."""
+        return self.device.num_released_blocks
 
     def num_live_blocks(self, seq: Sequence) -> int:
         """Device blocks the sequence's table holds (released entries excluded)."""
@@ -510,23 +364,8 @@ class BlockManager:
         """In each pool free + used == total, every used block's ref count equals the number of
         tables holding it, and no block is both free and owned; the draft group's entries hold
         the draft pool's blocks and no other entry does. Raises AssertionError."""
-        n, dg, ng = self.num_gpu_blocks, self.draft_group, self.num_groups
-        draft_refs: dict[int, int] = {}
-        device_refs: dict[int, int] = {}
-        for sid, table in self._tables.items():
-            for i, block in enumerate(table):
-                if block == NULL_BLOCK:
-                    continue
-                is_draft = dg is not None and i % ng == dg
-                if is_draft != (block >= n):
-                    raise AssertionError(f"sequence {sid}: entry {i} holds block {block} of the "
-                                         "wrong pool")
-                refs = draft_refs if is_draft else device_refs
-                refs[block] = refs.get(block, 0) + 1
-        self.gpu.check_integrity(device_refs, "device")
+        self.device.check_integrity()
         self.cpu.check_integrity(self.swap.refs(), "cpu")
-        if self.draft_gpu is not None:
-            self.draft_gpu.check_integrity(draft_refs, "draft")
         both = self._tables.keys() & self.swap.tables.keys()
         if both:
             raise AssertionError(f"sequences {sorted(both)} hold blocks on device and CPU at once")
