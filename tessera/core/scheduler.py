@@ -57,7 +57,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from tessera.core.admission import never_fits_reason, reject_reason
@@ -74,8 +73,15 @@ from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.core.scheduler_stats import RequestStats, SchedulerDetail, SchedulerStats
 from tessera.core.step_update import StepUpdate, request_metrics
+from tessera.core.token_budget import (
+    Budget,
+    Plan,
+    any_drafts,
+    num_decodes,
+    plan_tokens,
+    take_drafts,
+)
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
-from tessera.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -83,18 +89,6 @@ _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
 _SWAPPED = SequenceStatus.SWAPPED
 LORA_LOOKAHEAD = 64  # most waiting requests held back for an adapter slot that one step passes
-
-# (sequence, tokens to compute this step) for each scheduled sequence of a group
-_Plan = list[tuple[Sequence, int]]
-
-
-@dataclass
-class _Budget:
-    """What is left of this step's limits while the phases hand it out."""
-
-    tokens: int  # of max_num_batched_tokens
-    num_seqs: int = 0  # seats taken, against max_num_seqs
-
 
 class Scheduler:
     def __init__(
@@ -224,8 +218,8 @@ class Scheduler:
         self.remote_kv.expire()
         out = SchedulerOutput(finished_req_ids=self._runner.take_finished())
         # a request waiting for its remote KV holds a seat
-        budget = _Budget(self.config.max_num_batched_tokens, len(self.remote_kv.waiting))
-        scheduled: list[tuple[SequenceGroup, _Plan]] = []
+        budget = Budget(self.config.max_num_batched_tokens, len(self.remote_kv.waiting))
+        scheduled: list[tuple[SequenceGroup, Plan]] = []
         if self._priority and self.waiting and self.running:
             self._preempt_for_priority(out)
         preempted = self._schedule_running(out, budget, scheduled)
@@ -243,7 +237,7 @@ class Scheduler:
         out.kv_connector_metadata = self.remote_kv.connector_meta()
         return out
 
-    def _describe(self, out: SchedulerOutput, scheduled: list[tuple[SequenceGroup, _Plan]]) -> None:
+    def _describe(self, out: SchedulerOutput, scheduled: list[tuple[SequenceGroup, Plan]]) -> None:
         """Turn the plan into the runner's message (plain data keyed by req_id)."""
         table = self.block_manager.get_block_table
         describe = self._runner.describe
@@ -264,28 +258,8 @@ class Scheduler:
                     out.scheduled_spec_decode_tokens[seq.req_id] = list(seq.spec_token_ids)
         out.total_num_scheduled_tokens = total
 
-    def _plan(self, seqs: list[Sequence], budget: int, reserve: int = 0) -> _Plan:
-        """Tokens for each sequence this step: a decode takes 1; a prefill takes all it needs, or
-        with chunked prefill as much as the budget minus `reserve` (decodes still to come) gives."""
-        plan = []
-        chunked = self.config.enable_chunked_prefill
-        for seq in seqs:
-            need = seq.get_num_uncomputed_tokens()
-            if need <= 0:
-                continue
-            if need == 1:
-                take = 1 if budget >= 1 else 0
-            elif chunked:
-                take = min(need, budget - reserve)
-            else:
-                take = need if need <= budget else 0
-            if take > 0:
-                plan.append((seq, take))
-                budget -= take
-        return plan
-
     def _schedule_running(
-        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
+        self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]]
     ) -> bool:
         """Step 1. Takes seats for every running group; returns whether anyone was preempted."""
         bm = self.block_manager
@@ -293,8 +267,9 @@ class Scheduler:
         kept: list[SequenceGroup] = []
         preempted = False
         pending_decodes = 0
-        if self.config.enable_chunked_prefill:  # reserve budget so decodes come before chunks
-            pending_decodes = sum(_num_decodes(g) for g in queue)
+        chunked = self.config.enable_chunked_prefill
+        if chunked:  # reserve budget so decodes come before chunks
+            pending_decodes = sum(num_decodes(g) for g in queue)
         while queue:
             group = queue.popleft()
             seqs = group.seqs
@@ -303,32 +278,32 @@ class Scheduler:
                 assert seqs, "a finished group is swept from running by the update"
             left = budget.tokens
             seq = seqs[0]
-            plan: _Plan
+            plan: Plan
             if len(seqs) == 1 and seq.is_decoding() and left > 0:
                 plan = [(seq, 1)]  # the common case: one sequence decoding
                 if pending_decodes:
                     pending_decodes -= 1
             else:
                 if pending_decodes:
-                    pending_decodes -= _num_decodes(group)
-                plan = self._plan(seqs, left, pending_decodes) if left > 0 else []
-            if plan and (seq.spec_token_ids or (len(seqs) > 1 and _any_drafts(seqs))):
+                    pending_decodes -= num_decodes(group)
+                plan = plan_tokens(seqs, left, chunked, pending_decodes) if left > 0 else []
+            if plan and (seq.spec_token_ids or (len(seqs) > 1 and any_drafts(seqs))):
                 # drafts take only budget that later groups' decodes do not need
-                reserve = pending_decodes if self.config.enable_chunked_prefill else len(queue)
+                reserve = pending_decodes if chunked else len(queue)
                 # ... and only blocks beyond one per sequence of this group and per later group
                 spare = bm.gpu.num_free // bm.num_groups - len(seqs) - len(queue)
-                plan = self._take_drafts(seqs, plan, left - sum(n for _, n in plan) - reserve,
-                                         spare)
+                plan = self._take_drafts(group, seqs, plan,
+                                         left - sum(n for _, n in plan) - reserve, spare)
             if plan:
                 while (copies := bm.try_append_slots(group)) is None:
-                    if _any_drafts(seqs):  # drafts never cost a preemption: drop them first
+                    if any_drafts(seqs):  # drafts never cost a preemption: drop them first
                         plan = _drop_drafts(seqs, plan)
                         continue
                     preempted = True
                     if queue:
                         victim = queue.pop()
                         if pending_decodes:
-                            pending_decodes -= _num_decodes(victim)
+                            pending_decodes -= num_decodes(victim)
                         self._preempt(victim, out, alone=False)
                     else:
                         self._preempt(group, out, alone=not kept)
@@ -345,47 +320,23 @@ class Scheduler:
         return preempted
 
     def _take_drafts(
-        self, seqs: list[Sequence], plan: _Plan, room: int, spare_blocks: int
-    ) -> _Plan:
-        """Schedule the draft tokens of the plan's decodes as extra new tokens, within `room`
-        tokens of budget and `spare_blocks` new blocks, and so that verification can neither pass
-        `max_tokens` nor `max_model_len`. Trims each running sequence's `spec_token_ids` to what
-        it verifies (the block manager reserves lookahead slots for exactly those); sequences
-        not decoding this step verify none."""
-        max_len = self.config.max_model_len
-        bs = self.block_manager.block_size
-        taken: _Plan = []
-        decoding = set()
-        for seq, n in plan:
-            drafts = seq.spec_token_ids
-            if n == 1 and drafts and seq.is_decoding():
-                num_tokens = seq.get_len()
-                # slots already in the table (or in the block its next token needs) are free to use
-                have = max(self.block_manager.get_num_logical_blocks(seq),
-                           cdiv(num_tokens, bs)) * bs
-                k = min(len(drafts), max(room, 0), max_len - num_tokens - 1,
-                        have - num_tokens + max(spare_blocks, 0) * bs)
-                max_tokens = self._max_tokens(seq)
-                if max_tokens is not None:
-                    k = min(k, max_tokens - seq.get_output_len() - 1)
-                k = max(k, 0)
-                spare_blocks -= cdiv(max(num_tokens + k - have, 0), bs)
-                if k < len(drafts):
-                    seq.spec_token_ids = drafts[:k]
-                room -= k
-                n += k
-                decoding.add(seq.seq_id)
-            taken.append((seq, n))
+        self, group: SequenceGroup, seqs: list[Sequence], plan: Plan, room: int,
+        spare_blocks: int,
+    ) -> Plan:
+        """The plan with its decodes' draft tokens (`take_drafts`, core/token_budget.py), each
+        running sequence's `spec_token_ids` trimmed to what it verifies this step."""
+        bm = self.block_manager
+        plan, num_verified = take_drafts(plan, room, spare_blocks, self.config.max_model_len,
+                                         group.sampling_params.max_tokens, bm.block_size,
+                                         bm.get_num_logical_blocks)
         for seq in seqs:
-            if seq.spec_token_ids and seq.seq_id not in decoding:
-                seq.spec_token_ids = []
-        return taken
-
-    def _max_tokens(self, seq: Sequence) -> int | None:
-        return self._live[seq.req_id][0].sampling_params.max_tokens
+            k = num_verified.get(seq.seq_id, 0)
+            if len(seq.spec_token_ids) > k:
+                seq.spec_token_ids = seq.spec_token_ids[:k]
+        return plan
 
     def _schedule_swapped(
-        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
+        self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]]
     ) -> None:
         bm = self.block_manager
         if self._priority and len(self.swapped) > 1:
@@ -406,7 +357,7 @@ class Scheduler:
                     continue
                 break
             seqs = [s for s in group.seqs if s.status is _SWAPPED]
-            plan = self._plan(seqs, budget.tokens)
+            plan = plan_tokens(seqs, budget.tokens, self.config.enable_chunked_prefill)
             if not plan:
                 break
             self.swapped.popleft()
@@ -432,7 +383,7 @@ class Scheduler:
         return min(g.priority for g in self.swapped) <= head.priority
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
+        self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]]
     ) -> None:
         if self.lora is None:
             self._admit_waiting(out, budget, scheduled, [])
@@ -445,7 +396,7 @@ class Scheduler:
                 self.waiting.prepend(group)
 
     def _admit_waiting(
-        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]],
+        self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]],
         held: list[SequenceGroup],
     ) -> None:
         bm = self.block_manager
@@ -495,7 +446,7 @@ class Scheduler:
                 continue
             for seq in seqs:
                 set_progress(seq, seq.num_computed_tokens, _RUNNING)
-            plan = self._plan(seqs, budget.tokens)
+            plan = plan_tokens(seqs, budget.tokens, self.config.enable_chunked_prefill)
             scheduled.append((group, plan))
             budget.tokens -= sum(n for _, n in plan)
             bisect.insort(self.running, group, key=self._key)
@@ -718,24 +669,12 @@ class Scheduler:
         self.remote_kv.check_integrity(self.running, self._live)
 
 
-def _any_drafts(seqs: list[Sequence]) -> bool:
-    return any(s.spec_token_ids for s in seqs)
-
-
-def _drop_drafts(seqs: list[Sequence], plan: _Plan) -> _Plan:
+def _drop_drafts(seqs: list[Sequence], plan: Plan) -> Plan:
     """The plan without its draft tokens (the lookahead slots could not be had)."""
     plan = [(s, n - len(s.spec_token_ids)) for s, n in plan]
     for seq in seqs:
         seq.spec_token_ids = []
     return plan
-
-
-def _num_decodes(group: SequenceGroup) -> int:
-    seqs = group.seqs
-    if len(seqs) == 1:  # the common case, once per running group per step: no generator
-        seq = seqs[0]
-        return 1 if seq.status is _RUNNING and seq.is_decoding() else 0
-    return sum(1 for s in seqs if s.status is _RUNNING and s.is_decoding())
 
 
 def _adapters(groups: Iterable[SequenceGroup]) -> tuple[str, ...]:
