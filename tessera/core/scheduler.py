@@ -58,13 +58,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
+from tessera.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from tessera.core.admission import never_fits_reason, reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
 from tessera.core.core_output import EngineCoreOutput
 from tessera.core.kv_cache_groups import group_windows
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.lora_admission import LoRAAdmission
+from tessera.core.preemption import Preemption
 from tessera.core.progress import set_progress
 from tessera.core.remote_kv import RemoteKVTracker
 from tessera.core.request_queue import create_request_queue
@@ -87,7 +88,6 @@ logger = logging.getLogger(__name__)
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
-_SWAPPED = SequenceStatus.SWAPPED
 LORA_LOOKAHEAD = 64  # most waiting requests held back for an adapter slot that one step passes
 
 class Scheduler:
@@ -125,12 +125,14 @@ class Scheduler:
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[SequenceGroup] = []  # sorted by policy key: the tail is the next victim
-        self.swapped: deque[SequenceGroup] = deque()
         self._groups: dict[str, SequenceGroup] = {}  # unfinished requests by request id
         self._live: dict[str, tuple[SequenceGroup, Sequence]] = {}  # unfinished streams by req_id
         self._runner = RunnerView()
         self._ignored: list[SequenceGroup] = []  # rejected this step, reported by the update
-        self.num_preemptions_total = 0
+        # swap and recompute; owns the `swapped` queue
+        self.preemption = Preemption(scheduler_config, self.block_manager, self._runner,
+                                     self.waiting, self.lora,
+                                     self._key if self._priority else None)
         # disaggregated prefill/decode; without a connector it never parks or holds anything
         self.remote_kv = RemoteKVTracker(kv_connector, self.block_manager)
         self._update = StepUpdate(self.block_manager, scheduler_config.max_model_len,
@@ -138,6 +140,15 @@ class Scheduler:
 
     def _key(self, group: SequenceGroup) -> tuple[int, float]:
         return (group.priority, group.arrival_time) if self._priority else (0, group.arrival_time)
+
+    @property
+    def swapped(self) -> deque[SequenceGroup]:
+        """Groups swapped out to the CPU pool, in the order they resume (core/preemption.py)."""
+        return self.preemption.swapped
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.preemption.num_preemptions_total
 
     # requests in and out
 
@@ -226,7 +237,9 @@ class Scheduler:
         if self.lora is not None:
             self.lora.begin(self.running)
         if self.swapped and not preempted and out.num_preemptions == 0:
-            self._schedule_swapped(out, budget, scheduled)
+            for group in self.preemption.resume_swapped(out, budget, scheduled,
+                                                        len(self.running)):
+                bisect.insort(self.running, group, key=self._key)
         if self.waiting and not preempted:
             self._schedule_waiting(out, budget, scheduled)
         if self.lora is not None:
@@ -335,53 +348,6 @@ class Scheduler:
                 seq.spec_token_ids = seq.spec_token_ids[:k]
         return plan
 
-    def _schedule_swapped(
-        self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]]
-    ) -> None:
-        bm = self.block_manager
-        if self._priority and len(self.swapped) > 1:
-            self.swapped = deque(sorted(self.swapped, key=self._key))
-        while self.swapped and budget.tokens > 0:
-            group = self.swapped[0]
-            n = group.max_num_running_seqs()
-            if budget.num_seqs + n > self.config.max_num_seqs:
-                break
-            if self.lora is not None and not self.lora.may_run(group):
-                self.lora.held(group)
-                break  # swapped groups resume in order
-            alone = not self.running
-            if not bm.can_swap_in(group, use_watermark=not alone):
-                if alone:  # cannot come back even to an empty device: start it over instead
-                    self.swapped.popleft()
-                    self._recompute(group)
-                    continue
-                break
-            seqs = [s for s in group.seqs if s.status is _SWAPPED]
-            plan = plan_tokens(seqs, budget.tokens, self.config.enable_chunked_prefill)
-            if not plan:
-                break
-            self.swapped.popleft()
-            bm.swap_in(group, out.blocks_to_swap_in)
-            out.num_swapped_in += 1
-            if self.lora is not None:
-                self.lora.admitted(group)
-            for seq in seqs:
-                set_progress(seq, seq.num_computed_tokens, _RUNNING)
-            copies = bm.try_append_slots(group)
-            assert copies is not None, "can_swap_in reserved a block per sequence"
-            out.blocks_to_copy += copies
-            scheduled.append((group, plan))
-            budget.tokens -= sum(n for _, n in plan)
-            bisect.insort(self.running, group, key=self._key)
-            budget.num_seqs += n
-
-    def _admission_blocked(self, head: SequenceGroup) -> bool:
-        if not self.swapped:
-            return False
-        if not self._priority:
-            return True
-        return min(g.priority for g in self.swapped) <= head.priority
-
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]]
     ) -> None:
@@ -403,7 +369,7 @@ class Scheduler:
         lora = self.lora
         while self.waiting and budget.tokens > 0:
             group = self.waiting.peek()
-            if self._admission_blocked(group):
+            if self.preemption.blocks_admission(group):
                 break
             reason = reject_reason(group, self.config)
             status = None
@@ -485,35 +451,8 @@ class Scheduler:
     # preemption and rejection
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, alone: bool) -> None:
-        """Take a running group off the device. `alone`: no other group holds device blocks, so
-        swapping would only bring it back to the same full pool; recompute it instead."""
-        mode = self.config.preemption_mode or PreemptionMode.SWAP
-        if mode is PreemptionMode.SWAP and (alone or not self.block_manager.can_swap_out(group)):
-            mode = PreemptionMode.RECOMPUTE  # never abort for lack of swap space
-        if mode is PreemptionMode.SWAP:
-            for seq in group.seqs:  # drafts are proposed afresh after the group resumes
-                seq.spec_token_ids = []
-            self.block_manager.swap_out(group, out.blocks_to_swap_out)
-            for seq in group.seqs:
-                if seq.status is _RUNNING:
-                    set_progress(seq, seq.num_computed_tokens, _SWAPPED)
-                    self._runner.preempted(seq)
-            self.swapped.append(group)
-            out.num_swapped_out += 1
-        else:
-            self._recompute(group)
-        out.preempted_request_ids.append(group.request_id)
-        self.num_preemptions_total += 1
-
-    def _recompute(self, group: SequenceGroup) -> None:
-        for seq in group.seqs:
-            if not seq.is_finished():
-                self.block_manager.free(seq)
-                self._runner.preempted(seq)
-                # its KV is gone: the whole sequence (prompt + output so far) is prefilled again
-                set_progress(seq, 0, _WAITING)
-                seq.spec_token_ids = []
-        self.waiting.prepend(group)  # keeps its place ahead of newer arrivals
+        """Take a running group off the device: swap or recompute (core/preemption.py)."""
+        self.preemption.preempt(group, out, alone)
 
     def _ignore(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
         logger.warning("request %s ignored: %s", group.request_id, reason)
