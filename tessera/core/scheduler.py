@@ -72,7 +72,7 @@ from tessera.core.request_queue import create_request_queue
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.core.scheduler_stats import RequestStats, SchedulerDetail, SchedulerStats
+from tessera.core.scheduler_stats import SchedulerStats, collect_detail
 from tessera.core.step_update import StepUpdate, request_metrics
 from tessera.core.token_budget import (
     Budget,
@@ -530,21 +530,10 @@ class Scheduler:
         that concerns `req_ids`, each request sent whole (the runner's copy may hold half-applied
         diffs; a whole one replaces it). No cache operations and no finished ids: the runner
         applied those before the forward pass that failed. Writes no progress."""
-        sub = SchedulerOutput()
         table = self.block_manager.get_block_table
-        for req_id in req_ids:
-            group, seq = self._live[req_id]
-            self._runner.preempted(seq)  # marks it to be described whole
-            self._runner.describe(group, seq, table(seq), sub)
-            n = scheduler_output.num_scheduled_tokens[req_id]
-            sub.num_scheduled_tokens[req_id] = n
-            sub.total_num_scheduled_tokens += n
-            if req_id in scheduler_output.num_samples:
-                sub.num_samples[req_id] = scheduler_output.num_samples[req_id]
-            if req_id in scheduler_output.scheduled_spec_decode_tokens:
-                sub.scheduled_spec_decode_tokens[req_id] = (
-                    scheduler_output.scheduled_spec_decode_tokens[req_id])
-        return sub
+        live = [self._live[req_id] for req_id in req_ids]
+        return self._runner.resend_whole(scheduler_output,
+                                         [(group, seq, table(seq)) for group, seq in live])
 
     # what the engine may read
 
@@ -575,32 +564,9 @@ class Scheduler:
             num_kv_transfer_requests_total=remote.num_requests_total,
             num_kv_transfer_bytes_total=remote.num_bytes_total,
             num_kv_transfer_failures_total=remote.num_failures_total,
-            detail=self._detail(max_requests) if detail else None,
-        )
-
-    def _detail(self, max_requests: int) -> SchedulerDetail:
-        bm = self.block_manager
-        if not self.waiting:
-            oldest = None
-        elif self._priority:  # no single head by arrival: walk the queue
-            oldest = min(g.arrival_time for g in self.waiting)
-        else:
-            oldest = self.waiting.peek().arrival_time  # a preempted request keeps its place first
-        rows: list[RequestStats] = []
-        max_len = self.config.max_model_len
-        for swapped, groups in ((False, self.running), (True, self.swapped)):
-            for group in groups:
-                if len(rows) == max_requests:
-                    break
-                rows.append(RequestStats.of(group, swapped, max_len))
-        return SchedulerDetail(
-            gpu_block_states=bm.gpu.block_states(),
-            cpu_block_states=bm.cpu.block_states(),
-            oldest_waiting_arrival=oldest,
-            oldest_swapped_arrival=self.swapped[0].arrival_time if self.swapped else None,
-            requests=tuple(rows),
-            running_lora_adapters=_adapters(self.running) if self.lora is not None else (),
-            waiting_lora_adapters=_adapters(self.waiting) if self.lora is not None else (),
+            detail=collect_detail(self.waiting, self.running, self.swapped, bm.gpu, bm.cpu,
+                                  self._priority, self.lora is not None, self.config.max_model_len,
+                                  max_requests) if detail else None,
         )
 
     def check_remote_kv_integrity(self) -> None:
@@ -614,8 +580,3 @@ def _drop_drafts(seqs: list[Sequence], plan: Plan) -> Plan:
     for seq in seqs:
         seq.spec_token_ids = []
     return plan
-
-
-def _adapters(groups: Iterable[SequenceGroup]) -> tuple[str, ...]:
-    """The distinct adapters of `groups`, in name order."""
-    return tuple(sorted({g.lora_request.lora_name for g in groups if g.lora_request is not None}))

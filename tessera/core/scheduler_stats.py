@@ -10,8 +10,11 @@ in use. Call it per sample or per scrape, not per step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from tessera.core.block_pool import BlockPool
+from tessera.core.request_queue import RequestQueue
 from tessera.sequence import SequenceGroup
 
 
@@ -101,3 +104,39 @@ class SchedulerStats:
 
 def _usage(num_free: int, num_blocks: int) -> float:
     return 1.0 - num_free / num_blocks if num_blocks else 0.0
+
+
+def collect_detail(
+    waiting: RequestQueue[SequenceGroup], running: list[SequenceGroup],
+    swapped: Sequence[SequenceGroup], gpu: BlockPool, cpu: BlockPool, priority: bool,
+    lora: bool, max_model_len: int, max_requests: int,
+) -> SchedulerDetail:
+    """The walks of `Scheduler.stats(detail=True)` over the scheduler's queues and pools.
+    `priority`: the waiting queue is ordered by priority, not arrival; `lora`: adapters in use
+    are listed (--enable-lora)."""
+    if not waiting:
+        oldest = None
+    elif priority:  # no single head by arrival: walk the queue
+        oldest = min(g.arrival_time for g in waiting)
+    else:
+        oldest = waiting.peek().arrival_time  # a preempted request keeps its place first
+    rows: list[RequestStats] = []
+    for is_swapped, groups in ((False, running), (True, swapped)):
+        for group in groups:
+            if len(rows) == max_requests:
+                break
+            rows.append(RequestStats.of(group, is_swapped, max_model_len))
+    return SchedulerDetail(
+        gpu_block_states=gpu.block_states(),
+        cpu_block_states=cpu.block_states(),
+        oldest_waiting_arrival=oldest,
+        oldest_swapped_arrival=swapped[0].arrival_time if swapped else None,
+        requests=tuple(rows),
+        running_lora_adapters=_adapters(running) if lora else (),
+        waiting_lora_adapters=_adapters(waiting) if lora else (),
+    )
+
+
+def _adapters(groups: Iterable[SequenceGroup]) -> tuple[str, ...]:
+    """The distinct adapters of `groups`, in name order."""
+    return tuple(sorted({g.lora_request.lora_name for g in groups if g.lora_request is not None}))
