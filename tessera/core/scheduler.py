@@ -59,7 +59,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from tessera.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from tessera.core.admission import never_fits_reason, reject_reason
+from tessera.core.admission import reject_reason
 from tessera.core.block_manager import AllocStatus, BlockManager
 from tessera.core.core_output import EngineCoreOutput
 from tessera.core.kv_cache_groups import group_windows
@@ -82,13 +82,15 @@ from tessera.core.token_budget import (
     plan_tokens,
     take_drafts,
 )
+from tessera.core.waiting_admission import LORA_LOOKAHEAD, WaitingAdmission
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = ["LORA_LOOKAHEAD", "Scheduler"]  # LORA_LOOKAHEAD: importable from here as before
 
 logger = logging.getLogger(__name__)
 
-_WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
-LORA_LOOKAHEAD = 64  # most waiting requests held back for an adapter slot that one step passes
+
 
 class Scheduler:
     def __init__(
@@ -137,6 +139,8 @@ class Scheduler:
         self.remote_kv = RemoteKVTracker(kv_connector, self.block_manager)
         self._update = StepUpdate(self.block_manager, scheduler_config.max_model_len,
                                   self.eos_token_ids)
+        self._admission = WaitingAdmission(scheduler_config, self.block_manager, self.waiting,
+                                           self.preemption, self.remote_kv, self.lora)
 
     def _key(self, group: SequenceGroup) -> tuple[int, float]:
         return (group.priority, group.arrival_time) if self._priority else (0, group.arrival_time)
@@ -351,80 +355,12 @@ class Scheduler:
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]]
     ) -> None:
-        if self.lora is None:
-            self._admit_waiting(out, budget, scheduled, [])
-            return
-        held: list[SequenceGroup] = []  # waiting for an adapter slot: they keep their place
-        try:
-            self._admit_waiting(out, budget, scheduled, held)
-        finally:
-            for group in reversed(held):
-                self.waiting.prepend(group)
-
-    def _admit_waiting(
-        self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]],
-        held: list[SequenceGroup],
-    ) -> None:
-        bm = self.block_manager
-        lora = self.lora
-        while self.waiting and budget.tokens > 0:
-            group = self.waiting.peek()
-            if self.preemption.blocks_admission(group):
-                break
-            reason = reject_reason(group, self.config)
-            status = None
-            remote = bool((group.sampling_params.kv_transfer_params or {}).get("do_remote_prefill"))
-            whole = remote and self._pulls_whole(group)
-            if reason is None:
-                status = bm.can_allocate(group, whole=whole)
-                if status is AllocStatus.NEVER:
-                    reason = never_fits_reason(group, bm)
-            if reason is not None:
-                self.waiting.pop()
-                self._ignore(group, reason, out)
-                continue
-            if lora is not None and not lora.may_run(group):
-                if len(held) >= LORA_LOOKAHEAD:
-                    break
-                lora.held(group)
-                held.append(self.waiting.pop())
-                continue
-            n = group.max_num_running_seqs()
-            if budget.num_seqs + n > self.config.max_num_seqs or status is AllocStatus.LATER:
-                break
-            seqs = [s for s in group.seqs if s.status is _WAITING]
-            if not self.config.enable_chunked_prefill and not remote:
-                first = seqs[0]
-                if first.get_len() - bm.get_num_cached_tokens(group, first) > budget.tokens:
-                    break  # scheduled whole or not at all
-            self.waiting.pop()
-            if lora is not None:
-                lora.admitted(group)
-            hits = 0
-            for seq, num_hit_tokens in zip(seqs, bm.allocate(group, whole=whole), strict=True):
-                set_progress(seq, num_hit_tokens, _WAITING)  # the cache holds these already
-                hits += num_hit_tokens
-            out.num_prefix_cache_hit_tokens += hits
-            if group.first_scheduled_time is None:
-                group.num_cached_tokens = hits
-            if self.remote_kv.park(group, seqs, can_pull=whole):  # until its peer's KV arrives
-                budget.num_seqs += n
-                continue
-            for seq in seqs:
-                set_progress(seq, seq.num_computed_tokens, _RUNNING)
-            plan = plan_tokens(seqs, budget.tokens, self.config.enable_chunked_prefill)
-            scheduled.append((group, plan))
-            budget.tokens -= sum(n for _, n in plan)
+        """Step 3 (core/waiting_admission.py): admit from the head of `waiting`."""
+        admitted, rejected = self._admission.admit(out, budget, scheduled)
+        for group, reason in rejected:
+            self._ignore(group, reason, out)
+        for group in admitted:
             bisect.insort(self.running, group, key=self._key)
-            budget.num_seqs += n
-
-    def _pulls_whole(self, group: SequenceGroup) -> bool:
-        """A peer's prompt KV lands whole: blocks for the whole prompt in every group, when
-        they fit an empty pool at all (else the request prefills here, chunk by chunk)."""
-        params = group.sampling_params.kv_transfer_params
-        return bool(params and params.get("do_remote_prefill")) and (
-            self.remote_kv.connector is not None
-            and self.block_manager.never_fits(group, whole=True) is None)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempt the worst running groups while the best waiting one is strictly better and
@@ -436,7 +372,7 @@ class Scheduler:
             head, tail = self.waiting.peek(), self.running[-1]
             if head.priority >= tail.priority or reject_reason(head, self.config) is not None:
                 return
-            status = bm.can_allocate(head, reserved, whole=self._pulls_whole(head))
+            status = bm.can_allocate(head, reserved, whole=self.remote_kv.pulls_whole(head))
             if status is AllocStatus.NEVER:
                 return
             if status is AllocStatus.OK and (
