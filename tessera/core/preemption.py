@@ -16,9 +16,11 @@ from collections import deque
 from collections.abc import Callable
 
 from tessera.config import PreemptionMode, SchedulerConfig
-from tessera.core.block_manager import BlockManager
+from tessera.core.admission import reject_reason
+from tessera.core.block_manager import AllocStatus, BlockManager
 from tessera.core.lora_admission import LoRAAdmission
 from tessera.core.progress import set_progress
+from tessera.core.remote_kv import RemoteKVTracker
 from tessera.core.request_queue import RequestQueue
 from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_output import SchedulerOutput
@@ -33,8 +35,8 @@ _SWAPPED = SequenceStatus.SWAPPED
 class Preemption:
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, runner: RunnerView,
-        waiting: RequestQueue[SequenceGroup], lora: LoRAAdmission | None,
-        key: Callable[[SequenceGroup], tuple[int, float]] | None,
+        waiting: RequestQueue[SequenceGroup], remote_kv: RemoteKVTracker,
+        lora: LoRAAdmission | None, key: Callable[[SequenceGroup], tuple[int, float]] | None,
     ) -> None:
         """`waiting`: the scheduler's queue, where a recomputed request goes back to the head.
         `key`: the priority policy's order (swapped groups resume in it), None under FCFS."""
@@ -42,10 +44,35 @@ class Preemption:
         self.block_manager = block_manager
         self._runner = runner
         self._waiting = waiting
+        self._remote_kv = remote_kv
         self._lora = lora
         self._key = key
         self.swapped: deque[SequenceGroup] = deque()  # oldest (best) first
         self.num_preemptions_total = 0
+
+    def preempt_for_priority(self, running: list[SequenceGroup], out: SchedulerOutput) -> None:
+        """Step 0 (priority policy): preempt the worst running groups, popped off the tail of
+        the scheduler's `running`, while the best waiting one is strictly better and cannot fit
+        otherwise."""
+        bm = self.block_manager
+        waiting = self._waiting
+        num_seqs = sum(g.max_num_running_seqs() for g in running)
+        reserved = sum(bm.num_append_blocks(g) for g in running)  # for this step's decodes
+        while waiting and running:
+            head, tail = waiting.peek(), running[-1]
+            if head.priority >= tail.priority or reject_reason(head, self.config) is not None:
+                return
+            status = bm.can_allocate(head, reserved, whole=self._remote_kv.pulls_whole(head))
+            if status is AllocStatus.NEVER:
+                return
+            if status is AllocStatus.OK and (
+                num_seqs + head.max_num_running_seqs() <= self.config.max_num_seqs
+            ):
+                return
+            running.pop()
+            num_seqs -= tail.max_num_running_seqs()
+            reserved -= bm.num_append_blocks(tail)
+            self.preempt(tail, out, alone=False)
 
     def preempt(self, group: SequenceGroup, out: SchedulerOutput, alone: bool) -> None:
         """Take a running group off the device. `alone`: no other group holds device blocks, so

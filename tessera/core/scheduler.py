@@ -59,8 +59,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from tessera.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from tessera.core.admission import reject_reason
-from tessera.core.block_manager import AllocStatus, BlockManager
+from tessera.core.block_manager import BlockManager
 from tessera.core.core_output import EngineCoreOutput
 from tessera.core.kv_cache_groups import group_windows
 from tessera.core.kv_connector import PullConnectorScheduler
@@ -131,12 +130,12 @@ class Scheduler:
         self._live: dict[str, tuple[SequenceGroup, Sequence]] = {}  # unfinished streams by req_id
         self._runner = RunnerView()
         self._ignored: list[SequenceGroup] = []  # rejected this step, reported by the update
-        # swap and recompute; owns the `swapped` queue
-        self.preemption = Preemption(scheduler_config, self.block_manager, self._runner,
-                                     self.waiting, self.lora,
-                                     self._key if self._priority else None)
         # disaggregated prefill/decode; without a connector it never parks or holds anything
         self.remote_kv = RemoteKVTracker(kv_connector, self.block_manager)
+        # swap and recompute; owns the `swapped` queue
+        self.preemption = Preemption(scheduler_config, self.block_manager, self._runner,
+                                     self.waiting, self.remote_kv, self.lora,
+                                     self._key if self._priority else None)
         self._update = StepUpdate(self.block_manager, scheduler_config.max_model_len,
                                   self.eos_token_ids)
         self._admission = WaitingAdmission(scheduler_config, self.block_manager, self.waiting,
@@ -236,7 +235,7 @@ class Scheduler:
         budget = Budget(self.config.max_num_batched_tokens, len(self.remote_kv.waiting))
         scheduled: list[tuple[SequenceGroup, Plan]] = []
         if self._priority and self.waiting and self.running:
-            self._preempt_for_priority(out)
+            self.preemption.preempt_for_priority(self.running, out)
         preempted = self._schedule_running(out, budget, scheduled)
         if self.lora is not None:
             self.lora.begin(self.running)
@@ -361,28 +360,6 @@ class Scheduler:
             self._ignore(group, reason, out)
         for group in admitted:
             bisect.insort(self.running, group, key=self._key)
-
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """Preempt the worst running groups while the best waiting one is strictly better and
-        cannot fit otherwise."""
-        bm = self.block_manager
-        num_seqs = sum(g.max_num_running_seqs() for g in self.running)
-        reserved = sum(bm.num_append_blocks(g) for g in self.running)  # for this step's decodes
-        while self.waiting and self.running:
-            head, tail = self.waiting.peek(), self.running[-1]
-            if head.priority >= tail.priority or reject_reason(head, self.config) is not None:
-                return
-            status = bm.can_allocate(head, reserved, whole=self.remote_kv.pulls_whole(head))
-            if status is AllocStatus.NEVER:
-                return
-            if status is AllocStatus.OK and (
-                num_seqs + head.max_num_running_seqs() <= self.config.max_num_seqs
-            ):
-                return
-            self.running.pop()
-            num_seqs -= tail.max_num_running_seqs()
-            reserved -= bm.num_append_blocks(tail)
-            self._preempt(tail, out, alone=False)
 
     # preemption and rejection
 
