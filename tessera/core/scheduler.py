@@ -3,14 +3,17 @@
 `num_new_tokens` under the token budget. That covers prefill, chunked prefill, decode, prefix-cache
 hits (which start the counter above zero) and recompute (which resets it).
 
-A step, in order:
+A step, in order (each step's home in brackets):
   0. (priority policy) a waiting request with strictly better priority than the running tail
-     preempts the tail while it cannot otherwise fit;
+     preempts the tail while it cannot otherwise fit [core/preemption.py];
   1. running, oldest (best) first: reserve slots for decodes and prefill chunks; when blocks run out
-     preempt from the tail (newest / worst priority); the group being scheduled goes last;
-  2. swapped: swap back in, oldest first, while blocks (with watermark) and budget allow;
+     preempt from the tail (newest / worst priority); the group being scheduled goes last [here,
+     with the token budget's rules in core/token_budget.py];
+  2. swapped: swap back in, oldest first, while blocks (with watermark) and budget allow
+     [core/preemption.py];
   3. waiting: admit in policy order while budget, max_num_seqs and free blocks minus watermark
-     allow; new admissions wait while anything is swapped (under priority: anything not worse).
+     allow; new admissions wait while anything is swapped (under priority: anything not worse)
+     [core/waiting_admission.py].
 Steps 2 and 3 are skipped after a preemption in step 1: memory is tight, and swapping a group back
 in the step it left would only churn. With LoRA (--max-loras), steps 2 and 3 admit only what keeps
 the running adapters within the limit (core/lora_admission.py); a waiting request held back for
@@ -28,11 +31,14 @@ never pass `max_tokens` or `max_model_len`, and are dropped rather than preempt 
 lookahead slots are not free; `update_from_output` advances the sequence by the accepted ones.
 
 The scheduler is composed of parts, each with its own state, that it calls and that never call
-back: the `BlockManager` (blocks, prefix cache, swap), the `RemoteKVTracker` (core/remote_kv.py:
-requests parked for a peer's KV or held for a peer to pull), the `StepUpdate` (core/step_update.py:
-a step's results applied to the sequences it scheduled), the `RunnerView` (core/runner_view.py:
-what the runner already holds, so that a step sends diffs) and `LoRAAdmission`. The scheduler
-itself owns the queues and the live requests, and it alone frees them.
+back: the `BlockManager` (blocks, prefix cache, swap), `Preemption` (core/preemption.py: swap or
+recompute, and the `swapped` queue), `WaitingAdmission` (core/waiting_admission.py: the head of
+`waiting`, admitted or rejected), the `RemoteKVTracker` (core/remote_kv.py: requests parked for a
+peer's KV or held for a peer to pull), the `StepUpdate` (core/step_update.py: a step's results
+applied to the sequences it scheduled), the `RunnerView` (core/runner_view.py: what the runner
+already holds, so that a step sends diffs) and `LoRAAdmission`. The scheduler itself owns
+`waiting`, `running` and the live requests, hands the queues to the parts that pop or prepend
+them, and it alone frees requests.
 
 One writer of progress: a sequence's `status` and `num_computed_tokens` change only through
 `set_progress` (core/progress.py, which lists the events), called only from the scheduler and its
@@ -71,7 +77,7 @@ from tessera.core.request_queue import create_request_queue
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.core.scheduler_stats import SchedulerStats, collect_detail
+from tessera.core.scheduler_stats import SchedulerStats, collect_detail, collect_stats
 from tessera.core.step_update import StepUpdate, request_metrics
 from tessera.core.token_budget import (
     Budget,
@@ -454,32 +460,12 @@ class Scheduler:
         """The queues, the KV pools and the counters (core/scheduler_stats.py): counters only,
         cheap enough for every step. `detail`: also the block maps, up to `max_requests` request
         rows and the adapters in use; walks the queues, so once per sample or scrape."""
-        bm, update, remote = self.block_manager, self._update, self.remote_kv
-        return SchedulerStats(
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            num_swapped=len(self.swapped),
-            num_waiting_for_remote_kvs=len(remote.waiting),
-            num_gpu_blocks=bm.num_gpu_blocks,
-            num_free_gpu_blocks=bm.get_num_free_gpu_blocks(),
-            num_cpu_blocks=bm.num_cpu_blocks,
-            num_free_cpu_blocks=bm.get_num_free_cpu_blocks(),
-            num_preemptions_total=self.num_preemptions_total,
-            num_prompt_tokens_total=update.num_prompt_tokens_total,
-            num_generation_tokens_total=update.num_generation_tokens_total,
-            num_prefix_cache_queries_total=bm.num_prefix_cache_queries,
-            num_prefix_cache_hits_total=bm.num_prefix_cache_hits,
-            num_spec_drafts_total=update.num_spec_drafts_total,
-            num_spec_draft_tokens_total=update.num_spec_draft_tokens_total,
-            num_spec_accepted_tokens_total=update.num_spec_accepted_tokens_total,
-            num_spec_accepted_tokens_per_pos=tuple(update.num_spec_accepted_tokens_per_pos),
-            kv_transfer=remote.connector is not None,
-            num_kv_transfer_requests_total=remote.num_requests_total,
-            num_kv_transfer_bytes_total=remote.num_bytes_total,
-            num_kv_transfer_failures_total=remote.num_failures_total,
-            detail=collect_detail(self.waiting, self.running, self.swapped, bm.gpu, bm.cpu,
-                                  self._priority, self.lora is not None, self.config.max_model_len,
-                                  max_requests) if detail else None,
+        return collect_stats(
+            self.waiting, self.running, self.swapped, self.block_manager, self._update,
+            self.remote_kv, self.num_preemptions_total,
+            collect_detail(self.waiting, self.running, self.swapped, self.block_manager,
+                           self._priority, self.lora is not None, self.config.max_model_len,
+                           max_requests) if detail else None,
         )
 
     def check_remote_kv_integrity(self) -> None:
