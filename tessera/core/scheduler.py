@@ -111,7 +111,7 @@ class Scheduler:
         num_draft_gpu_blocks: int = 0,
     ) -> None:
         """`num_draft_gpu_blocks`: the draft model's own KV pool (speculative decoding with a
-        window, core/block_manager.py); 0: none."""
+        window, core/block_layout.py); 0: none."""
         self.config = scheduler_config
         # --max-loras with --enable-lora; None: no adapter limit (LoRA off)
         self.lora = None if max_loras is None else LoRAAdmission(max_loras)
