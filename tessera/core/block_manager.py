@@ -364,8 +364,11 @@ class BlockManager:
         """In each pool free + used == total, every used block's ref count equals the number of
         tables holding it, and no block is both free and owned; the draft group's entries hold
         the draft pool's blocks and no other entry does. Raises AssertionError."""
-        self.device.check_integrity()
+        device_refs, draft_refs = self.device.refs()
+        self.gpu.check_integrity(device_refs, "device")
         self.cpu.check_integrity(self.swap.refs(), "cpu")
+        if self.draft_gpu is not None:
+            self.draft_gpu.check_integrity(draft_refs, "draft")
         both = self._tables.keys() & self.swap.tables.keys()
         if both:
             raise AssertionError(f"sequences {sorted(both)} hold blocks on device and CPU at once")

@@ -102,8 +102,8 @@ class DeviceTables:
             self.draft_gpu is None or needs[1] <= self.draft_gpu.num_free)
 
     def try_append_slots(self, group: SequenceGroup) -> list[tuple[int, int]] | None:
-        """`can_append_slots` + `append_slots` for every running sequence of the group in one
-        pass: the copy-on-write pairs, or None (nothing changed) if the blocks are not there.
+        """`append_slots` for every running sequence of the group, if `append_needs` fits, in
+        one pass: the copy-on-write pairs, or None (nothing changed) if the blocks are not there.
         The hot path: a decode that lands in its own partial block costs a few lookups."""
         bs = self.block_size
         tables = self.tables
@@ -176,11 +176,11 @@ class DeviceTables:
         """Sliding window: release the sequence's leading blocks, in each window group, that no
         query from its next position on can see (their last token is at or before
         next - window). Returns how many. Offer them to the prefix cache first
-        (`cache_computed_blocks`) to keep them reusable. Released entries are always a leading
-        run of each group's table, so the scan walks back from the newest releasable entry and
-        stops at the first one already released: a step costs what it releases. `lag`: keep
-        what the query `lag` positions earlier still sees (a prompt held for a peer, whose
-        first query there is the last prompt token, core/kv_connector.py)."""
+        (`BlockManager.cache_computed_blocks`) to keep them reusable. Released entries are
+        always a leading run of each group's table, so the scan walks back from the newest
+        releasable entry and stops at the first one already released: a step costs what it
+        releases. `lag`: keep what the query `lag` positions earlier still sees (a prompt held
+        for a peer, whose first query there is the last prompt token, core/kv_connector.py)."""
         if not self._any_window:
             return 0
         table = self.tables.get(seq.seq_id)
@@ -221,9 +221,10 @@ class DeviceTables:
                 if block != NULL_BLOCK:
                     self.pool_of(block).decref(block)
 
-    def check_integrity(self) -> None:
-        """Every device block's ref count equals the tables holding it; the draft group's
-        entries hold the draft pool's blocks and no other entry does. Raises AssertionError."""
+    def refs(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(target block id -> tables holding it, the same for the draft pool's blocks), for
+        integrity checks. Raises AssertionError if an entry holds a block of the wrong pool:
+        the draft group's entries hold the draft pool's blocks and no other entry does."""
         n, dg, ng = self.gpu.num_blocks, self.layout.draft_group, self.num_groups
         draft_refs: dict[int, int] = {}
         device_refs: dict[int, int] = {}
@@ -237,6 +238,4 @@ class DeviceTables:
                                          "wrong pool")
                 refs = draft_refs if is_draft else device_refs
                 refs[block] = refs.get(block, 0) + 1
-        self.gpu.check_integrity(device_refs, "device")
-        if self.draft_gpu is not None:
-            self.draft_gpu.check_integrity(draft_refs, "draft")
+        return device_refs, draft_refs
