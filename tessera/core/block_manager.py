@@ -315,14 +315,17 @@ class BlockManager:
         """Offer the sequence's blocks that are now full and computed to other requests."""
         if self.prefix_caches:
             table = self._tables.get(seq.seq_id)
-            if table is not None:
-                self.prefix.register(seq, table)
+            if table is not None:  # once per sequence per step: the caches directly
+                for pc in self.prefix_caches:
+                    pc.register(seq, table)
 
     def release_out_of_window(self, seq: Sequence, lag: int = 0) -> int:
         """Sliding window: release the sequence's leading blocks, in each window group, that no
         query from its next position on can see; returns how many (core/device_tables.py).
         Offer them to the prefix cache first (`cache_computed_blocks`) to keep them reusable.
         `lag`: keep what the query `lag` positions earlier still sees."""
+        if not self._any_window:  # once per sequence per step: no call without a window
+            return 0
         return self.device.release_out_of_window(seq, lag)
 
     @property

@@ -1,8 +1,9 @@
 """Prefix caching across KV cache groups, for the block manager: which leading blocks a sequence
-takes from the cache at admission, and the per-group chains it keeps up to date. Each group keeps
-its own chain of keys (core/prefix_cache.py); a logical block is a hit only when EVERY group
-still has it cached, and a window group's entries that the window has already left come back
-as `NULL_BLOCK`, never taken."""
+takes from the cache at admission, and each group's per-sequence bookkeeping (admitted, fork,
+forget; the block manager registers computed blocks with each group's cache directly, a hot
+path). Each group keeps its own chain of keys (core/prefix_cache.py); a logical block is a hit
+only when EVERY group still has it cached, and a window group's entries that the window has
+already left come back as `NULL_BLOCK`, never taken."""
 
 from __future__ import annotations
 
@@ -67,11 +68,6 @@ class PrefixHits:
         """The sequence got a device table; its first `num_hit_blocks` came from the cache."""
         for pc in self.caches:
             pc.admitted(seq, num_hit_blocks)
-
-    def register(self, seq: Sequence, table: list[int]) -> None:
-        """Offer the sequence's blocks that are now full and computed to other requests."""
-        for pc in self.caches:
-            pc.register(seq, table)
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         for pc in self.caches:
