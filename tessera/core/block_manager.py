@@ -26,91 +26,40 @@ A sequence verifying draft tokens (speculative decoding, `seq.spec_token_ids`) g
 slots for them too; the slots of rejected drafts stay in its table and are written again by its
 next tokens (nothing reads a slot at or past `num_computed_tokens`).
 
-Sliding window (`sliding_window` set when every layer of the model attends to a window): a query
-at position p reads keys (p - window, p] only, so once a sequence's next position has moved a
-whole block past a block's last token, no layer will read that block again. `release_out_of_window`
-drops such blocks while the request runs (back to the free list, or, with prefix caching, to the
-evictable cached blocks, where other requests can still hit them) and leaves `NULL_BLOCK` in their
-table entries, so positions still index the table. Nothing reads a `NULL_BLOCK`: the attention
-path of windowed layers gathers only the window's blocks (tessera/attention/windowed.py).
-
-    window 20, block_size 16, next position 41:  keys 22..41 are visible
-    block table      [ NULL ,    3     ,    12    ]    block 0 (tokens 0..15) released
-
-KV cache groups (`group_windows`, a model mixing local and global layers: core/kv_cache_groups.py):
-each sequence has one table per group, all drawing from the one device pool. They are kept
-interleaved in ONE list, entry `i * num_groups + g` holding logical block i of group g, so the
-tables grow together and every message to the runner (a table, a diff of appended ids, a
-swap or copy mapping) keeps its single-table shape; with one group it is exactly the single
-table above. Each window group releases its own entries; full groups keep theirs:
-
-    groups (full, window 20), block_size 16, next position 41
-    table [ 7, NULL,  3, 9,  12, 4 ]     logical 0: group 0 block 7, group 1 released; ...
-
-Speculative decoding with a draft model and a window: the draft attends to the whole context, so
-it cannot read the target's window groups, and its layers differ from the target's. It gets a
-KV cache group of its own, the last, full-attention, drawing from its own pool (`draft_gpu`,
-`num_draft_gpu_blocks`, ids numbered past the target's so that one table and one copy list name
-both); the target's window groups still release. Admission and growth check both pools. The
-draft's blocks are never prefix-cached nor swapped: it recomputes a request's KV whenever it
-comes back, so they are dropped at swap-out and allocated fresh at swap-in.
-
-    groups (window 20, draft), target blocks 0..99, draft blocks 100..: next position 41
-    table [ NULL, 107,  3, 101,  12, 104 ]
-
-Admission, growth, copy-on-write and swap count every group's entries (a logical block costs
-`num_groups` pool blocks, each `num_groups` times smaller). Prefix caching keeps one chain of
-keys per group (each group's own root, core/prefix_cache.py) and a hit is the leading logical
-blocks that EVERY group still has cached; a window group's released blocks stay evictable, so a
-recent prefix still hits.
+The block manager answers the scheduler and composes parts that each own their state:
+  core/block_layout.py   the table's shape over KV cache groups (one table per group, interleaved
+                         in one list; the draft model's own group and pool) and the sizing rules;
+  core/device_tables.py  the device tables: growth, copy-on-write, fork, free, and the sliding
+                         window's release of blocks no query reads again (`NULL_BLOCK` entries);
+  core/swap_space.py     the CPU pool and the tables of swapped sequences;
+  core/prefix_hits.py    prefix-cache hits across KV cache groups, and their chains.
+It keeps the admission accounting (which pool a group's peak footprint fits, the watermark) and
+the order of operations across parts (hits are taken before fresh blocks, a swapped-in table is
+offered to the prefix cache again).
 """
 
 from __future__ import annotations
 
-import enum
-
+from tessera.core.block_layout import (
+    NULL_BLOCK,
+    AllocStatus,
+    BlockLayout,
+    num_peak_blocks,
+    num_watermark_blocks,
+)
 from tessera.core.block_pool import BlockPool
+from tessera.core.device_tables import DeviceTables
 from tessera.core.prefix_cache import PrefixCache
+from tessera.core.prefix_hits import PrefixHits
+from tessera.core.swap_space import SwapSpace
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
 from tessera.utils import cdiv
 
+# the table layout's names, importable from here as they always were
+__all__ = ["NULL_BLOCK", "AllocStatus", "BlockManager", "num_peak_blocks", "num_watermark_blocks"]
+
 _WAITING = SequenceStatus.WAITING
-_RUNNING = SequenceStatus.RUNNING
 _SWAPPED = SequenceStatus.SWAPPED
-
-# A released table entry (sliding window): keeps positions aligned, holds no block.
-NULL_BLOCK = -1
-
-
-class AllocStatus(enum.Enum):
-    OK = "ok"  # fits now
-    LATER = "later"  # fits once other requests release blocks
-    NEVER = "never"  # does not fit even in an empty cache
-
-
-def num_peak_blocks(num_tokens: int, block_size: int, group_windows: tuple[int | None, ...],
-                    max_chunk_tokens: int | None) -> int:
-    """Device blocks one sequence of `num_tokens` tokens holds at most, all KV cache groups
-    together. A full group (window None) holds every token block. A window group whose table
-    covers at most `max_chunk_tokens` past `num_computed_tokens` (None: the whole length) holds
-    the blocks from the window's first, (c - window + 1) // block_size, to the chunk's last,
-    (c + max_chunk_tokens - 1) // block_size: at most (max_chunk_tokens + window - 3) //
-    block_size + 2 over every c. The one home of this rule: admission's NEVER check, the
-    engine's start-up check and its n > 1 check all ask it."""
-    n = cdiv(num_tokens, block_size)
-    total = 0
-    for window in group_windows:
-        if window is None or max_chunk_tokens is None:
-            total += n
-        else:
-            total += min(n, (max_chunk_tokens + window - 3) // block_size + 2)
-    return total
-
-
-def num_watermark_blocks(num_gpu_blocks: int, watermark: float) -> int:
-    """Device blocks admissions leave free, so running sequences can keep decoding a while
-    (`CacheConfig.watermark`, a fraction of the pool). The one home of this rule."""
-    return int(watermark * num_gpu_blocks)
 
 
 class BlockManager:
@@ -153,7 +102,7 @@ class BlockManager:
         self._any_window = any(w is not None for w in self.group_windows)
         if num_draft_gpu_blocks < 0:
             raise ValueError(f"num_draft_gpu_blocks must be >= 0, got {num_draft_gpu_blocks}")
-        # the draft model's group (see the module docstring), or None
+        # the draft model's group (core/block_layout.py), or None
         self.draft_group: int | None = None
         if num_draft_gpu_blocks:
             self.group_windows += (None,)
@@ -164,14 +113,14 @@ class BlockManager:
                 f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         # tokens a table covers past num_computed_tokens; None: the whole length (no window)
         self.max_chunk_tokens = max_num_batched_tokens if self._any_window else None
-        self.num_released_blocks = 0  # released by the sliding window, in all
+        self.layout = BlockLayout(block_size, self.group_windows, self.draft_group,
+                                  self.max_chunk_tokens)
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
         self.watermark_blocks = num_watermark_blocks(num_gpu_blocks, watermark)
         self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
-        self.cpu = BlockPool(num_cpu_blocks)
         # the draft's pool numbers its blocks past the target's, so a table or a copy list
         # names both; never cached (the draft recomputes a request's KV), never swapped
         self.draft_gpu: BlockPool | None = (
@@ -180,30 +129,15 @@ class BlockManager:
         )
         self.num_draft_gpu_blocks = num_draft_gpu_blocks
         self.draft_watermark_blocks = num_watermark_blocks(num_draft_gpu_blocks, watermark)
-        # per group, the pool its blocks come from
-        self._pools = [self.gpu] * self.num_groups
-        if self.draft_gpu is not None and self.draft_group is not None:
-            self._pools[self.draft_group] = self.draft_gpu
-        self._tables: dict[int, list[int]] = {}  # seq_id -> device block table
-        self._cpu_tables: dict[int, list[int]] = {}  # seq_id -> CPU block table (swapped)
-        self.prefix_caches: list[PrefixCache] = (
-            [PrefixCache(self.gpu, block_size, g, self.num_groups)
-             for g in range(self.num_groups) if g != self.draft_group]
-            if enable_prefix_caching else []
-        )
+        self.device = DeviceTables(self.layout, self.gpu, self.draft_gpu)
+        self._tables = self.device.tables  # seq_id -> device block table (read here only)
+        self.swap = SwapSpace(num_cpu_blocks, self.layout, self.gpu, self.draft_gpu)
+        self.cpu = self.swap.cpu
+        self.prefix = PrefixHits(self.gpu, self.layout, enable_prefix_caching)
+        self.prefix_caches: list[PrefixCache] = self.prefix.caches
         self.prefix_cache = self.prefix_caches[0] if self.prefix_caches else None
         self.num_prefix_cache_queries = 0  # tokens looked up at admission
         self.num_prefix_cache_hits = 0  # of which found computed in the cache
-
-    def _pool_of(self, block: int) -> BlockPool:
-        """The pool a device block id belongs to (the draft's ids follow the target's)."""
-        if block < self.num_gpu_blocks or self.draft_gpu is None:
-            return self.gpu
-        return self.draft_gpu
-
-    def _num_blocks(self, num_tokens: int) -> int:
-        """Table entries for `num_tokens` tokens: a logical block per group."""
-        return cdiv(num_tokens, self.block_size) * self.num_groups
 
     # admission
 
@@ -217,9 +151,7 @@ class BlockManager:
     def _required(self, group: SequenceGroup, whole: bool = False) -> tuple[int, int]:
         """`num_required_blocks` split into (target pool, draft pool)."""
         target = draft = 0
-        windows = self.group_windows
-        if self.draft_group is not None:
-            windows = windows[: self.draft_group] + windows[self.draft_group + 1 :]
+        windows = self.layout.target_windows
         for s in group.seqs:
             if s.status is _WAITING:
                 target += num_peak_blocks(s.get_len(), self.block_size, windows,
@@ -239,15 +171,6 @@ class BlockManager:
             return "draft"
         return None
 
-    def _num_cover_tokens(self, seq: Sequence, num_computed_tokens: int,
-                          whole: bool = False) -> int:
-        """Tokens the table must cover: the whole length plus draft lookahead, or with a window
-        at most one chunk past `num_computed_tokens` (unless `whole`)."""
-        n = seq.get_len() + len(seq.spec_token_ids)
-        if self.max_chunk_tokens is None or whole:
-            return n
-        return min(n, num_computed_tokens + self.max_chunk_tokens)
-
     def can_allocate(self, group: SequenceGroup, num_reserved_blocks: int = 0,
                      whole: bool = False) -> AllocStatus:
         """OK if the blocks `allocate` takes for the group's waiting sequences are free now,
@@ -260,9 +183,9 @@ class BlockManager:
         ng = self.num_groups
         for seq in group.seqs:
             if seq.status is _WAITING:
-                hits = self._admission_hits(group, seq)
+                hits = self.prefix.admission_hits(group, seq)
                 hit_tokens = len(hits) // ng * self.block_size
-                n = self._num_blocks(self._num_cover_tokens(seq, hit_tokens, whole))
+                n = self.layout.num_blocks(self.layout.num_cover_tokens(seq, hit_tokens, whole))
                 if self.draft_gpu is None:
                     taken += n - len(hits)
                 else:  # every draft entry is fresh (its hits are placeholders)
@@ -280,46 +203,9 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def _admission_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
-        """The prefix hits `seq` starts its table with: a window group's entries that its
-        window has already left (the query at the first uncached token cannot see them) are
-        `NULL_BLOCK`, never taken."""
-        hits = self._prefix_hits(group, seq)
-        if not hits or not self._any_window:
-            return hits
-        ng = self.num_groups
-        num_hit_tokens = len(hits) // ng * self.block_size
-        for g, window in enumerate(self.group_windows):
-            if window is not None:  # the rule of `release_out_of_window` at that position
-                first_visible = num_hit_tokens - window + 1
-                for i in range(max(first_visible, 0) // self.block_size):
-                    hits[i * ng + g] = NULL_BLOCK
-        return hits
-
-    def _prefix_hits(self, group: SequenceGroup, seq: Sequence) -> list[int]:
-        """Cached leading blocks of `seq`; none for a request that wants prompt logprobs, since
-        those need the logits of every prompt position, nor for an embedding request that pools
-        every position (MEAN) or the first (CLS)."""
-        if (
-            self.prefix_cache is None
-            or getattr(group.sampling_params, "prompt_logprobs", None) is not None
-        ):
-            return []
-        if group.pooling_params is not None and group.pooling_params.needs_every_position:
-            return []
-        if self.num_groups == 1:
-            return self.prefix_cache.hit_blocks(seq)
-        # a logical block is a hit only when every group has it cached
-        per_group = [pc.hit_blocks(seq) for pc in self.prefix_caches]
-        k = min(len(hits) for hits in per_group)
-        if self.draft_group is None:
-            return [hits[i] for i in range(k) for hits in per_group]
-        # the draft group (last) caches nothing: a placeholder that `allocate` fills fresh
-        return [b for i in range(k) for b in (*(hits[i] for hits in per_group), NULL_BLOCK)]
-
     def get_num_cached_tokens(self, group: SequenceGroup, seq: Sequence) -> int:
         """Leading tokens of `seq` whose KV a prefix-cache hit would supply (no side effects)."""
-        return len(self._prefix_hits(group, seq)) // self.num_groups * self.block_size
+        return len(self.prefix.cached_blocks(group, seq)) // self.num_groups * self.block_size
 
     def allocate(self, group: SequenceGroup, whole: bool = False) -> list[int]:
         """Give every waiting sequence of the group blocks for its whole length (with a window:
@@ -330,8 +216,8 @@ class BlockManager:
         seqs = [s for s in group.seqs if s.status is _WAITING]
         tables = []
         for seq in seqs:  # take every hit first, so fresh allocations cannot evict them
-            assert seq.seq_id not in self._tables and seq.seq_id not in self._cpu_tables
-            hits = self._admission_hits(group, seq)
+            assert seq.seq_id not in self._tables and not self.swap.holds(seq)
+            hits = self.prefix.admission_hits(group, seq)
             for block in hits:
                 if block != NULL_BLOCK:
                     self.gpu.incref(block)
@@ -343,15 +229,10 @@ class BlockManager:
         num_hit_tokens = []
         for seq, table in zip(seqs, tables, strict=True):
             hit_tokens = len(table) // self.num_groups * self.block_size
-            pools = self._pools
-            ng = self.num_groups
-            cover = self._num_cover_tokens(seq, hit_tokens, whole)
-            for i in range(len(table), self._num_blocks(cover)):
-                table.append(pools[i % ng].allocate())
-            self._tables[seq.seq_id] = table
+            cover = self.layout.num_cover_tokens(seq, hit_tokens, whole)
+            self.device.add(seq, table, self.layout.num_blocks(cover))
             if self.prefix_caches:
-                for pc in self.prefix_caches:
-                    pc.admitted(seq, hit_tokens // self.block_size)
+                self.prefix.admitted(seq, hit_tokens // self.block_size)
                 self.num_prefix_cache_queries += seq.get_len()
                 self.num_prefix_cache_hits += hit_tokens
             num_hit_tokens.append(hit_tokens)
@@ -363,162 +244,39 @@ class BlockManager:
         """Blocks `append_slots` will take for the group's running sequences: growth, plus one
         copy per writer of a shared block except that its last holder writes in place (the
         draft pool's included)."""
-        return sum(self._append_needs(group))
-
-    def _append_needs(self, group: SequenceGroup) -> tuple[int, int]:
-        """`num_append_blocks` split into (target pool, draft pool)."""
-        bs = self.block_size
-        ng = self.num_groups
-        tables = self._tables
-        pool_of = self._pool_of
-        draft = self.draft_gpu
-        need = need_draft = 0
-        writers: dict[int, int] = {}  # shared block about to be written -> writers in this group
-        for seq in group.seqs:
-            if seq.status is not _RUNNING:
-                continue
-            table = tables[seq.seq_id]
-            num_tokens = self._num_cover_tokens(seq, seq.num_computed_tokens)
-            grow = cdiv(num_tokens, bs) * ng - len(table)
-            if grow > 0:
-                if draft is None:
-                    need += grow
-                else:
-                    need += grow // ng * (ng - 1)
-                    need_draft += grow // ng
-            for i in range(
-                seq.num_computed_tokens // bs * ng,
-                min(len(table), ((num_tokens - 1) // bs + 1) * ng),
-            ):
-                block = table[i]
-                if block != NULL_BLOCK and pool_of(block).ref_counts[block] > 1:
-                    writers[block] = writers.get(block, 0) + 1
-        for block, w in writers.items():
-            pool = pool_of(block)
-            if pool is draft:
-                need_draft += min(w, pool.ref_counts[block] - 1)
-            else:
-                need += min(w, pool.ref_counts[block] - 1)
-        return need, need_draft
-
-    def _fits(self, needs: tuple[int, int]) -> bool:
-        return needs[0] <= self.gpu.num_free and (
-            self.draft_gpu is None or needs[1] <= self.draft_gpu.num_free)
+        return sum(self.device.append_needs(group))
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the group can get the slots for its new tokens."""
-        return self._fits(self._append_needs(group))
+        return self.device.fits(self.device.append_needs(group))
 
     def try_append_slots(self, group: SequenceGroup) -> list[tuple[int, int]] | None:
         """`can_append_slots` + `append_slots` for every running sequence of the group in one
-        pass: the copy-on-write pairs, or None (nothing changed) if the blocks are not there.
-        The hot path: a decode that lands in its own partial block costs a few lookups."""
-        bs = self.block_size
-        tables = self._tables
-        ref_counts = self.gpu.ref_counts
-        ng = self.num_groups
-        chunk = self.max_chunk_tokens
-        pool_of = self._pool_of
-        for seq in group.seqs:
-            if seq.status is not _RUNNING:
-                continue
-            table = tables[seq.seq_id]
-            num_tokens = (
-                len(seq.prompt_token_ids) + len(seq.output_token_ids) + len(seq.spec_token_ids)
-            )
-            if chunk is not None:
-                num_tokens = min(num_tokens, seq.num_computed_tokens + chunk)
-            last = (num_tokens - 1) // bs
-            if ng == 1:
-                if not (
-                    last < len(table)
-                    and seq.num_computed_tokens // bs == last
-                    and ref_counts[table[last]] == 1
-                ):
-                    break  # needs a new block or a copy: take the careful path
-            elif not (
-                (last + 1) * ng <= len(table)
-                and seq.num_computed_tokens // bs == last
-                and all(pool_of(b).ref_counts[b] == 1 for b in table[last * ng : (last + 1) * ng])
-            ):
-                break
-        else:
-            return []
-        if not self._fits(self._append_needs(group)):
-            return None
-        copies: list[tuple[int, int]] = []
-        for seq in group.seqs:
-            if seq.status is _RUNNING:
-                copies += self.append_slots(seq)
-        return copies
+        pass: the copy-on-write pairs, or None (nothing changed) if the blocks are not there."""
+        return self.device.try_append_slots(group)
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the table cover `seq.get_len()` tokens (plus its draft tokens' lookahead slots;
-        with a window at most one chunk past `num_computed_tokens`) and
-        give the sequence its own copy of every shared block it is about to write. Returns the
-        (src, dst) block copies to perform."""
-        bs = self.block_size
-        ng = self.num_groups
-        table = self._tables[seq.seq_id]
-        num_tokens = self._num_cover_tokens(seq, seq.num_computed_tokens)
-        copies: list[tuple[int, int]] = []
-        for i in range(
-            seq.num_computed_tokens // bs * ng, min(len(table), ((num_tokens - 1) // bs + 1) * ng)
-        ):
-            block = table[i]
-            if block == NULL_BLOCK:
-                continue
-            pool = self._pool_of(block)
-            if pool.ref_counts[block] > 1:
-                assert not pool.is_hashed(block), "a prefix-cached block is about to be written"
-                new = pool.allocate()
-                pool.decref(block)
-                table[i] = new
-                copies.append((block, new))
-        pools = self._pools
-        for i in range(len(table), cdiv(num_tokens, bs) * ng):
-            table.append(pools[i % ng].allocate())
-        return copies
+        with a window at most one chunk past `num_computed_tokens`) and give the sequence its
+        own copy of every shared block it is about to write. Returns the (src, dst) block
+        copies to perform."""
+        return self.device.append_slots(seq)
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares all of the parent's blocks (ref counts go up)."""
-        table = list(self._tables[parent_seq.seq_id])
-        for block in table:
-            if block != NULL_BLOCK:
-                self._pool_of(block).incref(block)
-        self._tables[child_seq.seq_id] = table
-        for pc in self.prefix_caches:
-            pc.fork(parent_seq, child_seq)
+        self.device.fork(parent_seq, child_seq)
+        self.prefix.fork(parent_seq, child_seq)
 
     def free(self, seq: Sequence) -> None:
         """Release whatever the sequence holds (device or CPU). Idempotent."""
-        sid = seq.seq_id
-        table = self._tables.pop(sid, None)
-        if table is not None:
-            # tail first: with prefix caching the prompt's head becomes the most recently used,
-            # so it is evicted last (it is the part other requests are likeliest to share)
-            for block in reversed(table):
-                if block != NULL_BLOCK:
-                    self._pool_of(block).decref(block)
-        cpu_table = self._cpu_tables.pop(sid, None)
-        if cpu_table is not None:
-            for block in reversed(cpu_table):
-                if block != NULL_BLOCK:
-                    self.cpu.decref(block)
-        for pc in self.prefix_caches:
-            pc.forget(seq)
+        self.device.free(seq)
+        self.swap.free(seq)
+        self.prefix.forget(seq)
 
     # swap
 
-    def _distinct(self, tables: list[list[int]]) -> int:
-        return len({b for t in tables for b in t if b != NULL_BLOCK})
-
     def can_swap_out(self, group: SequenceGroup) -> bool:
-        tables = [self._tables[s.seq_id] for s in group.seqs if s.status is _RUNNING]
-        if self.draft_gpu is not None:  # the draft's blocks are dropped, not swapped
-            n = self.num_gpu_blocks
-            tables = [[b for b in t if b < n] for t in tables]
-        return self._distinct(tables) <= self.cpu.num_free
+        return self.swap.can_swap_out(group, self._tables)
 
     def swap_out(
         self, group: SequenceGroup, mapping: dict[int, int] | None = None
@@ -527,27 +285,12 @@ class BlockManager:
         each shared block once. Pass the step's mapping so far as `mapping` (it is extended in
         place): a block that another group already swapped out this step (a shared prefix-cache
         block) then reuses that CPU copy instead of needing a second entry for the same key."""
-        return self._move(
-            group, _RUNNING, self._tables, self._cpu_tables, self.gpu, self.cpu, mapping
-        )
+        return self.swap.swap_out(group, self._tables, mapping)
 
     def can_swap_in(self, group: SequenceGroup, use_watermark: bool = True) -> bool:
         """Room for the swapped blocks plus, per sequence, one logical block for its next token
         (or, with a window, the blocks of its next chunk if it was prefilling)."""
-        seqs = [s for s in group.seqs if s.status is _SWAPPED]
-        ng = self.num_groups
-        need = self._distinct([self._cpu_tables[s.seq_id] for s in seqs])
-        need_draft = 0
-        for seq in seqs:
-            have = len(self._cpu_tables[seq.seq_id]) // ng
-            grow = max(
-                cdiv(self._num_cover_tokens(seq, seq.num_computed_tokens), self.block_size) - have,
-                1)
-            if self.draft_gpu is None:
-                need += grow * ng
-            else:  # the draft's blocks come back fresh, every one
-                need += grow * (ng - 1)
-                need_draft += have + grow
+        need, need_draft = self.swap.swap_in_needs(group)
         reserve = self.watermark_blocks if use_watermark else 0
         if self.draft_gpu is not None:
             draft_reserve = self.draft_watermark_blocks if use_watermark else 0
@@ -560,111 +303,35 @@ class BlockManager:
     ) -> dict[int, int]:
         """Move the swapped sequences' blocks back to the device. Returns {cpu_block: device_block};
         `mapping` as for `swap_out`."""
-        mapping = self._move(
-            group, _SWAPPED, self._cpu_tables, self._tables, self.cpu, self.gpu, mapping
-        )
+        mapping = self.swap.swap_in(group, self._tables, mapping)
         if self.prefix_caches:  # fresh device blocks: offer their computed KV again
             for seq in group.seqs:
                 if seq.status is _SWAPPED:
-                    for pc in self.prefix_caches:
-                        pc.admitted(seq, 0)
+                    self.prefix.admitted(seq, 0)
                     self.cache_computed_blocks(seq)
-        return mapping
-
-    def _move(
-        self,
-        group: SequenceGroup,
-        status: SequenceStatus,
-        src_tables: dict[int, list[int]],
-        dst_tables: dict[int, list[int]],
-        src: BlockPool,
-        dst: BlockPool,
-        mapping: dict[int, int] | None,
-    ) -> dict[int, int]:
-        # blocks shared between sequences (fork, prefix cache) are copied once and stay shared;
-        # they are full or about to be copied-on-write, so sharing the copy is safe. The draft
-        # group's blocks are not moved: dropped on the way out (NULL_BLOCK in the CPU table),
-        # fresh on the way in; the draft recomputes their KV (worker/spec_decode/draft_model.py)
-        mapping = {} if mapping is None else mapping
-        draft, dg, ng = self.draft_gpu, self.draft_group, self.num_groups
-        # swap in: a fresh draft block per distinct group-0 block of the same logical block, so
-        # the draft's entries are shared exactly as the target's (copy-on-write copies all of a
-        # logical block's entries together, and the runner's diffs rely on it)
-        fresh: dict[int, int] = {}
-        for seq in group.seqs:
-            if seq.status is not status:
-                continue
-            table = src_tables.pop(seq.seq_id)
-            new_table: list[int] = []
-            for i, block in enumerate(table):
-                if draft is not None and i % ng == dg:
-                    if dst is self.gpu:  # swap in
-                        key = new_table[i - dg]
-                        if key == NULL_BLOCK:
-                            new_table.append(draft.allocate())
-                        elif key in fresh:
-                            draft.incref(fresh[key])
-                            new_table.append(fresh[key])
-                        else:
-                            fresh[key] = draft.allocate()
-                            new_table.append(fresh[key])
-                    else:  # swap out
-                        draft.decref(block)
-                        new_table.append(NULL_BLOCK)
-                    continue
-                if block == NULL_BLOCK:
-                    new_table.append(NULL_BLOCK)
-                    continue
-                if block in mapping:
-                    dst.incref(mapping[block])
-                else:
-                    mapping[block] = dst.allocate()
-                new_table.append(mapping[block])
-            dst_tables[seq.seq_id] = new_table
-            for i in range(len(table) - 1, -1, -1):
-                block = table[i]
-                if block != NULL_BLOCK and (draft is None or i % ng != dg):
-                    src.decref(block)
         return mapping
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's blocks that are now full and computed to other requests."""
         if self.prefix_caches:
             table = self._tables.get(seq.seq_id)
-            if table is not None:
+            if table is not None:  # once per sequence per step: the caches directly
                 for pc in self.prefix_caches:
                     pc.register(seq, table)
 
     def release_out_of_window(self, seq: Sequence, lag: int = 0) -> int:
         """Sliding window: release the sequence's leading blocks, in each window group, that no
-        query from its next position on can see (their last token is at or before
-        next - window). Returns how many. Offer them to the prefix cache first
-        (`cache_computed_blocks`) to keep them reusable. Released entries are always a leading
-        run of each group's table, so the scan walks back from the newest releasable entry and
-        stops at the first one already released: a step costs what it releases. `lag`: keep
-        what the query `lag` positions earlier still sees (a prompt held for a peer, whose
-        first query there is the last prompt token, core/kv_connector.py)."""
-        if not self._any_window:
+        query from its next position on can see; returns how many (core/device_tables.py).
+        Offer them to the prefix cache first (`cache_computed_blocks`) to keep them reusable.
+        `lag`: keep what the query `lag` positions earlier still sees."""
+        if not self._any_window:  # once per sequence per step: no call without a window
             return 0
-        table = self._tables.get(seq.seq_id)
-        if table is None:
-            return 0
-        bs = self.block_size
-        ng = self.num_groups
-        released = 0
-        for g, window in enumerate(self.group_windows):
-            if window is None:
-                continue
-            first_visible = seq.num_computed_tokens - lag - window + 1
-            for i in range(min(first_visible // bs, len(table) // ng) - 1, -1, -1):
-                block = table[i * ng + g]
-                if block == NULL_BLOCK:
-                    break
-                table[i * ng + g] = NULL_BLOCK
-                self.gpu.decref(block)
-                released += 1
-        self.num_released_blocks += released
-        return released
+        return self.device.release_out_of_window(seq, lag)
+
+    @property
+    def num_released_blocks(self) -> int:
+        """Blocks released by the sliding window, in all."""
+        return self.device.num_released_blocks
 
     def num_live_blocks(self, seq: Sequence) -> int:
         """Device blocks the sequence's table holds (released entries excluded)."""
@@ -682,7 +349,7 @@ class BlockManager:
         return len(self._tables[seq.seq_id]) // self.num_groups
 
     def has_blocks(self, seq: Sequence) -> bool:
-        return seq.seq_id in self._tables or seq.seq_id in self._cpu_tables
+        return seq.seq_id in self._tables or self.swap.holds(seq)
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu.num_free
@@ -700,28 +367,11 @@ class BlockManager:
         """In each pool free + used == total, every used block's ref count equals the number of
         tables holding it, and no block is both free and owned; the draft group's entries hold
         the draft pool's blocks and no other entry does. Raises AssertionError."""
-        n, dg, ng = self.num_gpu_blocks, self.draft_group, self.num_groups
-        draft_refs: dict[int, int] = {}
-        device_refs: dict[int, int] = {}
-        for sid, table in self._tables.items():
-            for i, block in enumerate(table):
-                if block == NULL_BLOCK:
-                    continue
-                is_draft = dg is not None and i % ng == dg
-                if is_draft != (block >= n):
-                    raise AssertionError(f"sequence {sid}: entry {i} holds block {block} of the "
-                                         "wrong pool")
-                refs = draft_refs if is_draft else device_refs
-                refs[block] = refs.get(block, 0) + 1
-        cpu_refs: dict[int, int] = {}
-        for table in self._cpu_tables.values():
-            for block in table:
-                if block != NULL_BLOCK:
-                    cpu_refs[block] = cpu_refs.get(block, 0) + 1
+        device_refs, draft_refs = self.device.refs()
         self.gpu.check_integrity(device_refs, "device")
-        self.cpu.check_integrity(cpu_refs, "cpu")
+        self.cpu.check_integrity(self.swap.refs(), "cpu")
         if self.draft_gpu is not None:
             self.draft_gpu.check_integrity(draft_refs, "draft")
-        both = self._tables.keys() & self._cpu_tables.keys()
+        both = self._tables.keys() & self.swap.tables.keys()
         if both:
             raise AssertionError(f"sequences {sorted(both)} hold blocks on device and CPU at once")

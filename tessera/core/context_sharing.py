@@ -39,7 +39,7 @@ def num_shared_context_tokens(reads: Iterable[tuple[Sequence[int], int]], block_
     device block table and the tokens of its context it reads (its KV length after the step).
     `candidates`, when given, holds every block that can be shared (the others are in one table
     only): only those are looked at. With KV cache groups the table interleaves `num_groups`
-    entries per logical block (tessera/core/block_manager.py); the count is then averaged over
+    entries per logical block (tessera/core/block_layout.py); the count is then averaged over
     the groups. Released entries (`NULL_BLOCK`, out of a sliding window) are read by no one."""
     bs, g = block_size, num_groups
     full: Counter[int] = Counter()  # block -> readers that read it whole

@@ -16,7 +16,7 @@ block of all layers, and the pool has `num_groups` times more of them for the sa
     ...                                       it holds 3 layers' KV for ONE group's table
     group 5  window   layers 14, 15, 16
 
-Each sequence has a block table per group (core/block_manager.py keeps them interleaved in one
+Each sequence has a block table per group (core/block_layout.py: kept interleaved in one
 list). A window group keeps only the blocks its window still needs, so at decode time a long
 request costs `len` blocks in each full group and about `window / block_size + 1` in each window
 group, instead of `len` blocks of every layer.

@@ -14,7 +14,7 @@ this one, pure Python in the scheduler's process, decides *which* blocks move; t
 The consumer recomputes the last prompt token (it needs its logits to sample), so the producer's
 sampled token is discarded and greedy output is the colocated engine's.
 
-With KV cache groups or a sliding window (core/block_manager.py) the block ids that move are the
+With KV cache groups or a sliding window (core/block_layout.py) the block ids that move are the
 interleaved table's, `num_groups` per token block, and a window group's entries that its window
 has left are NULL_BLOCK (-1) on the producer: only live pairs move, and the consumer releases its
 own entries that had no live peer as soon as the KV lands (core/remote_kv.py). The producer

@@ -44,6 +44,13 @@ class RemoteKVTracker:
 
     # consumer
 
+    def pulls_whole(self, group: SequenceGroup) -> bool:
+        """A peer's prompt KV lands whole: blocks for the whole prompt in every group, when
+        they fit an empty pool at all (else the request prefills here, chunk by chunk)."""
+        params = group.sampling_params.kv_transfer_params
+        return bool(params and params.get("do_remote_prefill")) and (
+            self.connector is not None and self._bm.never_fits(group, whole=True) is None)
+
     def park(self, group: SequenceGroup, seqs: list[Sequence], can_pull: bool = True) -> bool:
         """`group` was just allocated: park it for its peer's KV if the connector has any for it.
         True if parked (it stays out of `running` until `update` hands it back). `can_pull`:

@@ -78,6 +78,28 @@ class RunnerView:
         # in place: one object per request, not per step
         sent.num_tokens, sent.num_blocks, sent.last_block = num_tokens, len(table), last
 
+    def resend_whole(
+        self, scheduler_output: SchedulerOutput,
+        requests: list[tuple[SequenceGroup, Sequence, list[int]]],
+    ) -> SchedulerOutput:
+        """The part of `scheduler_output` that concerns `requests` (group, sequence, its block
+        table), each sent whole (`Scheduler.resend_whole`: the runner's copy may hold
+        half-applied diffs of a step that raised; a whole one replaces it)."""
+        sub = SchedulerOutput()
+        for group, seq, table in requests:
+            req_id = seq.req_id
+            self.preempted(seq)  # marks it to be described whole
+            self.describe(group, seq, table, sub)
+            n = scheduler_output.num_scheduled_tokens[req_id]
+            sub.num_scheduled_tokens[req_id] = n
+            sub.total_num_scheduled_tokens += n
+            if req_id in scheduler_output.num_samples:
+                sub.num_samples[req_id] = scheduler_output.num_samples[req_id]
+            if req_id in scheduler_output.scheduled_spec_decode_tokens:
+                sub.scheduled_spec_decode_tokens[req_id] = (
+                    scheduler_output.scheduled_spec_decode_tokens[req_id])
+        return sub
+
     def preempted(self, seq: Sequence) -> None:
         """Its blocks (and, for recompute, its progress) are gone: send it whole next time."""
         if seq.req_id in self._sent:

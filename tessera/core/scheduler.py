@@ -3,14 +3,17 @@
 `num_new_tokens` under the token budget. That covers prefill, chunked prefill, decode, prefix-cache
 hits (which start the counter above zero) and recompute (which resets it).
 
-A step, in order:
+A step, in order (each step's home in brackets):
   0. (priority policy) a waiting request with strictly better priority than the running tail
-     preempts the tail while it cannot otherwise fit;
+     preempts the tail while it cannot otherwise fit [core/preemption.py];
   1. running, oldest (best) first: reserve slots for decodes and prefill chunks; when blocks run out
-     preempt from the tail (newest / worst priority); the group being scheduled goes last;
-  2. swapped: swap back in, oldest first, while blocks (with watermark) and budget allow;
+     preempt from the tail (newest / worst priority); the group being scheduled goes last [here,
+     with the token budget's rules in core/token_budget.py];
+  2. swapped: swap back in, oldest first, while blocks (with watermark) and budget allow
+     [core/preemption.py];
   3. waiting: admit in policy order while budget, max_num_seqs and free blocks minus watermark
-     allow; new admissions wait while anything is swapped (under priority: anything not worse).
+     allow; new admissions wait while anything is swapped (under priority: anything not worse)
+     [core/waiting_admission.py].
 Steps 2 and 3 are skipped after a preemption in step 1: memory is tight, and swapping a group back
 in the step it left would only churn. With LoRA (--max-loras), steps 2 and 3 admit only what keeps
 the running adapters within the limit (core/lora_admission.py); a waiting request held back for
@@ -28,11 +31,14 @@ never pass `max_tokens` or `max_model_len`, and are dropped rather than preempt 
 lookahead slots are not free; `update_from_output` advances the sequence by the accepted ones.
 
 The scheduler is composed of parts, each with its own state, that it calls and that never call
-back: the `BlockManager` (blocks, prefix cache, swap), the `RemoteKVTracker` (core/remote_kv.py:
-requests parked for a peer's KV or held for a peer to pull), the `StepUpdate` (core/step_update.py:
-a step's results applied to the sequences it scheduled), the `RunnerView` (core/runner_view.py:
-what the runner already holds, so that a step sends diffs) and `LoRAAdmission`. The scheduler
-itself owns the queues and the live requests, and it alone frees them.
+back: the `BlockManager` (blocks, prefix cache, swap), `Preemption` (core/preemption.py: swap or
+recompute, and the `swapped` queue), `WaitingAdmission` (core/waiting_admission.py: the head of
+`waiting`, admitted or rejected), the `RemoteKVTracker` (core/remote_kv.py: requests parked for a
+peer's KV or held for a peer to pull), the `StepUpdate` (core/step_update.py: a step's results
+applied to the sequences it scheduled), the `RunnerView` (core/runner_view.py: what the runner
+already holds, so that a step sends diffs) and `LoRAAdmission`. The scheduler itself owns
+`waiting`, `running` and the live requests, hands the queues to the parts that pop or prepend
+them, and it alone frees requests.
 
 One writer of progress: a sequence's `status` and `num_computed_tokens` change only through
 `set_progress` (core/progress.py, which lists the events), called only from the scheduler and its
@@ -57,43 +63,38 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
-from tessera.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
-from tessera.core.admission import never_fits_reason, reject_reason
-from tessera.core.block_manager import AllocStatus, BlockManager
+from tessera.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from tessera.core.block_manager import BlockManager
 from tessera.core.core_output import EngineCoreOutput
 from tessera.core.kv_cache_groups import group_windows
 from tessera.core.kv_connector import PullConnectorScheduler
 from tessera.core.lora_admission import LoRAAdmission
+from tessera.core.preemption import Preemption
 from tessera.core.progress import set_progress
 from tessera.core.remote_kv import RemoteKVTracker
 from tessera.core.request_queue import create_request_queue
 from tessera.core.runner_output import ModelRunnerOutput
 from tessera.core.runner_view import RunnerView
 from tessera.core.scheduler_output import SchedulerOutput
-from tessera.core.scheduler_stats import RequestStats, SchedulerDetail, SchedulerStats
+from tessera.core.scheduler_stats import SchedulerStats, collect_detail, collect_stats
 from tessera.core.step_update import StepUpdate, request_metrics
+from tessera.core.token_budget import (
+    Budget,
+    Plan,
+    any_drafts,
+    num_decodes,
+    plan_tokens,
+    take_drafts,
+)
+from tessera.core.waiting_admission import LORA_LOOKAHEAD, WaitingAdmission
 from tessera.sequence import Sequence, SequenceGroup, SequenceStatus
-from tessera.utils import cdiv
+
+__all__ = ["LORA_LOOKAHEAD", "Scheduler"]  # LORA_LOOKAHEAD: importable from here as before
 
 logger = logging.getLogger(__name__)
 
-_WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
-_SWAPPED = SequenceStatus.SWAPPED
-LORA_LOOKAHEAD = 64  # most waiting requests held back for an adapter slot that one step passes
-
-# (sequence, tokens to compute this step) for each scheduled sequence of a group
-_Plan = list[tuple[Sequence, int]]
-
-
-@dataclass
-class _Budget:
-    """What is left of this step's limits while the phases hand it out."""
-
-    tokens: int  # of max_num_batched_tokens
-    num_seqs: int = 0  # seats taken, against max_num_seqs
 
 
 class Scheduler:
@@ -110,7 +111,7 @@ class Scheduler:
         num_draft_gpu_blocks: int = 0,
     ) -> None:
         """`num_draft_gpu_blocks`: the draft model's own KV pool (speculative decoding with a
-        window, core/block_manager.py); 0: none."""
+        window, core/block_layout.py); 0: none."""
         self.config = scheduler_config
         # --max-loras with --enable-lora; None: no adapter limit (LoRA off)
         self.lora = None if max_loras is None else LoRAAdmission(max_loras)
@@ -131,19 +132,32 @@ class Scheduler:
         self._priority = scheduler_config.scheduling_policy is SchedulingPolicy.PRIORITY
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[SequenceGroup] = []  # sorted by policy key: the tail is the next victim
-        self.swapped: deque[SequenceGroup] = deque()
         self._groups: dict[str, SequenceGroup] = {}  # unfinished requests by request id
         self._live: dict[str, tuple[SequenceGroup, Sequence]] = {}  # unfinished streams by req_id
         self._runner = RunnerView()
         self._ignored: list[SequenceGroup] = []  # rejected this step, reported by the update
-        self.num_preemptions_total = 0
         # disaggregated prefill/decode; without a connector it never parks or holds anything
         self.remote_kv = RemoteKVTracker(kv_connector, self.block_manager)
+        # swap and recompute; owns the `swapped` queue
+        self.preemption = Preemption(scheduler_config, self.block_manager, self._runner,
+                                     self.waiting, self.remote_kv, self.lora,
+                                     self._key if self._priority else None)
         self._update = StepUpdate(self.block_manager, scheduler_config.max_model_len,
                                   self.eos_token_ids)
+        self._admission = WaitingAdmission(scheduler_config, self.block_manager, self.waiting,
+                                           self.preemption, self.remote_kv, self.lora)
 
     def _key(self, group: SequenceGroup) -> tuple[int, float]:
         return (group.priority, group.arrival_time) if self._priority else (0, group.arrival_time)
+
+    @property
+    def swapped(self) -> deque[SequenceGroup]:
+        """Groups swapped out to the CPU pool, in the order they resume (core/preemption.py)."""
+        return self.preemption.swapped
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.preemption.num_preemptions_total
 
     # requests in and out
 
@@ -224,15 +238,17 @@ class Scheduler:
         self.remote_kv.expire()
         out = SchedulerOutput(finished_req_ids=self._runner.take_finished())
         # a request waiting for its remote KV holds a seat
-        budget = _Budget(self.config.max_num_batched_tokens, len(self.remote_kv.waiting))
-        scheduled: list[tuple[SequenceGroup, _Plan]] = []
+        budget = Budget(self.config.max_num_batched_tokens, len(self.remote_kv.waiting))
+        scheduled: list[tuple[SequenceGroup, Plan]] = []
         if self._priority and self.waiting and self.running:
-            self._preempt_for_priority(out)
+            self.preemption.preempt_for_priority(self.running, out)
         preempted = self._schedule_running(out, budget, scheduled)
         if self.lora is not None:
             self.lora.begin(self.running)
         if self.swapped and not preempted and out.num_preemptions == 0:
-            self._schedule_swapped(out, budget, scheduled)
+            for group in self.preemption.resume_swapped(out, budget, scheduled,
+                                                        len(self.running)):
+                bisect.insort(self.running, group, key=self._key)
         if self.waiting and not preempted:
             self._schedule_waiting(out, budget, scheduled)
         if self.lora is not None:
@@ -243,7 +259,7 @@ class Scheduler:
         out.kv_connector_metadata = self.remote_kv.connector_meta()
         return out
 
-    def _describe(self, out: SchedulerOutput, scheduled: list[tuple[SequenceGroup, _Plan]]) -> None:
+    def _describe(self, out: SchedulerOutput, scheduled: list[tuple[SequenceGroup, Plan]]) -> None:
         """Turn the plan into the runner's message (plain data keyed by req_id)."""
         table = self.block_manager.get_block_table
         describe = self._runner.describe
@@ -264,28 +280,8 @@ class Scheduler:
                     out.scheduled_spec_decode_tokens[seq.req_id] = list(seq.spec_token_ids)
         out.total_num_scheduled_tokens = total
 
-    def _plan(self, seqs: list[Sequence], budget: int, reserve: int = 0) -> _Plan:
-        """Tokens for each sequence this step: a decode takes 1; a prefill takes all it needs, or
-        with chunked prefill as much as the budget minus `reserve` (decodes still to come) gives."""
-        plan = []
-        chunked = self.config.enable_chunked_prefill
-        for seq in seqs:
-            need = seq.get_num_uncomputed_tokens()
-            if need <= 0:
-                continue
-            if need == 1:
-                take = 1 if budget >= 1 else 0
-            elif chunked:
-                take = min(need, budget - reserve)
-            else:
-                take = need if need <= budget else 0
-            if take > 0:
-                plan.append((seq, take))
-                budget -= take
-        return plan
-
     def _schedule_running(
-        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
+        self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]]
     ) -> bool:
         """Step 1. Takes seats for every running group; returns whether anyone was preempted."""
         bm = self.block_manager
@@ -293,8 +289,9 @@ class Scheduler:
         kept: list[SequenceGroup] = []
         preempted = False
         pending_decodes = 0
-        if self.config.enable_chunked_prefill:  # reserve budget so decodes come before chunks
-            pending_decodes = sum(_num_decodes(g) for g in queue)
+        chunked = self.config.enable_chunked_prefill
+        if chunked:  # reserve budget so decodes come before chunks
+            pending_decodes = sum(num_decodes(g) for g in queue)
         while queue:
             group = queue.popleft()
             seqs = group.seqs
@@ -303,32 +300,32 @@ class Scheduler:
                 assert seqs, "a finished group is swept from running by the update"
             left = budget.tokens
             seq = seqs[0]
-            plan: _Plan
+            plan: Plan
             if len(seqs) == 1 and seq.is_decoding() and left > 0:
                 plan = [(seq, 1)]  # the common case: one sequence decoding
                 if pending_decodes:
                     pending_decodes -= 1
             else:
                 if pending_decodes:
-                    pending_decodes -= _num_decodes(group)
-                plan = self._plan(seqs, left, pending_decodes) if left > 0 else []
-            if plan and (seq.spec_token_ids or (len(seqs) > 1 and _any_drafts(seqs))):
+                    pending_decodes -= num_decodes(group)
+                plan = plan_tokens(seqs, left, chunked, pending_decodes) if left > 0 else []
+            if plan and (seq.spec_token_ids or (len(seqs) > 1 and any_drafts(seqs))):
                 # drafts take only budget that later groups' decodes do not need
-                reserve = pending_decodes if self.config.enable_chunked_prefill else len(queue)
+                reserve = pending_decodes if chunked else len(queue)
                 # ... and only blocks beyond one per sequence of this group and per later group
                 spare = bm.gpu.num_free // bm.num_groups - len(seqs) - len(queue)
-                plan = self._take_drafts(seqs, plan, left - sum(n for _, n in plan) - reserve,
-                                         spare)
+                plan = self._take_drafts(group, seqs, plan,
+                                         left - sum(n for _, n in plan) - reserve, spare)
             if plan:
                 while (copies := bm.try_append_slots(group)) is None:
-                    if _any_drafts(seqs):  # drafts never cost a preemption: drop them first
+                    if any_drafts(seqs):  # drafts never cost a preemption: drop them first
                         plan = _drop_drafts(seqs, plan)
                         continue
                     preempted = True
                     if queue:
                         victim = queue.pop()
                         if pending_decodes:
-                            pending_decodes -= _num_decodes(victim)
+                            pending_decodes -= num_decodes(victim)
                         self._preempt(victim, out, alone=False)
                     else:
                         self._preempt(group, out, alone=not kept)
@@ -345,224 +342,36 @@ class Scheduler:
         return preempted
 
     def _take_drafts(
-        self, seqs: list[Sequence], plan: _Plan, room: int, spare_blocks: int
-    ) -> _Plan:
-        """Schedule the draft tokens of the plan's decodes as extra new tokens, within `room`
-        tokens of budget and `spare_blocks` new blocks, and so that verification can neither pass
-        `max_tokens` nor `max_model_len`. Trims each running sequence's `spec_token_ids` to what
-        it verifies (the block manager reserves lookahead slots for exactly those); sequences
-        not decoding this step verify none."""
-        max_len = self.config.max_model_len
-        bs = self.block_manager.block_size
-        taken: _Plan = []
-        decoding = set()
-        for seq, n in plan:
-            drafts = seq.spec_token_ids
-            if n == 1 and drafts and seq.is_decoding():
-                num_tokens = seq.get_len()
-                # slots already in the table (or in the block its next token needs) are free to use
-                have = max(self.block_manager.get_num_logical_blocks(seq),
-                           cdiv(num_tokens, bs)) * bs
-                k = min(len(drafts), max(room, 0), max_len - num_tokens - 1,
-                        have - num_tokens + max(spare_blocks, 0) * bs)
-                max_tokens = self._max_tokens(seq)
-                if max_tokens is not None:
-                    k = min(k, max_tokens - seq.get_output_len() - 1)
-                k = max(k, 0)
-                spare_blocks -= cdiv(max(num_tokens + k - have, 0), bs)
-                if k < len(drafts):
-                    seq.spec_token_ids = drafts[:k]
-                room -= k
-                n += k
-                decoding.add(seq.seq_id)
-            taken.append((seq, n))
-        for seq in seqs:
-            if seq.spec_token_ids and seq.seq_id not in decoding:
-                seq.spec_token_ids = []
-        return taken
-
-    def _max_tokens(self, seq: Sequence) -> int | None:
-        return self._live[seq.req_id][0].sampling_params.max_tokens
-
-    def _schedule_swapped(
-        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
-    ) -> None:
+        self, group: SequenceGroup, seqs: list[Sequence], plan: Plan, room: int,
+        spare_blocks: int,
+    ) -> Plan:
+        """The plan with its decodes' draft tokens (`take_drafts`, core/token_budget.py), each
+        running sequence's `spec_token_ids` trimmed to what it verifies this step."""
         bm = self.block_manager
-        if self._priority and len(self.swapped) > 1:
-            self.swapped = deque(sorted(self.swapped, key=self._key))
-        while self.swapped and budget.tokens > 0:
-            group = self.swapped[0]
-            n = group.max_num_running_seqs()
-            if budget.num_seqs + n > self.config.max_num_seqs:
-                break
-            if self.lora is not None and not self.lora.may_run(group):
-                self.lora.held(group)
-                break  # swapped groups resume in order
-            alone = not self.running
-            if not bm.can_swap_in(group, use_watermark=not alone):
-                if alone:  # cannot come back even to an empty device: start it over instead
-                    self.swapped.popleft()
-                    self._recompute(group)
-                    continue
-                break
-            seqs = [s for s in group.seqs if s.status is _SWAPPED]
-            plan = self._plan(seqs, budget.tokens)
-            if not plan:
-                break
-            self.swapped.popleft()
-            bm.swap_in(group, out.blocks_to_swap_in)
-            out.num_swapped_in += 1
-            if self.lora is not None:
-                self.lora.admitted(group)
-            for seq in seqs:
-                set_progress(seq, seq.num_computed_tokens, _RUNNING)
-            copies = bm.try_append_slots(group)
-            assert copies is not None, "can_swap_in reserved a block per sequence"
-            out.blocks_to_copy += copies
-            scheduled.append((group, plan))
-            budget.tokens -= sum(n for _, n in plan)
-            bisect.insort(self.running, group, key=self._key)
-            budget.num_seqs += n
-
-    def _admission_blocked(self, head: SequenceGroup) -> bool:
-        if not self.swapped:
-            return False
-        if not self._priority:
-            return True
-        return min(g.priority for g in self.swapped) <= head.priority
+        plan, num_verified = take_drafts(plan, room, spare_blocks, self.config.max_model_len,
+                                         group.sampling_params.max_tokens, bm.block_size,
+                                         bm.get_num_logical_blocks)
+        for seq in seqs:
+            k = num_verified.get(seq.seq_id, 0)
+            if len(seq.spec_token_ids) > k:
+                seq.spec_token_ids = seq.spec_token_ids[:k]
+        return plan
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]]
+        self, out: SchedulerOutput, budget: Budget, scheduled: list[tuple[SequenceGroup, Plan]]
     ) -> None:
-        if self.lora is None:
-            self._admit_waiting(out, budget, scheduled, [])
-            return
-        held: list[SequenceGroup] = []  # waiting for an adapter slot: they keep their place
-        try:
-            self._admit_waiting(out, budget, scheduled, held)
-        finally:
-            for group in reversed(held):
-                self.waiting.prepend(group)
-
-    def _admit_waiting(
-        self, out: SchedulerOutput, budget: _Budget, scheduled: list[tuple[SequenceGroup, _Plan]],
-        held: list[SequenceGroup],
-    ) -> None:
-        bm = self.block_manager
-        lora = self.lora
-        while self.waiting and budget.tokens > 0:
-            group = self.waiting.peek()
-            if self._admission_blocked(group):
-                break
-            reason = reject_reason(group, self.config)
-            status = None
-            remote = bool((group.sampling_params.kv_transfer_params or {}).get("do_remote_prefill"))
-            whole = remote and self._pulls_whole(group)
-            if reason is None:
-                status = bm.can_allocate(group, whole=whole)
-                if status is AllocStatus.NEVER:
-                    reason = never_fits_reason(group, bm)
-            if reason is not None:
-                self.waiting.pop()
-                self._ignore(group, reason, out)
-                continue
-            if lora is not None and not lora.may_run(group):
-                if len(held) >= LORA_LOOKAHEAD:
-                    break
-                lora.held(group)
-                held.append(self.waiting.pop())
-                continue
-            n = group.max_num_running_seqs()
-            if budget.num_seqs + n > self.config.max_num_seqs or status is AllocStatus.LATER:
-                break
-            seqs = [s for s in group.seqs if s.status is _WAITING]
-            if not self.config.enable_chunked_prefill and not remote:
-                first = seqs[0]
-                if first.get_len() - bm.get_num_cached_tokens(group, first) > budget.tokens:
-                    break  # scheduled whole or not at all
-            self.waiting.pop()
-            if lora is not None:
-                lora.admitted(group)
-            hits = 0
-            for seq, num_hit_tokens in zip(seqs, bm.allocate(group, whole=whole), strict=True):
-                set_progress(seq, num_hit_tokens, _WAITING)  # the cache holds these already
-                hits += num_hit_tokens
-            out.num_prefix_cache_hit_tokens += hits
-            if group.first_scheduled_time is None:
-                group.num_cached_tokens = hits
-            if self.remote_kv.park(group, seqs, can_pull=whole):  # until its peer's KV arrives
-                budget.num_seqs += n
-                continue
-            for seq in seqs:
-                set_progress(seq, seq.num_computed_tokens, _RUNNING)
-            plan = self._plan(seqs, budget.tokens)
-            scheduled.append((group, plan))
-            budget.tokens -= sum(n for _, n in plan)
+        """Step 3 (core/waiting_admission.py): admit from the head of `waiting`."""
+        admitted, rejected = self._admission.admit(out, budget, scheduled)
+        for group, reason in rejected:
+            self._ignore(group, reason, out)
+        for group in admitted:
             bisect.insort(self.running, group, key=self._key)
-            budget.num_seqs += n
-
-    def _pulls_whole(self, group: SequenceGroup) -> bool:
-        """A peer's prompt KV lands whole: blocks for the whole prompt in every group, when
-        they fit an empty pool at all (else the request prefills here, chunk by chunk)."""
-        params = group.sampling_params.kv_transfer_params
-        return bool(params and params.get("do_remote_prefill")) and (
-            self.remote_kv.connector is not None
-            and self.block_manager.never_fits(group, whole=True) is None)
-
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """Preempt the worst running groups while the best waiting one is strictly better and
-        cannot fit otherwise."""
-        bm = self.block_manager
-        num_seqs = sum(g.max_num_running_seqs() for g in self.running)
-        reserved = sum(bm.num_append_blocks(g) for g in self.running)  # for this step's decodes
-        while self.waiting and self.running:
-            head, tail = self.waiting.peek(), self.running[-1]
-            if head.priority >= tail.priority or reject_reason(head, self.config) is not None:
-                return
-            status = bm.can_allocate(head, reserved, whole=self._pulls_whole(head))
-            if status is AllocStatus.NEVER:
-                return
-            if status is AllocStatus.OK and (
-                num_seqs + head.max_num_running_seqs() <= self.config.max_num_seqs
-            ):
-                return
-            self.running.pop()
-            num_seqs -= tail.max_num_running_seqs()
-            reserved -= bm.num_append_blocks(tail)
-            self._preempt(tail, out, alone=False)
 
     # preemption and rejection
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, alone: bool) -> None:
-        """Take a running group off the device. `alone`: no other group holds device blocks, so
-        swapping would only bring it back to the same full pool; recompute it instead."""
-        mode = self.config.preemption_mode or PreemptionMode.SWAP
-        if mode is PreemptionMode.SWAP and (alone or not self.block_manager.can_swap_out(group)):
-            mode = PreemptionMode.RECOMPUTE  # never abort for lack of swap space
-        if mode is PreemptionMode.SWAP:
-            for seq in group.seqs:  # drafts are proposed afresh after the group resumes
-                seq.spec_token_ids = []
-            self.block_manager.swap_out(group, out.blocks_to_swap_out)
-            for seq in group.seqs:
-                if seq.status is _RUNNING:
-                    set_progress(seq, seq.num_computed_tokens, _SWAPPED)
-                    self._runner.preempted(seq)
-            self.swapped.append(group)
-            out.num_swapped_out += 1
-        else:
-            self._recompute(group)
-        out.preempted_request_ids.append(group.request_id)
-        self.num_preemptions_total += 1
-
-    def _recompute(self, group: SequenceGroup) -> None:
-        for seq in group.seqs:
-            if not seq.is_finished():
-                self.block_manager.free(seq)
-                self._runner.preempted(seq)
-                # its KV is gone: the whole sequence (prompt + output so far) is prefilled again
-                set_progress(seq, 0, _WAITING)
-                seq.spec_token_ids = []
-        self.waiting.prepend(group)  # keeps its place ahead of newer arrivals
+        """Take a running group off the device: swap or recompute (core/preemption.py)."""
+        self.preemption.preempt(group, out, alone)
 
     def _ignore(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
         logger.warning("request %s ignored: %s", group.request_id, reason)
@@ -640,21 +449,10 @@ class Scheduler:
         that concerns `req_ids`, each request sent whole (the runner's copy may hold half-applied
         diffs; a whole one replaces it). No cache operations and no finished ids: the runner
         applied those before the forward pass that failed. Writes no progress."""
-        sub = SchedulerOutput()
         table = self.block_manager.get_block_table
-        for req_id in req_ids:
-            group, seq = self._live[req_id]
-            self._runner.preempted(seq)  # marks it to be described whole
-            self._runner.describe(group, seq, table(seq), sub)
-            n = scheduler_output.num_scheduled_tokens[req_id]
-            sub.num_scheduled_tokens[req_id] = n
-            sub.total_num_scheduled_tokens += n
-            if req_id in scheduler_output.num_samples:
-                sub.num_samples[req_id] = scheduler_output.num_samples[req_id]
-            if req_id in scheduler_output.scheduled_spec_decode_tokens:
-                sub.scheduled_spec_decode_tokens[req_id] = (
-                    scheduler_output.scheduled_spec_decode_tokens[req_id])
-        return sub
+        live = [self._live[req_id] for req_id in req_ids]
+        return self._runner.resend_whole(scheduler_output,
+                                         [(group, seq, table(seq)) for group, seq in live])
 
     # what the engine may read
 
@@ -662,55 +460,12 @@ class Scheduler:
         """The queues, the KV pools and the counters (core/scheduler_stats.py): counters only,
         cheap enough for every step. `detail`: also the block maps, up to `max_requests` request
         rows and the adapters in use; walks the queues, so once per sample or scrape."""
-        bm, update, remote = self.block_manager, self._update, self.remote_kv
-        return SchedulerStats(
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            num_swapped=len(self.swapped),
-            num_waiting_for_remote_kvs=len(remote.waiting),
-            num_gpu_blocks=bm.num_gpu_blocks,
-            num_free_gpu_blocks=bm.get_num_free_gpu_blocks(),
-            num_cpu_blocks=bm.num_cpu_blocks,
-            num_free_cpu_blocks=bm.get_num_free_cpu_blocks(),
-            num_preemptions_total=self.num_preemptions_total,
-            num_prompt_tokens_total=update.num_prompt_tokens_total,
-            num_generation_tokens_total=update.num_generation_tokens_total,
-            num_prefix_cache_queries_total=bm.num_prefix_cache_queries,
-            num_prefix_cache_hits_total=bm.num_prefix_cache_hits,
-            num_spec_drafts_total=update.num_spec_drafts_total,
-            num_spec_draft_tokens_total=update.num_spec_draft_tokens_total,
-            num_spec_accepted_tokens_total=update.num_spec_accepted_tokens_total,
-            num_spec_accepted_tokens_per_pos=tuple(update.num_spec_accepted_tokens_per_pos),
-            kv_transfer=remote.connector is not None,
-            num_kv_transfer_requests_total=remote.num_requests_total,
-            num_kv_transfer_bytes_total=remote.num_bytes_total,
-            num_kv_transfer_failures_total=remote.num_failures_total,
-            detail=self._detail(max_requests) if detail else None,
-        )
-
-    def _detail(self, max_requests: int) -> SchedulerDetail:
-        bm = self.block_manager
-        if not self.waiting:
-            oldest = None
-        elif self._priority:  # no single head by arrival: walk the queue
-            oldest = min(g.arrival_time for g in self.waiting)
-        else:
-            oldest = self.waiting.peek().arrival_time  # a preempted request keeps its place first
-        rows: list[RequestStats] = []
-        max_len = self.config.max_model_len
-        for swapped, groups in ((False, self.running), (True, self.swapped)):
-            for group in groups:
-                if len(rows) == max_requests:
-                    break
-                rows.append(RequestStats.of(group, swapped, max_len))
-        return SchedulerDetail(
-            gpu_block_states=bm.gpu.block_states(),
-            cpu_block_states=bm.cpu.block_states(),
-            oldest_waiting_arrival=oldest,
-            oldest_swapped_arrival=self.swapped[0].arrival_time if self.swapped else None,
-            requests=tuple(rows),
-            running_lora_adapters=_adapters(self.running) if self.lora is not None else (),
-            waiting_lora_adapters=_adapters(self.waiting) if self.lora is not None else (),
+        return collect_stats(
+            self.waiting, self.running, self.swapped, self.block_manager, self._update,
+            self.remote_kv, self.num_preemptions_total,
+            collect_detail(self.waiting, self.running, self.swapped, self.block_manager,
+                           self._priority, self.lora is not None, self.config.max_model_len,
+                           max_requests) if detail else None,
         )
 
     def check_remote_kv_integrity(self) -> None:
@@ -718,26 +473,9 @@ class Scheduler:
         self.remote_kv.check_integrity(self.running, self._live)
 
 
-def _any_drafts(seqs: list[Sequence]) -> bool:
-    return any(s.spec_token_ids for s in seqs)
-
-
-def _drop_drafts(seqs: list[Sequence], plan: _Plan) -> _Plan:
+def _drop_drafts(seqs: list[Sequence], plan: Plan) -> Plan:
     """The plan without its draft tokens (the lookahead slots could not be had)."""
     plan = [(s, n - len(s.spec_token_ids)) for s, n in plan]
     for seq in seqs:
         seq.spec_token_ids = []
     return plan
-
-
-def _num_decodes(group: SequenceGroup) -> int:
-    seqs = group.seqs
-    if len(seqs) == 1:  # the common case, once per running group per step: no generator
-        seq = seqs[0]
-        return 1 if seq.status is _RUNNING and seq.is_decoding() else 0
-    return sum(1 for s in seqs if s.status is _RUNNING and s.is_decoding())
-
-
-def _adapters(groups: Iterable[SequenceGroup]) -> tuple[str, ...]:
-    """The distinct adapters of `groups`, in name order."""
-    return tuple(sorted({g.lora_request.lora_name for g in groups if g.lora_request is not None}))

@@ -5,13 +5,19 @@ frozen values instead of the scheduler's queues, block manager or counters.
 The plain call reads counters only (a handful of lengths and totals: cheap enough for every
 step). `stats(detail=True)` adds what a sample of the live view needs and walks the queues for it:
 the block maps, a row per running or swapped request, the oldest waiting request and the adapters
-in use. Call it per sample or per scrape, not per step.
+in use. Call it per sample or per scrape, not per step. `collect_stats` and `collect_detail`
+build them from the scheduler's queues and parts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from tessera.core.block_manager import BlockManager
+from tessera.core.remote_kv import RemoteKVTracker
+from tessera.core.request_queue import RequestQueue
+from tessera.core.step_update import StepUpdate
 from tessera.sequence import SequenceGroup
 
 
@@ -101,3 +107,72 @@ class SchedulerStats:
 
 def _usage(num_free: int, num_blocks: int) -> float:
     return 1.0 - num_free / num_blocks if num_blocks else 0.0
+
+
+def collect_stats(
+    waiting: RequestQueue[SequenceGroup], running: list[SequenceGroup],
+    swapped: Sequence[SequenceGroup], bm: BlockManager, update: StepUpdate,
+    remote: RemoteKVTracker, num_preemptions_total: int, detail: SchedulerDetail | None,
+) -> SchedulerStats:
+    """`Scheduler.stats()`: the queues' lengths, the block manager's pools and the counters of
+    the scheduler's parts; reads counters only."""
+    return SchedulerStats(
+        num_waiting=len(waiting),
+        num_running=len(running),
+        num_swapped=len(swapped),
+        num_waiting_for_remote_kvs=len(remote.waiting),
+        num_gpu_blocks=bm.num_gpu_blocks,
+        num_free_gpu_blocks=bm.get_num_free_gpu_blocks(),
+        num_cpu_blocks=bm.num_cpu_blocks,
+        num_free_cpu_blocks=bm.get_num_free_cpu_blocks(),
+        num_preemptions_total=num_preemptions_total,
+        num_prompt_tokens_total=update.num_prompt_tokens_total,
+        num_generation_tokens_total=update.num_generation_tokens_total,
+        num_prefix_cache_queries_total=bm.num_prefix_cache_queries,
+        num_prefix_cache_hits_total=bm.num_prefix_cache_hits,
+        num_spec_drafts_total=update.num_spec_drafts_total,
+        num_spec_draft_tokens_total=update.num_spec_draft_tokens_total,
+        num_spec_accepted_tokens_total=update.num_spec_accepted_tokens_total,
+        num_spec_accepted_tokens_per_pos=tuple(update.num_spec_accepted_tokens_per_pos),
+        kv_transfer=remote.connector is not None,
+        num_kv_transfer_requests_total=remote.num_requests_total,
+        num_kv_transfer_bytes_total=remote.num_bytes_total,
+        num_kv_transfer_failures_total=remote.num_failures_total,
+        detail=detail,
+    )
+
+
+def collect_detail(
+    waiting: RequestQueue[SequenceGroup], running: list[SequenceGroup],
+    swapped: Sequence[SequenceGroup], bm: BlockManager, priority: bool, lora: bool,
+    max_model_len: int, max_requests: int,
+) -> SchedulerDetail:
+    """The walks of `Scheduler.stats(detail=True)` over the scheduler's queues and pools.
+    `priority`: the waiting queue is ordered by priority, not arrival; `lora`: adapters in use
+    are listed (--enable-lora)."""
+    if not waiting:
+        oldest = None
+    elif priority:  # no single head by arrival: walk the queue
+        oldest = min(g.arrival_time for g in waiting)
+    else:
+        oldest = waiting.peek().arrival_time  # a preempted request keeps its place first
+    rows: list[RequestStats] = []
+    for is_swapped, groups in ((False, running), (True, swapped)):
+        for group in groups:
+            if len(rows) == max_requests:
+                break
+            rows.append(RequestStats.of(group, is_swapped, max_model_len))
+    return SchedulerDetail(
+        gpu_block_states=bm.gpu.block_states(),
+        cpu_block_states=bm.cpu.block_states(),
+        oldest_waiting_arrival=oldest,
+        oldest_swapped_arrival=swapped[0].arrival_time if swapped else None,
+        requests=tuple(rows),
+        running_lora_adapters=_adapters(running) if lora else (),
+        waiting_lora_adapters=_adapters(waiting) if lora else (),
+    )
+
+
+def _adapters(groups: Iterable[SequenceGroup]) -> tuple[str, ...]:
+    """The distinct adapters of `groups`, in name order."""
+    return tuple(sorted({g.lora_request.lora_name for g in groups if g.lora_request is not None}))

@@ -10,7 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "tessera"
 FIELDS = {"status", "num_computed_tokens"}
 WRITER = ("core/progress.py", "set_progress")
-CALLERS = {"core/scheduler.py", "core/step_update.py", "core/remote_kv.py"}
+CALLERS = {
+    "core/scheduler.py", "core/step_update.py", "core/remote_kv.py", "core/preemption.py",
+    "core/waiting_admission.py",
+}
 # Modules whose objects merely share a field name with Sequence; each owns a different object.
 OTHER_OBJECTS = {
     "worker/input_batch.py": "the runner's own copy of a request, set from the scheduler's "
