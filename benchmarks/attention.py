@@ -21,6 +21,13 @@ machine; other busy processes on two cores inflate the two-thread numbers errati
 
     python benchmarks/attention.py --baseline REF --batch 1,4,16,64 --contexts 406 [--rounds 5]
 
+    python benchmarks/attention.py --prompt-len 512 [--prompts 4] [--dtypes bfloat16]
+
+`--prompt-len L` times a prefill's attention instead: `--prompts` prompts of L tokens, each row a
+position of its prompt (rows of one prompt share its table, as the runner passes a prompt chunk),
+the kernel alone, with its GFLOP/s (the causal QK^T and PV products). On a CPU with AMX,
+TESSERA_DISABLE_AMX=1 gives the vector path's figure for comparison.
+
 `--baseline REF` builds REF's kernel from a `git worktree` and alternates it with this tree's, in
 this process, round by round on the same inputs (the A/B a noisy machine allows): min and median
 us per layer of each, their ratio, and whether the outputs are equal. Each case gets enough
@@ -98,6 +105,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--layers", type=int, default=1,
                     help="caches attended in turn, one per layer (30: from DRAM, as in a step)")
+    ap.add_argument("--prompt-len", type=int, default=0, help="time a prefill of this length")
+    ap.add_argument("--prompts", type=int, default=4, help="with --prompt-len: prompts a call")
     ap.add_argument("--baseline", metavar="REF", help="alternate with REF's kernel in this process")
     ap.add_argument("--rounds", type=int, default=5, help="with --baseline: rounds of each kernel")
     args = ap.parse_args()
@@ -120,6 +129,12 @@ def main() -> None:
             print(f"baseline {args.baseline} = {commit[:10]}; us per layer, min and median of "
                   f"{args.rounds} alternated rounds")
             compare_with_baseline(args, baseline_module(tree), (num_heads, num_kv_heads))
+        return
+    if args.prompt_len:
+        for entry in args.dtypes.split(","):
+            bench_prompts(args.prompt_len, args.prompts, (num_heads, num_kv_heads, args.head_dim,
+                                                          args.block_size),
+                          getattr(torch, entry), args.reps)
         return
     args.batch = int(args.batch)
     print(
@@ -168,11 +183,29 @@ def bench_case(batch, ctx, geometry, dtype, kv_dtype, reps, gen, layers: int = 1
     )
 
 
+def bench_prompts(length: int, prompts: int, geometry, dtype, reps: int) -> None:
+    """ms per call of the kernel on `prompts` whole prompts of `length` tokens, row p of a prompt
+    attending to its tokens 0..p."""
+    num_heads, num_kv_heads, head_dim, block_size = geometry
+    gen = torch.Generator().manual_seed(0)
+    q, k_cache, v_cache, tables, _ = make_inputs(prompts, length, *geometry, dtype, dtype, gen)
+    rows_q = torch.randn(prompts * length, num_heads, head_dim, generator=gen).to(dtype)
+    rows_tables = tables.repeat_interleave(length, dim=0).contiguous()
+    rows_lens = torch.arange(1, length + 1).repeat(prompts)
+    out = torch.empty_like(rows_q)
+    scale = head_dim**-0.5
+    ms = time_ms(lambda: pa.paged_attention(rows_q, k_cache, v_cache, rows_tables, rows_lens,
+                                            scale, out=out), reps)
+    flops = 4 * head_dim * num_heads * int(rows_lens.sum())
+    print(f"{str(dtype).removeprefix('torch.'):>9} prefill attention, {prompts} prompts of "
+          f"{length}: {ms:.3f} ms, {flops / ms / 1e6:.0f} GFLOP/s")
+
+
 def baseline_module(tree: str):
     """The paged attention kernel built from another checkout's sources, loaded beside this
     tree's (its own module name, so both stay importable in one process)."""
     kernels = Path(tree) / "tessera" / "kernels"
-    headers = sorted(kernels.glob("paged_*.h"))
+    headers = sorted(kernels.glob("paged_*.h")) + sorted(kernels.glob("linear_*.h"))
     module = load_extension("tessera_paged_attention_baseline", kernels / "paged_attention.cpp",
                             headers)
     if module is None:
