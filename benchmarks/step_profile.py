@@ -157,7 +157,9 @@ def instrument(engine, timers: ExclusiveTimers) -> Patches:
         p.set(layer, "input_norm", _TimedNorm(layer.input_norm, w("elementwise: rms_norm",
                                                                   layer.input_norm)))
         p.set(layer, "act", w("elementwise: silu*up", layer.act))
-        layers[i] = w("elementwise: layer (residual add, views, python)", layer)
+        timed = w("elementwise: layer (residual add, views, python)", layer)
+        timed.window = getattr(layer, "window", None)  # type: ignore[attr-defined]  # forward reads it
+        layers[i] = timed
     p.set(model, "layers", layers)
     base = attn_backend.AttentionMetadata
     p.set(base, "forward", w("attention: forward (python, out buffer)", base.forward))

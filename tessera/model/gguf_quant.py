@@ -44,6 +44,7 @@ T = gguf.GGMLQuantizationType
 KERNEL_FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
     T.Q4_0: Q4_HALF,
     T.Q4_1: Q4_HALF,
+    T.Q5_0: Q8_HALF,  # (q - 16) d: a Q8_0 block with the same d, exactly
     T.Q8_0: Q8_HALF,
     T.Q4_K: Q4_FLOAT,
     T.Q6_K: Q8_FLOAT16,
@@ -53,6 +54,7 @@ KERNEL_FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
 INT8_FORMATS: dict[gguf.GGMLQuantizationType, Int8Format] = {
     T.Q4_0: U4H,
     T.Q4_1: U4H,
+    T.Q5_0: S8H,
     T.Q8_0: S8H,
     T.Q4_K: U4F,
     T.Q5_K: U8F,
@@ -146,6 +148,18 @@ def _q4_1(raw: np.ndarray, n: int, k: int) -> Decoded:
     return _nibbles_split16(b[..., 4:]).reshape(n, k), _half(b[..., 0:2]), _half(b[..., 2:4])
 
 
+def _q5_0(raw: np.ndarray, n: int, k: int) -> Decoded:
+    """Q5_0 as the Q8_0 block of the same values: int8 codes q - 16 (q = 5 bits, the 5th of K
+    position j is bit j of the block's 32-bit qh) and the block's fp16 d. Why: llama.cpp falls
+    back to Q5_0 where a row is not a multiple of 256 (Gemma 3 270M's 640-wide rows), and the
+    Q8_0 kernels of both paths then serve it, 8.5 bits a weight instead of float32."""
+    b = _blocks(raw, n, 22)
+    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [N, nb, 1]
+    high = (qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)  # [N, nb, 32]
+    q = _nibbles_split16(b[..., 6:]).astype(np.int16) | (high.astype(np.int16) << 4)
+    return (q - 16).astype(np.int8).reshape(n, k), _half(b[..., 0:2]), None
+
+
 def _q8_0(raw: np.ndarray, n: int, k: int) -> Decoded:
     b = _blocks(raw, n, 34)
     return np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k), _half(b[..., 0:2]), None
@@ -200,5 +214,6 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Decoded:
 
 
 _DECODERS = {
-    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k,
+    T.Q6_K: _q6_k,
 }

@@ -21,7 +21,7 @@ from tessera.kernels import quant_linear as ql
 from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 CPU = torch.device("cpu")
 # (N, K): N not a multiple of the 48-wide panel, K multiple of 256 for the K-quants
 SHAPES = [(1, 256), (47, 256), (49, 512), (130, 768)]
