@@ -18,7 +18,7 @@ def random_weight(qtype, n: int, k: int, seed: int = 0, int8: bool = False) -> Q
     bytes with sane fp16 scales (gguf has no K-quant quantizer). `int8`: packed for the integer
     path (--quantization gguf_int8)."""
     rng = np.random.default_rng(seed)
-    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0):
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
         w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
         raw = gguf.quants.quantize(w, qtype)
     else:

@@ -55,6 +55,7 @@ INT8_FORMATS: dict[gguf.GGMLQuantizationType, Int8Format] = {
     T.Q4_0: U4H,
     T.Q4_1: U4H,
     T.Q5_0: S8H,
+    T.Q5_1: U8F,  # 5-bit codes with a min, as Q5_K's records
     T.Q8_0: S8H,
     T.Q4_K: U4F,
     T.Q5_K: U8F,
@@ -79,7 +80,8 @@ class QuantizedTensor:
         return INT8_FORMATS[self.qtype] if self.int8 else KERNEL_FORMATS[self.qtype]
 
     def with_data(self, data: np.ndarray, shape: torch.Size) -> QuantizedTensor:
-        """The same type and path over other rows (a shard, or permuted rows)."""
+        """The same type and path (exact or integer) over other rows: a shard, or permuted
+        rows."""
         return replace(self, data=data, shape=shape)
 
     def dequantize(self) -> torch.Tensor:
@@ -99,7 +101,7 @@ class QuantizedTensor:
         grid is dequantized (float32 tensor)."""
         if dim == 0:
             data = np.ascontiguousarray(self.data[start:stop]).copy()
-            return QuantizedTensor(self.qtype, data, torch.Size([stop - start, self.shape[1]]))
+            return self.with_data(data, torch.Size([stop - start, self.shape[1]]))
         block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
         n, k = self.shape
         if start % block or stop % block:
@@ -108,9 +110,7 @@ class QuantizedTensor:
             return self.dequantize()[:, start:stop].contiguous().clone()
         blocks = np.ascontiguousarray(self.data).reshape(n, k // block, type_size)
         data = np.ascontiguousarray(blocks[:, start // block : stop // block])
-        return QuantizedTensor(
-            self.qtype, data.reshape(n, -1).copy(), torch.Size([n, stop - start])
-        )
+        return self.with_data(data.reshape(n, -1).copy(), torch.Size([n, stop - start]))
 
     def pack(self, bias: torch.Tensor | None = None, pairs: bool = False) -> QuantPart:
         """The kernel's packed copy of this weight (built here; `data` may be dropped after), its
@@ -158,6 +158,17 @@ def _q5_0(raw: np.ndarray, n: int, k: int) -> Decoded:
     high = (qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)  # [N, nb, 32]
     q = _nibbles_split16(b[..., 6:]).astype(np.int16) | (high.astype(np.int16) << 4)
     return (q - 16).astype(np.int8).reshape(n, k), _half(b[..., 0:2]), None
+
+
+def _q5_1(raw: np.ndarray, n: int, k: int) -> Decoded:
+    """Q5_1: codes q (5 bits, as Q5_0's) with the block's fp16 d and min m, q d + m."""
+    b = _blocks(raw, n, 24)
+    qh = np.ascontiguousarray(b[..., 4:8]).view("<u4")  # [N, nb, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+    codes = _nibbles_split16(b[..., 8:]) | (high << np.uint8(4))
+    d = _half(b[..., 0:2]).astype(np.float32).reshape(n, -1)
+    m = _half(b[..., 2:4]).astype(np.float32).reshape(n, -1)
+    return codes.reshape(n, k), d, m
 
 
 def _q8_0(raw: np.ndarray, n: int, k: int) -> Decoded:
@@ -214,6 +225,6 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Decoded:
 
 
 _DECODERS = {
-    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k,
-    T.Q6_K: _q6_k,
+    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k, T.Q6_K: _q6_k,
 }

@@ -90,6 +90,23 @@ def test_quantized_shards_are_whole_blocks_bit_for_bit(qtype):
     assert isinstance(off, torch.Tensor) and torch.equal(off, dense[:, 16:80])
 
 
+@pytest.mark.parametrize(
+    "qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_K,
+              gguf.GGMLQuantizationType.Q5_1], ids=lambda t: t.name
+)
+def test_integer_path_shards_stay_on_the_integer_path(qtype):
+    """A `--quantization gguf_int8` weight's shards pack for the integer kernel too (Q5_K and
+    Q5_1 have no exact-path format at all), with the same values."""
+    w = random_weight(qtype, 96, 4 * 256, int8=True)
+    dense = w.dequantize()
+    for dim, start, stop in [(0, 48, 96), (1, 256, 512)]:
+        part = w.shard(dim, start, stop)
+        assert isinstance(part, QuantizedTensor) and part.int8
+        assert part.pack().fmt.row_major  # the integer path's records
+        ref = dense[start:stop] if dim == 0 else dense[:, start:stop]
+        assert torch.equal(part.dequantize(), ref)
+
+
 @pytest.mark.parametrize("heads, kv, inter, n, fragment", [
     (9, 3, 1536, 2, "num_attention_heads (9)"),
     (12, 3, 1536, 2, "num_key_value_heads (3)"),

@@ -21,7 +21,7 @@ from tessera.kernels import quant_linear as ql
 from tessera.kernels.quant_int8 import QK, dequantize_int8, dequantize_int8_rows
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.usefixtures("isa")  # once per instruction set (conftest.py)
