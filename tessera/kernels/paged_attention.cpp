@@ -132,22 +132,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t D = geo.head_dim, H = geo.num_heads;
   const float fscale = static_cast<float>(scale);
   std::atomic<int64_t> next{0};
-  // Work units: single rows, or on the AMX path up to rows_per_group rows in a row that share
-  // their table and window start (a prompt's tokens), attended together: the units are
-  // [unit_first[u], unit_first[u + 1]).
+  // groups of a prompt's rows on the AMX path only: the vector path attends a row at a time
   const int64_t max_rows = amx ? rows_per_group(geo.group) : 1;
-  std::vector<int64_t> unit_first;
-  for (int64_t b = 0; b < geo.num_seqs;) {
-    unit_first.push_back(b);
-    const index_t* table = tables + b * geo.max_blocks;
-    int64_t e = b + 1;
-    while (e < geo.num_seqs && e - b < max_rows && geo.start(e) == geo.start(b) &&
-           std::equal(table, table + geo.max_blocks, tables + e * geo.max_blocks))
-      ++e;
-    b = e;
-  }
-  const int64_t num_units = static_cast<int64_t>(unit_first.size());
-  unit_first.push_back(geo.num_seqs);
+  const std::vector<int64_t> unit_first = work_units(tables, geo, max_rows);
+  const int64_t num_units = static_cast<int64_t>(unit_first.size()) - 1;
   if (num_units >= 4 * num_threads) {
     // Enough units to balance the threads: an item is a unit, each row's partitions attended and
     // folded in order.
@@ -193,22 +181,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
             // only some of the unit's rows (ends <= t_begin for the others, whose state it
             // reset): with more than one partition in the unit, every row's state goes to
             // its fold arrays.
-            for (int64_t i = 0; i < count; ++i) {
-              if (p >= parts[i] || max_parts == 1) continue;  // no such partition, or no fold
-              Scratch& sc = states[i];
-              if (p == 0) {
-                std::copy(sc.acc.begin(), sc.acc.begin() + H * D, sc.fold_acc.begin());
-                std::copy(sc.m.begin(), sc.m.begin() + H, sc.fold_m.begin());
-                std::copy(sc.l.begin(), sc.l.begin() + H, sc.fold_l.begin());
-              } else {
-                fold_states(sc.fold_m.data(), sc.fold_l.data(), sc.fold_acc.data(), sc.m.data(),
-                            sc.l.data(), sc.acc.data(), H, D);
-              }
-            }
+            if (max_parts > 1)  // else the one partition's state is the row's
+              for (int64_t i = 0; i < count; ++i)
+                if (p < parts[i]) fold_partition(states[i], p == 0, H, D);
           }
+          const bool folded = max_parts > 1;
           for (int64_t i = 0; i < count; ++i) {
             const Scratch& sc = states[i];
-            const bool folded = max_parts > 1;
             for (int64_t h = 0; h < H; ++h)
               store_head(op, geo, rows[i], h, (folded ? sc.fold_acc : sc.acc).data() + h * D,
                          (folded ? sc.fold_l : sc.l)[h]);

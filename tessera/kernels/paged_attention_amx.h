@@ -285,6 +285,11 @@ void attend_amx_rows(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
     alignas(64) float m_lane[kLanes], l_lane[kLanes];
     _mm512_store_ps(m_lane, m);
     _mm512_store_ps(l_lane, l);
+    for (int64_t j = 0; j < lanes; ++j) {  // lane j: row j / lanes_per_row, its block's heads
+      Scratch& sc = *group.state[j / lanes_per_row];
+      sc.m[kv0 * G + j % lanes_per_row] = m_lane[j];
+      sc.l[kv0 * G + j % lanes_per_row] = l_lane[j];
+    }
     for (int64_t j = 0; j < lanes; ++j) {  // P [lane][token] in bf16
       for (int64_t i = 0; i < num_tiles; ++i) {
         const float* s0 = st + i * kTile * kLanes + j;
@@ -327,10 +332,6 @@ void attend_amx_rows(const at::BFloat16* q, const at::BFloat16* k, const at::BFl
             const __m512 hi = _mm512_load_ps(buf.out + kLanes * kLanes + j * kLanes);
             _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo, first_dims, hi));
             _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo, last_dims, hi));
-            if (e2 == 0) {
-              sc.m[h] = m_lane[j];
-              sc.l[h] = l_lane[j];
-            }
           }
         }
       }

@@ -134,6 +134,24 @@ inline void touch_rows(const kv_t* k, const kv_t* v, const index_t* table, int64
   });
 }
 
+// Work units of a call, [units[u], units[u + 1]): single rows, or up to `max_rows` consecutive
+// rows that share their table and window start (a prompt chunk's tokens) to attend together.
+template <typename index_t>
+std::vector<int64_t> work_units(const index_t* tables, const Geometry& geo, int64_t max_rows) {
+  std::vector<int64_t> units;
+  for (int64_t b = 0; b < geo.num_seqs;) {
+    units.push_back(b);
+    const index_t* table = tables + b * geo.max_blocks;
+    int64_t e = b + 1;
+    while (e < geo.num_seqs && e - b < max_rows && geo.start(e) == geo.start(b) &&
+           std::equal(table, table + geo.max_blocks, tables + e * geo.max_blocks))
+      ++e;
+    b = e;
+  }
+  units.push_back(geo.num_seqs);
+  return units;
+}
+
 // Per-thread scratch, allocated once per worker: the state of one row's heads (nh of them).
 struct Scratch {
   std::vector<float> q;    // [nh, head_dim] fp32

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "paged_attention_avx512.h"  // exp16
+#include "paged_attention_common.h"
 
 namespace tessera_paged {
 
@@ -52,6 +53,19 @@ __attribute__((noinline)) inline void fold_states(float* M, float* L, float* A, 
       const float* ah = a + (h0 + j) * D;
       for (int64_t d = 0; d < D; ++d) Ah[d] = std::fma(Ah[d], ca[j], ah[d] * cb[j]);
     }
+  }
+}
+
+// A row's partition state (sc.m, sc.l, sc.acc) into its fold arrays: copied for its first
+// partition, folded after the ones before for the others.
+inline void fold_partition(Scratch& sc, bool first, int64_t H, int64_t D) {
+  if (first) {
+    std::copy(sc.acc.begin(), sc.acc.begin() + H * D, sc.fold_acc.begin());
+    std::copy(sc.m.begin(), sc.m.begin() + H, sc.fold_m.begin());
+    std::copy(sc.l.begin(), sc.l.begin() + H, sc.fold_l.begin());
+  } else {
+    fold_states(sc.fold_m.data(), sc.fold_l.data(), sc.fold_acc.data(), sc.m.data(), sc.l.data(),
+                sc.acc.data(), H, D);
   }
 }
 
