@@ -182,10 +182,25 @@ inline __m256i broadcast4(const int8_t* p) {
 // being read, one a cache line: 0.86x the time of every linear of a decode step at one thread
 // (Sapphire Rapids, all 121 linears of the default model in stream order, in-process A/B,
 // outputs bitwise equal); 512 B gave 0.93-0.95x, 1 and 2 KiB ~0.89x, 4 KiB nothing.
+//
+// That near prefetch (prefetcht0) holds one of the core's ~16 L1 fill buffers per line until it
+// arrives, so from DRAM a core's reads stay few in flight: the kernel ran at ~10 GB/s a core,
+// as if memory and arithmetic took turns (a plain read streams ~16 GB/s a core here). A second
+// prefetch 4 KiB ahead into L2 only (prefetcht2), which the L2's own queue carries, keeps more
+// lines in flight; the near one still lifts them into L1. A 288 MB weight stream on 2 threads:
+// 17.3-18.7 -> 24.3-24.9 GB/s (2.5 KiB 21.8, 8 KiB 24.2); the random 1B Llama in Q4_0 decodes
+// at 38.9 -> 47.2-49.9 tok/s; the default model (L3-resident) 248 -> 256. The far prefetch alone
+// (no near one) lost ~4% on the default model.
 constexpr int64_t kPrefetchBytes = TESSERA_INT8_PREFETCH;
+#ifndef TESSERA_INT8_FAR_PREFETCH
+#define TESSERA_INT8_FAR_PREFETCH 4096
+#endif
+constexpr int64_t kFarPrefetchBytes = TESSERA_INT8_FAR_PREFETCH;
 template <int64_t Bytes>
 inline void prefetch_ahead(const uint8_t* w) {
   if constexpr (kPrefetchBytes > 0) tessera_prefetch::prefetch_lines(w + kPrefetchBytes, Bytes);
+  if constexpr (kFarPrefetchBytes > 0)
+    tessera_prefetch::prefetch_lines<1>(w + kFarPrefetchBytes, Bytes);
 }
 
 // The exact integer sums of one block for the 8 rows of a group: lane r = <codes of row r, qx>.
