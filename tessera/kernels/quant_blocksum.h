@@ -62,7 +62,7 @@ inline __m512bh code_pairs(const uint8_t* rec, __m512i z, int t) {
 }
 
 // R rows of bf16 x (pack_rows: [K/2][R] pairs) against one panel in the block-sum form (see the
-// header). `xsum` [R][K / kBlock]: each row's fp32 sum over each block (4-bit formats only).
+// header). `xsum` [R][K / kBlock]: each row's fp32 sum over each block (formats with a min).
 template <typename F, int R>
 void qtile_blocksum(const at::BFloat16* x, const float* xsum, const uint8_t* panel, int64_t K,
                     at::BFloat16* y, int64_t ldy, int64_t n_valid, const float* bias) {
@@ -97,11 +97,13 @@ void qtile_blocksum(const at::BFloat16* x, const float* xsum, const uint8_t* pan
     for (int v = 0; v < kVecs; ++v) {
       const __m512 d = load_scales<typename F::Scale>(sp, v);
       for (int r = 0; r < R; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], d, total[r][v]);
-      if constexpr (F::kBits == 4) {
+      if constexpr (F::kHasMin) {
         const __m512 m = load_scales<typename F::Scale>(sp + F::kScaleBytes, v);
-        const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);  // m - 128 d
+        // 4-bit codes came in as 128 + q: m - 128 d; 8-bit codes (0..31) as themselves
+        const __m512 mb =
+            F::kBits == 4 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m) : m;
         for (int r = 0; r < R; ++r)
-          total[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * nb + blk]), m128, total[r][v]);
+          total[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * nb + blk]), mb, total[r][v]);
       }
     }
   }
@@ -112,7 +114,7 @@ void qtile_blocksum(const at::BFloat16* x, const float* xsum, const uint8_t* pan
 // form, in one fixed order (two 16-lane halves added, then reduced), whatever the batch.
 template <typename F>
 inline void block_sums(const at::BFloat16* row, int64_t nb, float* out) {
-  static_assert(F::kBlock == 32, "4-bit blocks are 32 wide");
+  static_assert(F::kBlock == 32, "blocks with a min are 32 wide");
   const auto widen = [](const at::BFloat16* p) {  // 16 bf16 -> fp32: the bits, shifted up
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -146,8 +148,8 @@ void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, cons
   static const auto tiles = make_tiles<Fn, BlockSumTile<F>>();
   const int64_t nb = K / F::kBlock;
   at::BFloat16* const xp = thread_scratch<at::BFloat16, Scratch::kPackedRows>(M * K);
-  // [M][nb]: each row's sum over each block (4-bit formats only)
-  float* const xsum = F::kBits == 4 ? thread_scratch<float, Scratch::kBlockSums>(M * nb) : nullptr;
+  // [M][nb]: each row's sum over each block (formats with a min)
+  float* const xsum = F::kHasMin ? thread_scratch<float, Scratch::kBlockSums>(M * nb) : nullptr;
   // Packing and block sums go row tile by row tile, split over the threads from two tiles up.
   // As one thread's scalar loop they cost 2-11% of the call at M = 8-512 (alternated in-process
   // against it: 0.94x at M = 8, 0.93x at 16, 0.89x at 64, 0.92x at 512).
@@ -156,7 +158,7 @@ void run_blocksum(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, cons
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = t * kMaxRows, rows = std::min<int64_t>(kMaxRows, M - m0);
       pack_rows<at::BFloat16, 2>(x + m0 * ldx, ldx, rows, K, xp + m0 * K);
-      if constexpr (F::kBits == 4)
+      if constexpr (F::kHasMin)
         for (int64_t m = m0; m < m0 + rows; ++m) block_sums<F>(x + m * ldx, nb, xsum + m * nb);
     }
   };

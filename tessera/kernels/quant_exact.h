@@ -42,8 +42,13 @@ inline void dequant_pair(const uint8_t* rec, int j, int v, __m512 sc, __m512 mn,
     const __m512i b0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
     const __m512i b1 =
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kPanel)));
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(b0), sc);
-    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(b1), sc);
+    if constexpr (F::kHasMin) {  // codes 0..31: q * d exact, one rounding as gguf's
+      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0), sc, mn);
+      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b1), sc, mn);
+    } else {
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(b0), sc);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(b1), sc);
+    }
   }
 }
 

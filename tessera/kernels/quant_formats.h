@@ -4,7 +4,7 @@
 // run of records, one per block of `kBlock` K-positions:
 //
 //   record = codes (4-bit: kBlock * 48 / 2 bytes; 8-bit: kBlock * 48 int8)
-//            scales [48] (fp16 or fp32), mins [48] (4-bit formats only)
+//            scales [48] (fp16 or fp32), mins [48] (the formats with a min)
 //
 // so a panel streams as one contiguous pass, 16 outputs a vector, like the dense panels. The codes
 // come in one of two orders (quant_layout.py, code_positions): "natural" for fp32 activations and
@@ -24,7 +24,7 @@ namespace tessera_quant {
 using namespace tessera_tiles;
 
 // Kernel format ids, shared with quant_layout.py's QuantFormat.kernel_id.
-enum FormatId : int64_t { kQ4Half = 0, kQ4Float = 1, kQ8Half = 2, kQ8Float16 = 3 };
+enum FormatId : int64_t { kQ4Half = 0, kQ4Float = 1, kQ8Half = 2, kQ8Float16 = 3, kQ8FloatMin = 4 };
 
 template <int Bits, int Block, typename ScaleT, bool HasMin>
 struct Fmt {
@@ -40,6 +40,7 @@ using Q4Half = Fmt<4, 32, at::Half, true>;     // Q4_0 (m = -8 d), Q4_1
 using Q4Float = Fmt<4, 32, float, true>;       // Q4_K (d * sc, -dmin * m per 32)
 using Q8Half = Fmt<8, 32, at::Half, false>;    // Q8_0
 using Q8Float16 = Fmt<8, 16, float, false>;    // Q6_K (d * sc per 16, codes q - 32)
+using Q8FloatMin = Fmt<8, 32, float, true>;    // Q5_K (d * sc, -dmin * m per 32), Q5_1: codes 0..31
 
 // fn(F{}) for the format `fmt` names: the one place a runtime format id becomes a type.
 template <typename Fn>
@@ -49,6 +50,7 @@ decltype(auto) with_format(int64_t fmt, Fn&& fn) {
     case kQ4Float: return fn(Q4Float{});
     case kQ8Half: return fn(Q8Half{});
     case kQ8Float16: return fn(Q8Float16{});
+    case kQ8FloatMin: return fn(Q8FloatMin{});
   }
   TORCH_CHECK(false, "unknown quant format id ", fmt);
 }

@@ -72,6 +72,8 @@ Q4_HALF = QuantFormat("q4_half", 0, 4, 32, np.float16, True)
 Q4_FLOAT = QuantFormat("q4_float", 1, 4, 32, np.float32, True)
 Q8_HALF = QuantFormat("q8_half", 2, 8, 32, np.float16, False)
 Q8_FLOAT16 = QuantFormat("q8_float16", 3, 8, 16, np.float32, False)
+# 5-bit codes (0..31) as bytes with a min: Q5_K (d * sc, -dmin * m per 32) and Q5_1
+Q8_FLOAT_MIN = QuantFormat("q8_float_min", 4, 8, 32, np.float32, True)
 
 
 @functools.cache
@@ -100,7 +102,7 @@ def pack_quantized(
     fmt: QuantFormat, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     pairs: bool = False,
 ) -> torch.Tensor:
-    """codes [N, K] (uint8 0..15 for 4-bit, int8 for 8-bit), scales/mins [N, K / block] -> the
+    """codes [N, K] (uint8 0..15 for 4-bit, int8 for 8-bit: 0..31 with a min), scales/mins [N, K / block] -> the
     kernel's panels as one uint8 tensor, codes in the layout `pairs` names (code_positions).
     N is padded to a multiple of 48 with zero weights."""
     n, k = codes.shape

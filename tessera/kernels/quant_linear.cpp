@@ -140,7 +140,7 @@ void dequant_slice(const uint8_t* panel, int64_t b0, int64_t b1, float* out) {
           row[n] = static_cast<float>((c[n] >> shift) & 15) * d[n] + m[n];
       } else {
         const int8_t* c = reinterpret_cast<const int8_t*>(rec) + k * kPanel;
-        for (int64_t n = 0; n < kPanel; ++n) row[n] = static_cast<float>(c[n]) * d[n];
+        for (int64_t n = 0; n < kPanel; ++n) row[n] = static_cast<float>(c[n]) * d[n] + m[n];
       }
     }
   }

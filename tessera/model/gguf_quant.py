@@ -31,6 +31,7 @@ from tessera.kernels.quant_layout import (
     Q4_FLOAT,
     Q4_HALF,
     Q8_FLOAT16,
+    Q8_FLOAT_MIN,
     Q8_HALF,
     QuantFormat,
     QuantPart,
@@ -47,6 +48,8 @@ KERNEL_FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
     T.Q5_0: Q8_HALF,  # (q - 16) d: a Q8_0 block with the same d, exactly
     T.Q8_0: Q8_HALF,
     T.Q4_K: Q4_FLOAT,
+    T.Q5_1: Q8_FLOAT_MIN,  # codes 0..31 a byte each: 10 bits a weight where fp32 took 32
+    T.Q5_K: Q8_FLOAT_MIN,
     T.Q6_K: Q8_FLOAT16,
 }
 

@@ -95,8 +95,8 @@ def test_quantized_shards_are_whole_blocks_bit_for_bit(qtype):
               gguf.GGMLQuantizationType.Q5_1], ids=lambda t: t.name
 )
 def test_integer_path_shards_stay_on_the_integer_path(qtype):
-    """A `--quantization gguf_int8` weight's shards pack for the integer kernel too (Q5_K and
-    Q5_1 have no exact-path format at all), with the same values."""
+    """A `--quantization gguf_int8` weight's shards pack for the integer kernel too, not in the
+    exact path's panels, with the same values."""
     w = random_weight(qtype, 96, 4 * 256, int8=True)
     dense = w.dequantize()
     for dim, start, stop in [(0, 48, 96), (1, 256, 512)]:

@@ -21,7 +21,7 @@ from tessera.kernels import quant_linear as ql
 from tessera.kernels.linear import PackedLinearWeight, linear_kernel_supported
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 CPU = torch.device("cpu")
 # (N, K): N not a multiple of the 48-wide panel, K multiple of 256 for the K-quants
 SHAPES = [(1, 256), (47, 256), (49, 512), (130, 768)]
@@ -115,7 +115,7 @@ def test_rows_are_independent_and_match_the_dense_kernel(qtype, dtype, k, isa):
     probe = torch.zeros(48, 64, dtype=dtype)
     if not linear_kernel_supported(probe):
         pytest.skip("dense kernel not built here")
-    if k % 256 and qtype in (T.Q4_K, T.Q6_K):
+    if k % 256 and qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
         pytest.skip("K-quants come in 256-wide super-blocks")
     n = 100
     w = random_weight(qtype, n, k, seed=3)
