@@ -50,6 +50,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg of a configuration built on the stack. GCC 12 does not see that the instruction reads
+// the bytes it points at: where the caller was not inlined it dropped their stores as dead, and
+// ldtilecfg faulted (SIGSEGV) on the half-written bytes. The empty asm with a memory clobber makes
+// every store land first.
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 // Tiles 0-2: C (fp32 [rows][16]); 3: A (rows x 32 bf16); 4-6: B (16 pair-rows x 16 outputs).
 // `rows` = min(M, 16): a tdpbf16ps costs by its rows, and a lone decode row needs one, not 16
 // (each C element's sum is the same whatever the tile's row count).
@@ -59,7 +68,7 @@ inline void amx_configure(int64_t rows) {
     cfg.rows[t] = t < 4 ? static_cast<uint8_t>(std::min<int64_t>(rows, 16)) : 16;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 constexpr int64_t kAmxRows = 16;   // rows of x per A tile

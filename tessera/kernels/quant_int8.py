@@ -3,7 +3,7 @@ the canonical codes/scales/mins of tessera/model/gguf_quant.py, and decoding in 
 
 Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`):
 
-- u4h, u4f (4-bit codes) and s8h (Q8_0): groups of 8 output rows interleaved, one record of a
+- q4h, u4h, u4f (4-bit codes) and s8h (Q8_0): groups of 8 output rows interleaved, one record of a
   group holds the 8 rows' scales side by side, then their codes so that one 32-byte load holds 4
   consecutive K positions of each of the 8 rows. The kernel then computes 8 outputs at once, one
   output a 32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of x broadcast): the block's
@@ -15,7 +15,8 @@ Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`
 
 | kind | record of one row | GGUF types | bits a weight | rows a group |
 | --- | --- | ---: | ---: | ---: |
-| u4h | f16 d, f16 m, 16 B nibbles | Q4_0 (m = -8 d), Q4_1 | 5 | 8 |
+| q4h | f16 d, 16 B nibbles (m = -8 d, computed) | Q4_0 | 4.5 | 8 |
+| u4h | f16 d, f16 m, 16 B nibbles | Q4_1 | 5 | 8 |
 | u4f | f32 d, f32 m, 16 B nibbles | Q4_K | 6 | 8 |
 | u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K | 10 | 1 |
 | s8h | f16 d, 32 int8 | Q8_0 | 8.5 | 8 |
@@ -24,8 +25,8 @@ Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`
 Nibbles of a row as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). An
 interleaved record of a group of 8 rows (r = 0..7) is those rows' records rearranged:
 
-    d[r] for r = 0..7 | m[r] for r = 0..7 (unsigned kinds) | chunks of 32 B: chunk t, byte
-    4 r + i = row r's code byte 4 t + i (u4h/u4f: 4 chunks of nibble bytes, k = j low and
+    d[r] for r = 0..7 | m[r] for r = 0..7 (unsigned kinds but q4h) | chunks of 32 B: chunk t,
+    byte 4 r + i = row r's code byte 4 t + i (q4h/u4h/u4f: 4 chunks of nibble bytes, k = j low and
     k = j + 16 high; s8h: 8 chunks, byte j is k = j)
 
 A weight whose rows are not a multiple of 8 is padded with zero rows (d = m = 0). The values are
@@ -54,6 +55,7 @@ class Int8Format:
     nibbles: bool
     groups: int  # scales a block (signed kinds)
     interleave: int = 1  # output rows a group of records (8: the 4-bit kinds; 1: row-major)
+    offset_min: bool = False  # unsigned codes whose min is -8 d (Q4_0): computed, not stored
 
     row_major = True  # the integer path's layout, not panels (QuantPart users tell them apart)
     block = QK
@@ -61,7 +63,11 @@ class Int8Format:
     @property
     def head_bytes(self) -> int:
         item = np.dtype(self.scale_dtype).itemsize
-        return item * (2 if self.unsigned else self.groups)
+        return item * (2 if self.stores_min else self.groups)
+
+    @property
+    def stores_min(self) -> bool:
+        return self.unsigned and not self.offset_min
 
     @property
     def record_bytes(self) -> int:
@@ -76,6 +82,7 @@ class Int8Format:
 
 
 U4H = Int8Format("u4h", 10, np.float16, True, True, 1, interleave=8)
+Q4H = Int8Format("q4h", 15, np.float16, True, True, 1, interleave=8, offset_min=True)
 U4F = Int8Format("u4f", 11, np.float32, True, True, 1, interleave=8)
 U8F = Int8Format("u8f", 12, np.float32, True, False, 1)
 S8H = Int8Format("s8h", 13, np.float16, False, False, 1, interleave=8)
@@ -86,7 +93,8 @@ def pack_int8(
     fmt: Int8Format, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None
 ) -> torch.Tensor:
     """codes [N, K] (unsigned kinds: 0..15 or 0..31; signed: int8), scales [N, K / 32 * groups]
-    (or [N, K / 16] for two groups), mins [N, K / 32] (unsigned kinds) -> uint8 records."""
+    (or [N, K / 16] for two groups), mins [N, K / 32] (unsigned kinds; for q4h they must be
+    -8 scales, which the kernel computes) -> uint8 records."""
     n, k = codes.shape
     if k % QK:
         raise ValueError(f"K ({k}) is not a multiple of {QK}")
@@ -95,7 +103,11 @@ def pack_int8(
     if fmt.nibbles:
         c = c[..., :16] | (c[..., 16:] << np.uint8(4))
     heads = [np.ascontiguousarray(scales, dtype=fmt.scale_dtype).reshape(n, nb, -1)]
-    if fmt.unsigned:
+    if fmt.offset_min:
+        assert mins is not None and np.array_equal(
+            np.asarray(mins, np.float32), np.asarray(scales, np.float32) * np.float32(-8)
+        ), "q4h's mins are -8 d"
+    elif fmt.unsigned:
         assert mins is not None
         heads.append(np.ascontiguousarray(mins, dtype=fmt.scale_dtype).reshape(n, nb, 1))
     head = np.concatenate(heads, axis=-1).view(np.uint8)
@@ -159,6 +171,8 @@ def _decode(fmt: Int8Format, records: torch.Tensor) -> torch.Tensor:
         q = raw.float()
     else:
         q = raw.view(torch.int8).float()
+    if fmt.offset_min:
+        return q * tables[..., :1] + tables[..., :1] * -8.0
     if fmt.unsigned:
         return q * tables[..., :1] + tables[..., 1:2]
     return q * tables.repeat_interleave(QK // fmt.groups, dim=-1)

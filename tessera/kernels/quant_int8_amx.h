@@ -1,4 +1,4 @@
-// AMX-INT8 tiles for the integer path's interleaved kinds (quant_int8.h: U4H = Q4_0/Q4_1,
+// AMX-INT8 tiles for the integer path's interleaved kinds (quant_int8.h: Q4H = Q4_0, U4H = Q4_1,
 // U4F = Q4_K, S8H = Q8_0), 16 rows of x at a time.
 //
 // Why: at 16 rows and more the VNNI loop is bound by its instructions, not by memory (decode at
@@ -54,7 +54,7 @@ inline void amx_int8_configure() {
     cfg.rows[t] = kQK / 4;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  tessera_tiles::load_tile_config(cfg);
 }
 
 // One block of groups ga and gb as a B tile: row t holds K positions 4t..4t+3, bytes 4c..4c+3
@@ -108,7 +108,12 @@ inline void scale_block(const int32_t* c, const uint8_t* ga, const uint8_t* gb, 
     acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dxr)), acc[r]);
   }
   if constexpr (!F::kSigned) {
-    const __m512 m = scales16<F>(ga, gb, kCols * sizeof(typename F::Scale));
+    __m512 m;
+    if constexpr (F::kOffsetMin) {
+      m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    } else {
+      m = scales16<F>(ga, gb, kCols * sizeof(typename F::Scale));
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
       const int64_t i = (m0 + r) * nb + b;

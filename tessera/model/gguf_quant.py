@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 import torch
 
-from tessera.kernels.quant_int8 import S8F2, S8H, U4F, U4H, U8F, Int8Format, pack_int8
+from tessera.kernels.quant_int8 import Q4H, S8F2, S8H, U4F, U4H, U8F, Int8Format, pack_int8
 from tessera.kernels.quant_layout import (
     Q4_FLOAT,
     Q4_HALF,
@@ -55,7 +55,7 @@ KERNEL_FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
 
 # The GGUF types the integer path (--quantization gguf_int8) keeps, and its record kind for each.
 INT8_FORMATS: dict[gguf.GGMLQuantizationType, Int8Format] = {
-    T.Q4_0: U4H,
+    T.Q4_0: Q4H,  # m = -8 d computed: the file's 18 bytes a block
     T.Q4_1: U4H,
     T.Q5_0: S8H,
     T.Q5_1: U8F,  # 5-bit codes with a min, as Q5_K's records
