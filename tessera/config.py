@@ -534,8 +534,8 @@ class EngineArgs:
         "auto (default): gguf_int8 on CPUs without AVX-512 for GGUFs whose matrices are mostly "
         "4-6-bit, where its kernels are the faster ones, else gguf; gguf: keep a GGUF's "
         "quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and run exact float "
-        "products on them; gguf_int8: the same blocks against activations quantized per row to 8-bit "
-        "blocks, integer dot products (llama.cpp's form); none: dequantize all at load",
+        "products on them; gguf_int8: the same blocks against activations quantized per row to "
+        "8-bit blocks, integer dot products (llama.cpp's form); none: dequantize all at load",
         choices=list(QUANTIZATION_CHOICES),
     )
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda:0")

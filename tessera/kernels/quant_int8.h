@@ -8,11 +8,12 @@
 // their codes.
 //
 // Two loops, by the weight's arrangement (quant_int8.py):
-//   interleaved (U4H, U4F, S8H: 8 output rows a record): 32-bit lane r of the products is
+//   interleaved (Q4H, U4H, U4F, U8F, S8H: 8 output rows a record): 32-bit lane r of the products is
 //     output row r; 4 bytes of x broadcast against 4 codes of each of the 8 rows, 8 such
 //     instructions a block, give the block's exact integer sums of 8 outputs at once; the scales
 //     then apply once a block as vectors (8 d, 8 m). ~4x fewer instructions than row by row.
-//   row-major (the other kinds): one output a dot product, 8 lanes of partial sums a row.
+//   row-major (S8F2, Q6_K's two scales a block): one output a dot product, 8 lanes of partial
+//     sums a row.
 //
 // Row independence: a row's codes, scale and sums come from that row alone, and its outputs are
 // one chain of fmas over its blocks in K order, whatever rows are batched with it (the integer
@@ -23,7 +24,7 @@
 //   Q4H    f16 d, 16 B nibbles (18)                Q4_0                   d q - 8 d     8
 //   U4H    f16 d, f16 m, 16 B nibbles (20)         Q4_1                   d q + m       8
 //   U4F    f32 d, f32 m, 16 B nibbles (24)         Q4_K (d sc, -dmin m)   d q + m       8
-//   U8F    f32 d, f32 m, 32 B codes 0..31 (40)     Q5_K                   d q + m       1
+//   U8F    f32 d, f32 m, 32 B codes 0..31 (40)     Q5_K, Q5_1             d q + m       8
 //   S8H    f16 d, 32 int8 (34)                     Q8_0                   d q           8
 //   S8F2   f32 d0, f32 d1 (per 16), 32 int8 (40)   Q6_K (q - 32)          d_(k/16) q    1
 //
@@ -57,39 +58,39 @@ namespace tessera_int8 {
 enum Kind : int64_t { kU4H = 10, kU4F = 11, kU8F = 12, kS8H = 13, kS8F2 = 14, kQ4H = 15 };
 constexpr int64_t kQK = 32;  // K positions a block
 
-// The row-major kinds: one output row a record (32 codes a byte each).
-template <Kind Id, typename S, bool Unsigned, int Groups>
+// The row-major kind: one output row a record (32 signed codes a byte each, Groups scales).
+template <Kind Id, typename S, int Groups>
 struct IFmt {
   static constexpr Kind kId = Id;
   using Scale = S;
-  static constexpr bool kUnsigned = Unsigned;  // unsigned codes with a min (else signed, no min)
-  static constexpr int kGroups = Groups;  // scales a block (signed kinds)
-  static constexpr int64_t kHead = Unsigned ? 2 * sizeof(S) : Groups * sizeof(S);
+  static constexpr int kGroups = Groups;  // scales a block
+  static constexpr int64_t kHead = Groups * sizeof(S);
   static constexpr int64_t kRecord = kHead + 32;
 };
-// The interleaved kinds: kCols output rows a record. Unsigned 4-bit codes with a min (d[8], m[8],
-// 4 chunks of nibbles; Q4H: d[8] only, m = -8 d), or signed 8-bit codes (d[8], 8 chunks of int8);
-// chunk t, byte 4 r + i is row r's code byte 4 t + i.
+// The interleaved kinds: kCols output rows a record. Unsigned codes with a min (d[8], m[8], then
+// 4 chunks of nibbles, or 8 chunks of bytes 0..31; Q4H: d[8] only, m = -8 d), or signed 8-bit
+// codes (d[8], 8 chunks of int8); chunk t, byte 4 r + i is row r's code byte 4 t + i.
 constexpr int64_t kCols = 8;
-template <Kind Id, typename S, bool Signed, bool OffsetMin = false>
+template <Kind Id, typename S, bool Signed, bool Nibbles, bool OffsetMin = false>
 struct XFmt {
   static constexpr Kind kId = Id;
   using Scale = S;
   static constexpr bool kSigned = Signed;
+  static constexpr bool kNibbles = Nibbles;  // 4-bit codes, two a byte (else a byte each)
   // Q4_0's codes are q - 8: its min -8 d is computed (exact in fp32), not stored, so a record is
   // the file's 18 bytes a row, not 20 (the decode step streams 10% fewer bytes)
   static constexpr bool kOffsetMin = OffsetMin;
-  static constexpr int kChunks = Signed ? 8 : 4;  // 32-byte loads of codes a block
+  static constexpr int kChunks = Nibbles ? 4 : 8;  // 32-byte loads of codes a block
   static constexpr int64_t kHead = (Signed || OffsetMin ? 1 : 2) * kCols * sizeof(S);
   static constexpr int64_t kRecord = kHead + kChunks * 32;  // a group's block
   static constexpr int64_t kRowRecord = kRecord / kCols;    // bytes a row a block
 };
-using Q4H = XFmt<kQ4H, c10::Half, false, true>;
-using U4H = XFmt<kU4H, c10::Half, false>;
-using U4F = XFmt<kU4F, float, false>;
-using S8H = XFmt<kS8H, c10::Half, true>;
-using U8F = IFmt<kU8F, float, true, 1>;
-using S8F2 = IFmt<kS8F2, float, false, 2>;
+using Q4H = XFmt<kQ4H, c10::Half, false, true, true>;
+using U4H = XFmt<kU4H, c10::Half, false, true>;
+using U4F = XFmt<kU4F, float, false, true>;
+using U8F = XFmt<kU8F, float, false, false>;
+using S8H = XFmt<kS8H, c10::Half, true, false>;
+using S8F2 = IFmt<kS8F2, float, 2>;
 
 template <typename Fn>
 decltype(auto) with_kind(int64_t kind, Fn&& fn) {
@@ -106,7 +107,7 @@ decltype(auto) with_kind(int64_t kind, Fn&& fn) {
 
 template <typename F>
 constexpr bool is_interleaved() {
-  return F::kId == kQ4H || F::kId == kU4H || F::kId == kU4F || F::kId == kS8H;
+  return F::kId == kQ4H || F::kId == kU4H || F::kId == kU4F || F::kId == kU8F || F::kId == kS8H;
 }
 
 // Bytes a row a block (the packed tensor holds rows rounded up to whole groups).
@@ -256,12 +257,22 @@ inline __m256i block_sums8(const __m256i* codes, const int8_t* qx) {
       s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
     }
     return s;
-  } else {
+  } else if constexpr (F::kNibbles) {
     // int16 pairs: |15 * 127 * 2| * 8 products summed = 30480 < 32767, no saturation
     __m256i s16 = _mm256_maddubs_epi16(codes[0], broadcast4(qx));
     for (int j = 1; j < 8; ++j)
       s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(codes[j], broadcast4(qx + 4 * j)));
     return _mm256_madd_epi16(s16, ones);
+  } else {
+    // codes 0..31: int16 pairs up to 31 * 127 * 2 = 7874, so four of them at most (31496)
+    __m256i s = _mm256_setzero_si256();
+    for (int h = 0; h < 8; h += 4) {
+      __m256i s16 = _mm256_maddubs_epi16(codes[h], broadcast4(qx + 4 * h));
+      for (int j = h + 1; j < h + 4; ++j)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(codes[j], broadcast4(qx + 4 * j)));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones));
+    }
+    return s;
   }
 #endif
 }
@@ -279,7 +290,7 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
     const uint8_t* c = w + F::kHead;
     for (int t = 0; t < F::kChunks; ++t) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
-      if constexpr (F::kSigned) {
+      if constexpr (!F::kNibbles) {
         codes[t] = raw;
       } else {
         codes[t] = _mm256_and_si256(raw, low);
@@ -334,39 +345,24 @@ inline float hsum8(__m256 v) {
 template <typename F, int R>
 inline void dot_rows(const uint8_t* w, int64_t nb, const QRow* xr, float* out) {
   __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    mins[r] = 0.f;
-  }
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
     const __m256i q = load_codes<F>(w + F::kHead);
-    if constexpr (F::kUnsigned) {
-      const float d = scale_at<typename F::Scale>(w, 0), m = scale_at<typename F::Scale>(w, 1);
-      for (int r = 0; r < R; ++r) {
-        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + b * kQK));
-        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(q, qx));
-        const float dx = xr[r].d[b];
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
-        mins[r] = std::fma(m * dx, static_cast<float>(xr[r].sum[b]), mins[r]);
-      }
+    const __m256i aq = _mm256_sign_epi8(q, q);  // |q|, and x takes q's sign
+    __m256 ds;
+    if constexpr (F::kGroups == 2) {
+      ds = _mm256_set_m128(_mm_set1_ps(scale_at<typename F::Scale>(w, 1)),
+                           _mm_set1_ps(scale_at<typename F::Scale>(w, 0)));
     } else {
-      const __m256i aq = _mm256_sign_epi8(q, q);  // |q|, and x takes q's sign
-      __m256 ds;
-      if constexpr (F::kGroups == 2) {
-        ds = _mm256_set_m128(_mm_set1_ps(scale_at<typename F::Scale>(w, 1)),
-                             _mm_set1_ps(scale_at<typename F::Scale>(w, 0)));
-      } else {
-        ds = _mm256_set1_ps(scale_at<typename F::Scale>(w, 0));
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + b * kQK));
-        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aq, _mm256_sign_epi8(qx, q)));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(ds, _mm256_set1_ps(xr[r].d[b])), acc[r]);
-      }
+      ds = _mm256_set1_ps(scale_at<typename F::Scale>(w, 0));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + b * kQK));
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aq, _mm256_sign_epi8(qx, q)));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(ds, _mm256_set1_ps(xr[r].d[b])), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + mins[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 
 #else  // portable: the same integer sums in plain C++
@@ -387,6 +383,8 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
           const uint8_t byte = w[F::kHead + 32 * t + 4 * c + i];
           if constexpr (F::kSigned) {
             q[c][4 * t + i] = static_cast<int8_t>(byte);
+          } else if constexpr (!F::kNibbles) {
+            q[c][4 * t + i] = byte;
           } else {
             q[c][4 * t + i] = byte & 15;
             q[c][16 + 4 * t + i] = byte >> 4;
@@ -414,43 +412,23 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
 
 constexpr int kXRows = 4;
 
-template <typename F>
-inline void load_codes(const uint8_t* c, int32_t* q) {
-  for (int i = 0; i < 32; ++i) {
-    if constexpr (F::kUnsigned) {
-      q[i] = c[i];
-    } else {
-      q[i] = static_cast<int8_t>(c[i]);
-    }
-  }
-}
-
 template <typename F, int R>
 inline void dot_rows(const uint8_t* w, int64_t nb, const QRow* xr, float* out) {
-  float acc[R] = {}, mins[R] = {};
-  int32_t q[32];
+  float acc[R] = {};
   for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
-    load_codes<F>(w + F::kHead, q);
+    const int8_t* q = reinterpret_cast<const int8_t*>(w + F::kHead);
     for (int r = 0; r < R; ++r) {
       const int8_t* qx = xr[r].q + b * kQK;
       const float dx = xr[r].d[b];
-      if constexpr (F::kUnsigned) {
+      for (int g = 0; g < F::kGroups; ++g) {
         int32_t s = 0;
-        for (int i = 0; i < 32; ++i) s += q[i] * qx[i];
-        acc[r] = std::fma(static_cast<float>(s), scale_at<typename F::Scale>(w, 0) * dx, acc[r]);
-        mins[r] = std::fma(scale_at<typename F::Scale>(w, 1) * dx,
-                           static_cast<float>(xr[r].sum[b]), mins[r]);
-      } else {
-        for (int g = 0; g < F::kGroups; ++g) {
-          int32_t s = 0;
-          const int n = 32 / F::kGroups;
-          for (int i = g * n; i < (g + 1) * n; ++i) s += q[i] * qx[i];
-          acc[r] = std::fma(static_cast<float>(s), scale_at<typename F::Scale>(w, g) * dx, acc[r]);
-        }
+        const int n = 32 / F::kGroups;
+        for (int i = g * n; i < (g + 1) * n; ++i) s += q[i] * qx[i];
+        acc[r] = std::fma(static_cast<float>(s), scale_at<typename F::Scale>(w, g) * dx, acc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = acc[r] + mins[r];
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 #endif
@@ -474,6 +452,8 @@ void int8_row(const uint8_t* w, int64_t K, int64_t n, T* out) {
           const uint8_t byte = c[32 * t + i];
           if constexpr (F::kSigned) {
             out[4 * t + i] = static_cast<T>(static_cast<float>(static_cast<int8_t>(byte)) * d);
+          } else if constexpr (!F::kNibbles) {
+            out[4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte), d, m));
           } else {
             out[4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte & 15), d, m));
             out[16 + 4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte >> 4), d, m));
@@ -486,14 +466,8 @@ void int8_row(const uint8_t* w, int64_t K, int64_t n, T* out) {
     for (int64_t b = 0; b < nb; ++b, rec += F::kRecord, out += kQK) {
       const uint8_t* c = rec + F::kHead;
       for (int64_t k = 0; k < kQK; ++k) {
-        if constexpr (F::kUnsigned) {
-          const float d = scale_at<typename F::Scale>(rec, 0);
-          const float m = scale_at<typename F::Scale>(rec, 1);
-          out[k] = static_cast<T>(std::fma(static_cast<float>(c[k]), d, m));
-        } else {
-          const float d = scale_at<typename F::Scale>(rec, static_cast<int>(k * F::kGroups / kQK));
-          out[k] = static_cast<T>(static_cast<float>(static_cast<int8_t>(c[k])) * d);
-        }
+        const float d = scale_at<typename F::Scale>(rec, static_cast<int>(k * F::kGroups / kQK));
+        out[k] = static_cast<T>(static_cast<float>(static_cast<int8_t>(c[k])) * d);
       }
     }
   }

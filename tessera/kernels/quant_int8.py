@@ -3,22 +3,22 @@ the canonical codes/scales/mins of tessera/model/gguf_quant.py, and decoding in 
 
 Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`):
 
-- q4h, u4h, u4f (4-bit codes) and s8h (Q8_0): groups of 8 output rows interleaved, one record of a
-  group holds the 8 rows' scales side by side, then their codes so that one 32-byte load holds 4
-  consecutive K positions of each of the 8 rows. The kernel then computes 8 outputs at once, one
-  output a 32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of x broadcast): the block's
-  integer sum comes out exact for the 8 rows together, and scales apply once a block as a vector
-  (llama.cpp's repacked Q4_0x8 does the same). Row by row it took ~22 instructions a block of one
-  row.
-- the other kinds: row-major, output row n is K/32 records (the kernel computes one output a dot
-  product).
+- q4h, u4h, u4f (4-bit codes), u8f (5-bit codes a byte each) and s8h (Q8_0): groups of 8 output
+  rows interleaved, one record of a group holds the 8 rows' scales side by side, then their codes
+  so that one 32-byte load holds 4 consecutive K positions of each of the 8 rows. The kernel then
+  computes 8 outputs at once, one output a 32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of
+  x broadcast): the block's integer sum comes out exact for the 8 rows together, and scales apply
+  once a block as a vector (llama.cpp's repacked Q4_0x8 does the same). Row by row it took ~22
+  instructions a block of one row.
+- s8f2 (Q6_K, two scales a block): row-major, output row n is K/32 records (the kernel computes
+  one output a dot product).
 
 | kind | record of one row | GGUF types | bits a weight | rows a group |
 | --- | --- | ---: | ---: | ---: |
 | q4h | f16 d, 16 B nibbles (m = -8 d, computed) | Q4_0 | 4.5 | 8 |
 | u4h | f16 d, f16 m, 16 B nibbles | Q4_1 | 5 | 8 |
 | u4f | f32 d, f32 m, 16 B nibbles | Q4_K | 6 | 8 |
-| u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K | 10 | 1 |
+| u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K, Q5_1 | 10 | 8 |
 | s8h | f16 d, 32 int8 | Q8_0 | 8.5 | 8 |
 | s8f2 | f32 d per 16 (two), 32 int8 (q - 32) | Q6_K | 10 | 1 |
 
@@ -27,7 +27,7 @@ interleaved record of a group of 8 rows (r = 0..7) is those rows' records rearra
 
     d[r] for r = 0..7 | m[r] for r = 0..7 (unsigned kinds but q4h) | chunks of 32 B: chunk t,
     byte 4 r + i = row r's code byte 4 t + i (q4h/u4h/u4f: 4 chunks of nibble bytes, k = j low and
-    k = j + 16 high; s8h: 8 chunks, byte j is k = j)
+    k = j + 16 high; u8f/s8h: 8 chunks, byte j is k = j)
 
 A weight whose rows are not a multiple of 8 is padded with zero rows (d = m = 0). The values are
 gguf's (code * d + m), so `dequantize_int8` equals gguf's dequantization; only the activations
@@ -54,7 +54,7 @@ class Int8Format:
     unsigned: bool  # codes >= 0 with a min per block; else signed codes, no min
     nibbles: bool
     groups: int  # scales a block (signed kinds)
-    interleave: int = 1  # output rows a group of records (8: the 4-bit kinds; 1: row-major)
+    interleave: int = 1  # output rows a group of records (8: all but s8f2; 1: row-major)
     offset_min: bool = False  # unsigned codes whose min is -8 d (Q4_0): computed, not stored
 
     row_major = True  # the integer path's layout, not panels (QuantPart users tell them apart)
@@ -84,7 +84,7 @@ class Int8Format:
 U4H = Int8Format("u4h", 10, np.float16, True, True, 1, interleave=8)
 Q4H = Int8Format("q4h", 15, np.float16, True, True, 1, interleave=8, offset_min=True)
 U4F = Int8Format("u4f", 11, np.float32, True, True, 1, interleave=8)
-U8F = Int8Format("u8f", 12, np.float32, True, False, 1)
+U8F = Int8Format("u8f", 12, np.float32, True, False, 1, interleave=8)
 S8H = Int8Format("s8h", 13, np.float16, False, False, 1, interleave=8)
 S8F2 = Int8Format("s8f2", 14, np.float32, False, False, 2)
 

@@ -1,5 +1,5 @@
 // AMX-INT8 tiles for the integer path's interleaved kinds (quant_int8.h: Q4H = Q4_0, U4H = Q4_1,
-// U4F = Q4_K, S8H = Q8_0), 16 rows of x at a time.
+// U4F = Q4_K, U8F = Q5_K/Q5_1, S8H = Q8_0), 16 rows of x at a time.
 //
 // Why: at 16 rows and more the VNNI loop is bound by its instructions, not by memory (decode at
 // batch 64 spent 55 ms of a 95 ms bf16 step in the int8 linears, against 23 ms for the same
@@ -24,7 +24,7 @@
 //   1, 4  A  int8  [16 rows][32 K]         the rows' Q8 codes, read in place (row stride K)
 //   2, 5  B  [8 K quads][16 outputs x 4]  two groups' codes side by side, expanded from their
 //                                         records once per call into this thread's scratch
-// Signed codes (S8H) use tdpbssd, unsigned codes (0..15) tdpbsud: no sign trick needed.
+// Signed codes (S8H) use tdpbssd, unsigned codes (0..15, 0..31) tdpbsud: no sign trick needed.
 #pragma once
 
 #include "linear_amx.h"
@@ -58,7 +58,7 @@ inline void amx_int8_configure() {
 }
 
 // One block of groups ga and gb as a B tile: row t holds K positions 4t..4t+3, bytes 4c..4c+3
-// output c (outputs 0-7 from ga, 8-15 from gb). An S8H chunk t is already row t of its group;
+// output c (outputs 0-7 from ga, 8-15 from gb). A byte-code chunk t is already row t of its group;
 // a nibble chunk t holds row t (low nibbles) and row t + 4 (high nibbles).
 template <typename F>
 inline void expand_block(const uint8_t* ga, const uint8_t* gb, uint8_t* out) {
@@ -70,7 +70,7 @@ inline void expand_block(const uint8_t* ga, const uint8_t* gb, uint8_t* out) {
   auto store = [](uint8_t* p, __m256i v) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(p), v);
   };
-  if constexpr (F::kSigned) {
+  if constexpr (!F::kNibbles) {  // chunk t is row t already
     for (int t = 0; t < 8; ++t) {
       store(out + 64 * t, load(ca + 32 * t));
       store(out + 64 * t + 32, load(cb + 32 * t));

@@ -102,9 +102,9 @@ def pack_quantized(
     fmt: QuantFormat, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     pairs: bool = False,
 ) -> torch.Tensor:
-    """codes [N, K] (uint8 0..15 for 4-bit, int8 for 8-bit: 0..31 with a min), scales/mins [N, K / block] -> the
-    kernel's panels as one uint8 tensor, codes in the layout `pairs` names (code_positions).
-    N is padded to a multiple of 48 with zero weights."""
+    """codes [N, K] (uint8 0..15 for 4-bit, int8 for 8-bit: 0..31 with a min), scales/mins
+    [N, K / block] -> the kernel's panels as one uint8 tensor, codes in the layout `pairs` names
+    (code_positions). N is padded to a multiple of 48 with zero weights."""
     n, k = codes.shape
     if k % fmt.block:
         raise ValueError(f"K ({k}) is not a multiple of {fmt.name}'s block size {fmt.block}")

@@ -4,8 +4,8 @@ Three things differ from an HF checkpoint and are undone here:
 - names: `blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight` (see `_NAME_MAP`);
   fused tensors (Phi-3's `attn_qkv` and gate|up `ffn_up`) are cut by rows into their HF parts;
 - quantisation: with `quantization="none"` every tensor is dequantised to float32 with
-  `gguf.quants.dequantize`; with "gguf" or "gguf_int8", 2-D weights of a type our kernels serve (Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks as `QuantizedTensor`s
+  `gguf.quants.dequantize`; with "gguf" or "gguf_int8", 2-D weights of a type our kernels serve
+  (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks as `QuantizedTensor`s
   (tessera/model/gguf_quant.py), the rest is dequantised;
 - llama.cpp's converter permutes the rows of Llama's Q and K weights so that its interleaved RoPE
   (pairs (2j, 2j+1)) equals HF's rotate_half RoPE (pairs (j, j + head_dim/2)); `_unpermute_rows`

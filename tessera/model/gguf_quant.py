@@ -58,7 +58,7 @@ INT8_FORMATS: dict[gguf.GGMLQuantizationType, Int8Format] = {
     T.Q4_0: Q4H,  # m = -8 d computed: the file's 18 bytes a block
     T.Q4_1: U4H,
     T.Q5_0: S8H,
-    T.Q5_1: U8F,  # 5-bit codes with a min, as Q5_K's records
+    T.Q5_1: U8F,  # 5-bit codes with a min, as Q5_K's
     T.Q8_0: S8H,
     T.Q4_K: U4F,
     T.Q5_K: U8F,

@@ -94,7 +94,8 @@ def test_kernel_equals_its_integer_arithmetic(qtype, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K],
+                         ids=lambda t: t.name)
 def test_a_row_does_not_depend_on_its_batch(qtype, dtype):
     """Also across the AMX-INT8 tiles (16 rows and more, where the CPU has them) and the
     vpdpbusd loop (a lone row, the rows after the last 16, an odd last group of 8 outputs)."""
