@@ -7,13 +7,11 @@
 // vpmaddubsw + vpmaddwd on AVX2; plain C++ in the portable build). The weights never leave
 // their codes.
 //
-// Two loops, by the weight's arrangement (quant_int8.py):
-//   interleaved (Q4H, U4H, U4F, U8F, S8H: 8 output rows a record): 32-bit lane r of the products is
-//     output row r; 4 bytes of x broadcast against 4 codes of each of the 8 rows, 8 such
-//     instructions a block, give the block's exact integer sums of 8 outputs at once; the scales
-//     then apply once a block as vectors (8 d, 8 m). ~4x fewer instructions than row by row.
-//   row-major (S8F2, Q6_K's two scales a block): one output a dot product, 8 lanes of partial
-//     sums a row.
+// Every kind interleaves 8 output rows a record (quant_int8.py): 32-bit lane r of the products
+// is output row r; 4 bytes of x broadcast against 4 codes of each of the 8 rows, 8 such
+// instructions a block, give the block's exact integer sums of 8 outputs at once (S8F2: one sum
+// a half of 16); the scales then apply once a block as vectors (8 d, 8 m). ~4x fewer instructions
+// than one output a dot product, which the 5- and 6-bit kinds took before.
 //
 // Row independence: a row's codes, scale and sums come from that row alone, and its outputs are
 // one chain of fmas over its blocks in K order, whatever rows are batched with it (the integer
@@ -26,10 +24,11 @@
 //   U4F    f32 d, f32 m, 16 B nibbles (24)         Q4_K (d sc, -dmin m)   d q + m       8
 //   U8F    f32 d, f32 m, 32 B codes 0..31 (40)     Q5_K, Q5_1             d q + m       8
 //   S8H    f16 d, 32 int8 (34)                     Q8_0                   d q           8
-//   S8F2   f32 d0, f32 d1 (per 16), 32 int8 (40)   Q6_K (q - 32)          d_(k/16) q    1
+//   S8F2   f32 d0, f32 d1 (per 16), 32 int8 (40)   Q6_K (q - 32)          d_(k/16) q    8
 //
 // Nibbles as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). An interleaved
-// record: d[8] | m[8] (unsigned kinds but Q4H, whose m = -8 d is computed) | chunks of 32 B (4 of nibbles, or 8 of int8), chunk t
+// record: d[8] | m[8] (unsigned kinds but Q4H, whose m = -8 d is computed) or d1[8] (S8F2, the
+// second half's scales) | chunks of 32 B (4 of nibbles, or 8 of int8), chunk t
 // byte 4 r + i = row r's code byte 4 t + i.
 //   unsigned kinds: sum += d dx <q, qx> + m dx sum(qx)      (q 0..31: no int16 saturation)
 //   signed kinds:   sum += dx sum_g d_g <q, qx>_g            (|q| <= 127 via the sign trick)
@@ -58,20 +57,12 @@ namespace tessera_int8 {
 enum Kind : int64_t { kU4H = 10, kU4F = 11, kU8F = 12, kS8H = 13, kS8F2 = 14, kQ4H = 15 };
 constexpr int64_t kQK = 32;  // K positions a block
 
-// The row-major kind: one output row a record (32 signed codes a byte each, Groups scales).
-template <Kind Id, typename S, int Groups>
-struct IFmt {
-  static constexpr Kind kId = Id;
-  using Scale = S;
-  static constexpr int kGroups = Groups;  // scales a block
-  static constexpr int64_t kHead = Groups * sizeof(S);
-  static constexpr int64_t kRecord = kHead + 32;
-};
-// The interleaved kinds: kCols output rows a record. Unsigned codes with a min (d[8], m[8], then
-// 4 chunks of nibbles, or 8 chunks of bytes 0..31; Q4H: d[8] only, m = -8 d), or signed 8-bit
-// codes (d[8], 8 chunks of int8); chunk t, byte 4 r + i is row r's code byte 4 t + i.
+// The kinds: kCols output rows a record. Unsigned codes with a min (d[8], m[8], then 4 chunks of
+// nibbles, or 8 chunks of bytes 0..31; Q4H: d[8] only, m = -8 d), or signed 8-bit codes (d[8]
+// and, with two groups, d1[8]; 8 chunks of int8); chunk t, byte 4 r + i is row r's code byte
+// 4 t + i.
 constexpr int64_t kCols = 8;
-template <Kind Id, typename S, bool Signed, bool Nibbles, bool OffsetMin = false>
+template <Kind Id, typename S, bool Signed, bool Nibbles, bool OffsetMin = false, int Groups = 1>
 struct XFmt {
   static constexpr Kind kId = Id;
   using Scale = S;
@@ -80,8 +71,10 @@ struct XFmt {
   // Q4_0's codes are q - 8: its min -8 d is computed (exact in fp32), not stored, so a record is
   // the file's 18 bytes a row, not 20 (the decode step streams 10% fewer bytes)
   static constexpr bool kOffsetMin = OffsetMin;
+  // scales a block of a row (signed kinds): 2 for Q6_K, one a half of 16 (chunks 0-3 and 4-7)
+  static constexpr int kGroups = Groups;
   static constexpr int kChunks = Nibbles ? 4 : 8;  // 32-byte loads of codes a block
-  static constexpr int64_t kHead = (Signed || OffsetMin ? 1 : 2) * kCols * sizeof(S);
+  static constexpr int64_t kHead = (Signed ? Groups : OffsetMin ? 1 : 2) * kCols * sizeof(S);
   static constexpr int64_t kRecord = kHead + kChunks * 32;  // a group's block
   static constexpr int64_t kRowRecord = kRecord / kCols;    // bytes a row a block
 };
@@ -90,7 +83,7 @@ using U4H = XFmt<kU4H, c10::Half, false, true>;
 using U4F = XFmt<kU4F, float, false, true>;
 using U8F = XFmt<kU8F, float, false, false>;
 using S8H = XFmt<kS8H, c10::Half, true, false>;
-using S8F2 = IFmt<kS8F2, float, 2>;
+using S8F2 = XFmt<kS8F2, float, true, false, false, 2>;
 
 template <typename Fn>
 decltype(auto) with_kind(int64_t kind, Fn&& fn) {
@@ -105,26 +98,9 @@ decltype(auto) with_kind(int64_t kind, Fn&& fn) {
   TORCH_CHECK(false, "unknown int8 weight kind ", kind);
 }
 
-template <typename F>
-constexpr bool is_interleaved() {
-  return F::kId == kQ4H || F::kId == kU4H || F::kId == kU4F || F::kId == kU8F || F::kId == kS8H;
-}
-
-// Bytes a row a block (the packed tensor holds rows rounded up to whole groups).
+// Bytes a row a block (the packed tensor holds rows rounded up to whole groups of kCols).
 inline int64_t record_bytes(int64_t kind) {
-  return with_kind(kind, [](auto f) {
-    using F = decltype(f);
-    if constexpr (is_interleaved<F>()) {
-      return F::kRowRecord;
-    } else {
-      return F::kRecord;
-    }
-  });
-}
-
-// Output rows a group of records: kCols for the interleaved kinds, else 1.
-inline int64_t interleave(int64_t kind) {
-  return with_kind(kind, [](auto f) { return is_interleaved<decltype(f)>() ? kCols : int64_t{1}; });
+  return with_kind(kind, [](auto f) { return decltype(f)::kRowRecord; });
 }
 
 template <typename S>
@@ -230,14 +206,15 @@ inline void prefetch_ahead(const uint8_t* w) {
     tessera_prefetch::prefetch_lines<1>(w + kFarPrefetchBytes, Bytes);
 }
 
-// The exact integer sums of one block for the 8 rows of a group: lane r = <codes of row r, qx>.
-// codes[j] holds K positions 4 j .. 4 j + 3 of each row: unsigned 0..15 (F::kSigned false), or
-// int8 (then |code| against x with the code's sign, so vpmaddubsw's pairs stay in int16).
-template <typename F>
+// The exact integer sums of chunks [J0, J1) of one block for the 8 rows of a group: lane r =
+// <codes of row r, qx> over K positions 4 J0 .. 4 J1 - 1. codes[j] holds K positions 4 j .. 4 j + 3
+// of each row: unsigned 0..15 or 0..31 (F::kSigned false), or int8 (then |code| against x with
+// the code's sign, so vpmaddubsw's pairs stay in int16).
+template <typename F, int J0 = 0, int J1 = 8>
 inline __m256i block_sums8(const __m256i* codes, const int8_t* qx) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   __m256i s = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j) {
+  for (int j = J0; j < J1; ++j) {
     const __m256i x = broadcast4(qx + 4 * j);
     if constexpr (F::kSigned) {
       s = _mm256_dpbusd_epi32(s, _mm256_sign_epi8(codes[j], codes[j]), _mm256_sign_epi8(x, codes[j]));
@@ -250,7 +227,7 @@ inline __m256i block_sums8(const __m256i* codes, const int8_t* qx) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (F::kSigned) {  // pairs up to 2 * 128 * 127: widened to int32 every step
     __m256i s = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
+    for (int j = J0; j < J1; ++j) {
       const __m256i x = broadcast4(qx + 4 * j);
       const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(codes[j], codes[j]),
                                              _mm256_sign_epi8(x, codes[j]));
@@ -258,6 +235,7 @@ inline __m256i block_sums8(const __m256i* codes, const int8_t* qx) {
     }
     return s;
   } else if constexpr (F::kNibbles) {
+    static_assert(J0 == 0 && J1 == 8, "4-bit kinds sum whole blocks");
     // int16 pairs: |15 * 127 * 2| * 8 products summed = 30480 < 32767, no saturation
     __m256i s16 = _mm256_maddubs_epi16(codes[0], broadcast4(qx));
     for (int j = 1; j < 8; ++j)
@@ -265,6 +243,7 @@ inline __m256i block_sums8(const __m256i* codes, const int8_t* qx) {
     return _mm256_madd_epi16(s16, ones);
   } else {
     // codes 0..31: int16 pairs up to 31 * 127 * 2 = 7874, so four of them at most (31496)
+    static_assert(J0 == 0 && J1 == 8, "5-bit kinds sum whole blocks");
     __m256i s = _mm256_setzero_si256();
     for (int h = 0; h < 8; h += 4) {
       __m256i s16 = _mm256_maddubs_epi16(codes[h], broadcast4(qx + 4 * h));
@@ -298,8 +277,16 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i s = block_sums8<F>(codes, xr[r].q + b * kQK);
+      const int8_t* qx = xr[r].q + b * kQK;
       const float dx = xr[r].d[b];
+      if constexpr (F::kGroups == 2) {  // Q6_K: a sum and a scale a half of 16
+        const __m256 d1 = load_scales8<F>(w + kCols * sizeof(typename F::Scale));
+        const __m256i s0 = block_sums8<F, 0, 4>(codes, qx), s1 = block_sums8<F, 4, 8>(codes, qx);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, _mm256_set1_ps(dx)), acc[r]);
+        continue;
+      }
+      const __m256i s = block_sums8<F>(codes, qx);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
       if constexpr (!F::kSigned) {
         const __m256 m = load_mins8<F>(w, d);
@@ -318,52 +305,6 @@ constexpr int kXRows = 4;
 #else
 constexpr int kXRows = 2;
 #endif
-
-// 32 weight codes of a row-major record as bytes.
-template <typename F>
-inline __m256i load_codes(const uint8_t* c) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-}
-
-// 8 int32 lanes, lane i = the products of bytes 4i..4i+3: u (unsigned) times s (signed).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// out[r] = <weight row w, x row r> for R rows of quantized x (AVX2 / VNNI).
-template <typename F, int R>
-inline void dot_rows(const uint8_t* w, int64_t nb, const QRow* xr, float* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
-    const __m256i q = load_codes<F>(w + F::kHead);
-    const __m256i aq = _mm256_sign_epi8(q, q);  // |q|, and x takes q's sign
-    __m256 ds;
-    if constexpr (F::kGroups == 2) {
-      ds = _mm256_set_m128(_mm_set1_ps(scale_at<typename F::Scale>(w, 1)),
-                           _mm_set1_ps(scale_at<typename F::Scale>(w, 0)));
-    } else {
-      ds = _mm256_set1_ps(scale_at<typename F::Scale>(w, 0));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + b * kQK));
-      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aq, _mm256_sign_epi8(qx, q)));
-      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(ds, _mm256_set1_ps(xr[r].d[b])), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
-}
 
 #else  // portable: the same integer sums in plain C++
 
@@ -396,9 +337,12 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
       const int8_t* qx = xr[r].q + b * kQK;
       const float dx = xr[r].d[b];
       for (int c = 0; c < kCols; ++c) {
-        int32_t s = 0;
-        for (int k = 0; k < 32; ++k) s += q[c][k] * qx[k];
-        acc[r][c] = std::fma(static_cast<float>(s), scale8<F>(w, c) * dx, acc[r][c]);
+        for (int g = 0; g < F::kGroups; ++g) {  // Q6_K: a sum and a scale a half of 16
+          constexpr int n = 32 / F::kGroups;
+          int32_t s = 0;
+          for (int k = g * n; k < (g + 1) * n; ++k) s += q[c][k] * qx[k];
+          acc[r][c] = std::fma(static_cast<float>(s), scale8<F>(w, g * kCols + c) * dx, acc[r][c]);
+        }
         if constexpr (!F::kSigned) {
           const float sx = dx * static_cast<float>(xr[r].sum[b]);
           acc[r][c] = std::fma(min_at<F>(w, c), sx, acc[r][c]);
@@ -412,98 +356,37 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
 
 constexpr int kXRows = 4;
 
-template <typename F, int R>
-inline void dot_rows(const uint8_t* w, int64_t nb, const QRow* xr, float* out) {
-  float acc[R] = {};
-  for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(w + F::kHead);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* qx = xr[r].q + b * kQK;
-      const float dx = xr[r].d[b];
-      for (int g = 0; g < F::kGroups; ++g) {
-        int32_t s = 0;
-        const int n = 32 / F::kGroups;
-        for (int i = g * n; i < (g + 1) * n; ++i) s += q[i] * qx[i];
-        acc[r] = std::fma(static_cast<float>(s), scale_at<typename F::Scale>(w, g) * dx, acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = acc[r];
-}
-
 #endif
 
 // Row n of a weight of kind F as gguf's values (the embedding lookup of a tied lm_head): code
-// * d + m, or code * d_(k / 16) for the signed kinds. code * d is exact (d has at most ~19
-// significant bits, the code 5), so the fma's one rounding equals dequantize_int8's mul + add.
+// * d + m, or code * d for the signed kinds (d of the code's half for S8F2). code * d is exact
+// (d has at most ~19 significant bits, the code 5), so the fma's one rounding equals
+// dequantize_int8's mul + add.
 template <typename F, typename T>
 void int8_row(const uint8_t* w, int64_t K, int64_t n, T* out) {
   const int64_t nb = K / kQK;
-  if constexpr (is_interleaved<F>()) {
-    const int64_t r = n % kCols;
-    const uint8_t* rec = w + (n / kCols) * nb * F::kRecord;
-    for (int64_t b = 0; b < nb; ++b, rec += F::kRecord, out += kQK) {
-      const float d = scale_at<typename F::Scale>(rec, r);
-      float m = 0.f;
-      if constexpr (!F::kSigned) m = min_at<F>(rec, static_cast<int>(r));
-      const uint8_t* c = rec + F::kHead + 4 * r;
-      for (int t = 0; t < F::kChunks; ++t) {
-        for (int i = 0; i < 4; ++i) {
-          const uint8_t byte = c[32 * t + i];
-          if constexpr (F::kSigned) {
-            out[4 * t + i] = static_cast<T>(static_cast<float>(static_cast<int8_t>(byte)) * d);
-          } else if constexpr (!F::kNibbles) {
-            out[4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte), d, m));
-          } else {
-            out[4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte & 15), d, m));
-            out[16 + 4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte >> 4), d, m));
-          }
+  const int64_t r = n % kCols;
+  const uint8_t* rec = w + (n / kCols) * nb * F::kRecord;
+  for (int64_t b = 0; b < nb; ++b, rec += F::kRecord, out += kQK) {
+    const float d = scale_at<typename F::Scale>(rec, r);
+    float m = 0.f;
+    if constexpr (!F::kSigned) m = min_at<F>(rec, static_cast<int>(r));
+    const uint8_t* c = rec + F::kHead + 4 * r;
+    for (int t = 0; t < F::kChunks; ++t) {
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = c[32 * t + i];
+        if constexpr (F::kSigned) {
+          const float dt = F::kGroups == 2 && t >= 4 ? scale_at<typename F::Scale>(rec, kCols + r) : d;
+          out[4 * t + i] = static_cast<T>(static_cast<float>(static_cast<int8_t>(byte)) * dt);
+        } else if constexpr (!F::kNibbles) {
+          out[4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte), d, m));
+        } else {
+          out[4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte & 15), d, m));
+          out[16 + 4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte >> 4), d, m));
         }
-      }
-    }
-  } else {
-    const uint8_t* rec = w + n * nb * F::kRecord;
-    for (int64_t b = 0; b < nb; ++b, rec += F::kRecord, out += kQK) {
-      const uint8_t* c = rec + F::kHead;
-      for (int64_t k = 0; k < kQK; ++k) {
-        const float d = scale_at<typename F::Scale>(rec, static_cast<int>(k * F::kGroups / kQK));
-        out[k] = static_cast<T>(static_cast<float>(static_cast<int8_t>(c[k])) * d);
       }
     }
   }
-}
-
-// Weight rows a unit of work: a chunk of rows stays in L1/L2 while every row group of x passes.
-constexpr int64_t kRowsPerChunk = 16;
-constexpr int kRowGroup = 4;
-
-// y[M, N] (row stride ldy) = x[M, K] @ W^T (+ bias): W row-major records of kind F.
-template <typename F, typename T>
-void run_int8(const T* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y,
-              int64_t ldy, const float* bias, QRow* rows) {
-  const int64_t nb = K / kQK, row_bytes = nb * F::kRecord;
-  at::parallel_for(0, (N + kRowsPerChunk - 1) / kRowsPerChunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
-      int64_t m = 0;
-      float out[kRowGroup];
-      for (; m + kRowGroup <= M; m += kRowGroup) {
-        for (int64_t n = n0; n < n1; ++n) {
-          dot_rows<F, kRowGroup>(w + n * row_bytes, nb, rows + m, out);
-          for (int r = 0; r < kRowGroup; ++r)
-            y[(m + r) * ldy + n] = static_cast<T>(bias ? out[r] + bias[n] : out[r]);
-        }
-      }
-      for (; m < M; ++m) {
-        for (int64_t n = n0; n < n1; ++n) {
-          dot_rows<F, 1>(w + n * row_bytes, nb, rows + m, out);
-          y[m * ldy + n] = static_cast<T>(bias ? out[0] + bias[n] : out[0]);
-        }
-      }
-    }
-  });
-  (void)x;
-  (void)ldx;
 }
 
 // Rows [m_begin, M) of x against the group of 8 output rows at wg (its records stay in L1),

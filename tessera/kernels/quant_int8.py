@@ -1,17 +1,13 @@
 """The weight layout of the integer path (`--quantization gguf_int8`, quant_int8.h): packing from
 the canonical codes/scales/mins of tessera/model/gguf_quant.py, and decoding in torch.
 
-Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`):
-
-- q4h, u4h, u4f (4-bit codes), u8f (5-bit codes a byte each) and s8h (Q8_0): groups of 8 output
-  rows interleaved, one record of a group holds the 8 rows' scales side by side, then their codes
-  so that one 32-byte load holds 4 consecutive K positions of each of the 8 rows. The kernel then
-  computes 8 outputs at once, one output a 32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of
-  x broadcast): the block's integer sum comes out exact for the 8 rows together, and scales apply
-  once a block as a vector (llama.cpp's repacked Q4_0x8 does the same). Row by row it took ~22
-  instructions a block of one row.
-- s8f2 (Q6_K, two scales a block): row-major, output row n is K/32 records (the kernel computes
-  one output a dot product).
+Records of 32 K positions, in K order, in groups of 8 output rows (`Int8Format.interleave`): one
+record of a group holds the 8 rows' scales side by side, then their codes so that one 32-byte
+load holds 4 consecutive K positions of each of the 8 rows. The kernel then computes 8 outputs
+at once, one output a 32-bit lane (vpdpbusd / vpmaddubsw against 4 bytes of x broadcast): the
+block's integer sum comes out exact for the 8 rows together (s8f2: one sum a half of 16), and
+scales apply once a block as a vector (llama.cpp's repacked Q4_0x8 does the same). Row by row it
+took ~22 instructions a block of one row.
 
 | kind | record of one row | GGUF types | bits a weight | rows a group |
 | --- | --- | ---: | ---: | ---: |
@@ -20,14 +16,14 @@ Records of 32 K positions, in K order. Two arrangements (`Int8Format.interleave`
 | u4f | f32 d, f32 m, 16 B nibbles | Q4_K | 6 | 8 |
 | u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K, Q5_1 | 10 | 8 |
 | s8h | f16 d, 32 int8 | Q8_0 | 8.5 | 8 |
-| s8f2 | f32 d per 16 (two), 32 int8 (q - 32) | Q6_K | 10 | 1 |
+| s8f2 | f32 d per 16 (two), 32 int8 (q - 32) | Q6_K | 10 | 8 |
 
 Nibbles of a row as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). An
 interleaved record of a group of 8 rows (r = 0..7) is those rows' records rearranged:
 
-    d[r] for r = 0..7 | m[r] for r = 0..7 (unsigned kinds but q4h) | chunks of 32 B: chunk t,
-    byte 4 r + i = row r's code byte 4 t + i (q4h/u4h/u4f: 4 chunks of nibble bytes, k = j low and
-    k = j + 16 high; u8f/s8h: 8 chunks, byte j is k = j)
+    d[r] for r = 0..7 | m[r] (unsigned kinds but q4h) or d1[r] (s8f2) for r = 0..7 | chunks
+    of 32 B: chunk t, byte 4 r + i = row r's code byte 4 t + i (q4h/u4h/u4f: 4 chunks of nibble
+    bytes, k = j low and k = j + 16 high; u8f/s8h/s8f2: 8 chunks, byte j is k = j)
 
 A weight whose rows are not a multiple of 8 is padded with zero rows (d = m = 0). The values are
 gguf's (code * d + m), so `dequantize_int8` equals gguf's dequantization; only the activations
@@ -54,7 +50,7 @@ class Int8Format:
     unsigned: bool  # codes >= 0 with a min per block; else signed codes, no min
     nibbles: bool
     groups: int  # scales a block (signed kinds)
-    interleave: int = 1  # output rows a group of records (8: all but s8f2; 1: row-major)
+    interleave: int = 8  # output rows a group of records
     offset_min: bool = False  # unsigned codes whose min is -8 d (Q4_0): computed, not stored
 
     row_major = True  # the integer path's layout, not panels (QuantPart users tell them apart)
@@ -81,11 +77,11 @@ class Int8Format:
         return self.padded_rows(n) * (k // QK) * self.record_bytes
 
 
-U4H = Int8Format("u4h", 10, np.float16, True, True, 1, interleave=8)
-Q4H = Int8Format("q4h", 15, np.float16, True, True, 1, interleave=8, offset_min=True)
-U4F = Int8Format("u4f", 11, np.float32, True, True, 1, interleave=8)
-U8F = Int8Format("u8f", 12, np.float32, True, False, 1, interleave=8)
-S8H = Int8Format("s8h", 13, np.float16, False, False, 1, interleave=8)
+U4H = Int8Format("u4h", 10, np.float16, True, True, 1)
+Q4H = Int8Format("q4h", 15, np.float16, True, True, 1, offset_min=True)
+U4F = Int8Format("u4f", 11, np.float32, True, True, 1)
+U8F = Int8Format("u8f", 12, np.float32, True, False, 1)
+S8H = Int8Format("s8h", 13, np.float16, False, False, 1)
 S8F2 = Int8Format("s8f2", 14, np.float32, False, False, 2)
 
 
@@ -118,11 +114,9 @@ def pack_int8(
 
 
 def _interleave(fmt: Int8Format, rows: torch.Tensor) -> torch.Tensor:
-    """Row-major records [N, nb, R] -> the packed arrangement of `fmt` ([G, nb, 8 R] for the
-    interleaved kinds, N padded with zero rows; else the rows themselves)."""
+    """Row-major records [N, nb, R] -> the packed arrangement of `fmt` ([G, nb, 8 R], N padded
+    with zero rows)."""
     g = fmt.interleave
-    if g == 1:
-        return rows
     n, nb, r = rows.shape
     pad = fmt.padded_rows(n) - n
     if pad:
@@ -141,8 +135,6 @@ def _rows(fmt: Int8Format, packed: torch.Tensor, nb: int) -> torch.Tensor:
     """The packed bytes -> row-major records [padded rows, nb, R] (inverse of `_interleave`)."""
     r = fmt.record_bytes
     g = fmt.interleave
-    if g == 1:
-        return packed.view(-1, nb, r)
     grouped = packed.view(-1, nb, g * r)
     h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
     head = grouped[..., : g * h].reshape(-1, nb, h // s, g, s).transpose(2, 3)

@@ -188,7 +188,8 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
 template <typename F, typename T>
 bool run_int8_groups_amx(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int64_t ldy,
                          const float* bias, const QRow* rows) {
-  if (M < kTileRows || !tessera_tiles::amx_ready()) return false;
+  // Q6_K's two scales a block would need two products a block (one a half): the VNNI loop
+  if (F::kGroups != 1 || M < kTileRows || !tessera_tiles::amx_ready()) return false;
   const int64_t nb = K / kQK, groups = (N + kCols - 1) / kCols, group_bytes = nb * F::kRecord;
   const int64_t m_tiles = M / kTileRows * kTileRows;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {

@@ -293,8 +293,7 @@ void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, 
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kQK == 0, "K (", K, ") is not a multiple of 32");
-  const int64_t group = tessera_int8::interleave(kind);
-  TORCH_CHECK(packed.numel() == (N + group - 1) / group * group * (K / kQK) *
+  TORCH_CHECK(packed.numel() == (N + kCols - 1) / kCols * kCols * (K / kQK) *
                                     tessera_int8::record_bytes(kind),
               "packed weight does not match N, K and the kind");
   const float* b = nullptr;
@@ -326,24 +325,16 @@ void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, 
   const uint8_t* w = packed.data_ptr<uint8_t>();
   with_kind(kind, [&](auto f) {
     using F = decltype(f);
-    if constexpr (is_interleaved<F>()) {
-      auto groups = [&](auto* yp) {
+    auto groups = [&](auto* yp) {
 #if defined(TESSERA_HAVE_AMX_INT8)
-        if (run_int8_groups_amx<F>(M, K, w, N, yp, y.stride(0), b, rows.data())) return;
+      if (run_int8_groups_amx<F>(M, K, w, N, yp, y.stride(0), b, rows.data())) return;
 #endif
-        run_int8_groups<F>(M, K, w, N, yp, y.stride(0), b, rows.data());
-      };
-      if (f32) {
-        groups(y.data_ptr<float>());
-      } else {
-        groups(y.data_ptr<at::BFloat16>());
-      }
-    } else if (f32) {
-      run_int8<F>(x.data_ptr<float>(), x.stride(0), M, K, w, N, y.data_ptr<float>(), y.stride(0),
-                  b, rows.data());
+      run_int8_groups<F>(M, K, w, N, yp, y.stride(0), b, rows.data());
+    };
+    if (f32) {
+      groups(y.data_ptr<float>());
     } else {
-      run_int8<F>(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, w, N,
-                  y.data_ptr<at::BFloat16>(), y.stride(0), b, rows.data());
+      groups(y.data_ptr<at::BFloat16>());
     }
   });
 }
