@@ -28,7 +28,7 @@
 //
 // Nibbles as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). An interleaved
 // record: d[8] | m[8] (unsigned kinds but Q4H, whose m = -8 d is computed) or d1[8] (S8F2, the
-// second half's scales) | chunks of 32 B (4 of nibbles, or 8 of int8), chunk t
+// second half's scales) | chunks of 32 B (4 of nibbles, or 8 of bytes), chunk t
 // byte 4 r + i = row r's code byte 4 t + i.
 //   unsigned kinds: sum += d dx <q, qx> + m dx sum(qx)      (q 0..31: no int16 saturation)
 //   signed kinds:   sum += dx sum_g d_g <q, qx>_g            (|q| <= 127 via the sign trick)
