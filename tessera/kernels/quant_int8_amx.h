@@ -24,7 +24,9 @@
 //   1, 4  A  int8  [16 rows][32 K]         the rows' Q8 codes, read in place (row stride K)
 //   2, 5  B  [8 K quads][16 outputs x 4]  two groups' codes side by side, expanded from their
 //                                         records once per call into this thread's scratch
-// Signed codes (S8H) use tdpbssd, unsigned codes (0..15, 0..31) tdpbsud: no sign trick needed.
+// Signed codes (S8H, S8F2) use tdpbssd, unsigned codes (0..15, 0..31) tdpbsud: no sign trick
+// needed. S8F2 (Q6_K) has a scale for each half of a block: each half is a product of its own,
+// against a B tile whose other half's rows are zero, so its sum stays apart as in the VNNI loop.
 #pragma once
 
 #include "linear_amx.h"
@@ -62,6 +64,15 @@ inline void amx_int8_configure() {
 // a nibble chunk t holds row t (low nibbles) and row t + 4 (high nibbles).
 template <typename F>
 inline void expand_block(const uint8_t* ga, const uint8_t* gb, uint8_t* out) {
+  if constexpr (F::kGroups == 2) {  // two tiles: rows 0-3 (K 0..15) with 4-7 zero, then the other half
+    std::memset(out, 0, 2 * kBBlockBytes);
+    for (int t = 0; t < 8; ++t) {
+      uint8_t* row = out + (t < 4 ? 0 : kBBlockBytes) + 64 * t;
+      std::memcpy(row, ga + F::kHead + 32 * t, 32);
+      std::memcpy(row + 32, gb + F::kHead + 32 * t, 32);
+    }
+    return;
+  }
   const uint8_t* ca = ga + F::kHead;
   const uint8_t* cb = gb + F::kHead;
   auto load = [](const uint8_t* p) {
@@ -95,12 +106,12 @@ inline __m512 scales16(const uint8_t* ga, const uint8_t* gb, int64_t offset) {
 }
 
 // acc[r] += block b's sums (c, [16][16] int32) times the scales, for the 16 rows from row m0:
-// the VNNI loop's operations (dot_group), lane by lane.
+// the VNNI loop's operations (dot_group), lane by lane. `half`: which half's sums (S8F2).
 template <typename F>
 inline void scale_block(const int32_t* c, const uint8_t* ga, const uint8_t* gb, int64_t b,
-                        int64_t nb, const float* dx, const int32_t* xsum, int64_t m0,
-                        __m512* acc) {
-  const __m512 d = scales16<F>(ga, gb, 0);
+                        int64_t half, int64_t nb, const float* dx, const int32_t* xsum,
+                        int64_t m0, __m512* acc) {
+  const __m512 d = scales16<F>(ga, gb, half * kCols * sizeof(typename F::Scale));
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     const float dxr = dx[(m0 + r) * nb + b];
@@ -142,36 +153,39 @@ inline void block_product(const int8_t* a, int64_t K, const uint8_t* bt) {
 }
 
 // Rows [0, m_tiles) (a multiple of 16) of x's codes q ([M][K], row stride K) against the two
-// groups at ga, gb (nb block records each): y[m][n0 + c] for c < cols. `bbuf`: nb B tiles,
-// 64-byte aligned, this thread's.
+// groups at ga, gb (nb block records each): y[m][n0 + c] for c < cols. `bbuf`: nb * kGroups B
+// tiles, 64-byte aligned, this thread's. A unit u is block u / kGroups (its half u % kGroups).
 template <typename F, typename T>
 void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8_t* q,
                     int64_t K, const float* dx, const int32_t* xsum, int64_t m_tiles,
                     uint8_t* bbuf, T* y, int64_t ldy, int64_t n0, int64_t cols,
                     const float* bias) {
+  constexpr int64_t G = F::kGroups;
   for (int64_t b = 0; b < nb; ++b)
-    expand_block<F>(ga + b * F::kRecord, gb + b * F::kRecord, bbuf + b * kBBlockBytes);
+    expand_block<F>(ga + b * F::kRecord, gb + b * F::kRecord, bbuf + b * G * kBBlockBytes);
+  const int64_t units = nb * G;
+  auto scale = [&](const int32_t* c, int64_t u, int64_t m0, __m512* acc) {
+    const int64_t b = u / G;
+    scale_block<F>(c, ga + b * F::kRecord, gb + b * F::kRecord, b, u % G, nb, dx, xsum, m0, acc);
+  };
   alignas(64) int32_t c[2][kTileRows * kPairCols];
   for (int64_t m0 = 0; m0 < m_tiles; m0 += kTileRows) {
     __m512 acc[kTileRows];
     for (auto& a : acc) a = _mm512_setzero_ps();
     const int8_t* qg = q + m0 * K;
-    // block b on tile set b % 2: block b - 1 is scaled while b's product is in flight
-    for (int64_t b = 0; b < nb; ++b) {
-      const int set = static_cast<int>(b & 1);
-      const uint8_t* bt = bbuf + b * kBBlockBytes;
+    // unit u on tile set u % 2: unit u - 1 is scaled while u's product is in flight
+    for (int64_t u = 0; u < units; ++u) {
+      const int set = static_cast<int>(u & 1);
+      const uint8_t* bt = bbuf + u * kBBlockBytes;
       if (set == 0) {
-        block_product<F, 0>(qg + b * kQK, K, bt);
+        block_product<F, 0>(qg + u / G * kQK, K, bt);
       } else {
-        block_product<F, 1>(qg + b * kQK, K, bt);
+        block_product<F, 1>(qg + u / G * kQK, K, bt);
       }
-      if (b > 0)
-        scale_block<F>(c[1 - set], ga + (b - 1) * F::kRecord, gb + (b - 1) * F::kRecord, b - 1,
-                       nb, dx, xsum, m0, acc);
+      if (u > 0) scale(c[1 - set], u - 1, m0, acc);
       if (set == 0) _tile_stored(0, c[0], 64); else _tile_stored(3, c[1], 64);
     }
-    scale_block<F>(c[(nb - 1) & 1], ga + (nb - 1) * F::kRecord, gb + (nb - 1) * F::kRecord,
-                   nb - 1, nb, dx, xsum, m0, acc);
+    scale(c[(units - 1) & 1], units - 1, m0, acc);
     for (int r = 0; r < kTileRows; ++r) {
       alignas(64) float out[kPairCols];
       _mm512_store_ps(out, acc[r]);
@@ -188,14 +202,13 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
 template <typename F, typename T>
 bool run_int8_groups_amx(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int64_t ldy,
                          const float* bias, const QRow* rows) {
-  // Q6_K's two scales a block would need two products a block (one a half): the VNNI loop
-  if (F::kGroups != 1 || M < kTileRows || !tessera_tiles::amx_ready()) return false;
+  if (M < kTileRows || !tessera_tiles::amx_ready()) return false;
   const int64_t nb = K / kQK, groups = (N + kCols - 1) / kCols, group_bytes = nb * F::kRecord;
   const int64_t m_tiles = M / kTileRows * kTileRows;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     amx_int8_configure();  // tile state is per thread
     uint8_t* bbuf = tessera_tiles::thread_scratch<uint8_t, tessera_tiles::Scratch::kDequantPanel>(
-        nb * kBBlockBytes + 64);
+        nb * F::kGroups * kBBlockBytes + 64);
     bbuf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bbuf) + 63) & ~uintptr_t{63});
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t g = 2 * pair;
