@@ -11,7 +11,7 @@
 // is output row r; 4 bytes of x broadcast against 4 codes of each of the 8 rows, 8 such
 // instructions a block, give the block's exact integer sums of 8 outputs at once (S8F2: one sum
 // a half of 16); the scales then apply once a block as vectors (8 d, 8 m). ~4x fewer instructions
-// than one output a dot product, which the 5- and 6-bit kinds took before.
+// than one output a dot product.
 //
 // Row independence: a row's codes, scale and sums come from that row alone, and its outputs are
 // one chain of fmas over its blocks in K order, whatever rows are batched with it (the integer

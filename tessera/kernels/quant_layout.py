@@ -45,7 +45,7 @@ class QuantFormat:
     scale_dtype: type
     has_min: bool
 
-    row_major = False  # panels (quant_int8.Int8Format is the row-major layout)
+    row_major = False  # panels (quant_int8.Int8Format: the integer path's records, by rows)
 
     @property
     def code_bytes(self) -> int:
@@ -232,7 +232,7 @@ def dequantize_rows(
 class QuantPart:
     """One packed weight [n, k] of a fused linear (q, k and v may be stored in different types)."""
 
-    fmt: QuantFormat | Int8Format  # panels, or the integer path's row-major records
+    fmt: QuantFormat | Int8Format  # panels, or the integer path's records (by rows)
     packed: torch.Tensor  # uint8, fmt.packed_bytes(n, k)
     n: int
     k: int
@@ -261,7 +261,7 @@ def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
             and last.packed.device == p.packed.device
             and last.pairs == p.pairs
         ):
-            # row-major: the last part's padding columns must not shift the next part's bias
+            # integer records: the last part's padding rows must not shift the next part's bias
             head = last.bias if last.bias is None or not p.fmt.row_major else last.bias[: last.n]
             bias = None if p.bias is None or head is None else torch.cat([head, p.bias])
             if isinstance(p.fmt, Int8Format):
