@@ -276,22 +276,27 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
         codes[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
       }
     }
+    // the block's other 8 scales, once for every row: the second half's (Q6_K) or the mins
+    __m256 e = _mm256_setzero_ps();
+    if constexpr (F::kGroups == 2) {
+      e = load_scales8<F>(w + kCols * sizeof(typename F::Scale));
+    } else if constexpr (!F::kSigned) {
+      e = load_mins8<F>(w, d);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* qx = xr[r].q + b * kQK;
       const float dx = xr[r].d[b];
       if constexpr (F::kGroups == 2) {  // Q6_K: a sum and a scale a half of 16
-        const __m256 d1 = load_scales8<F>(w + kCols * sizeof(typename F::Scale));
         const __m256i s0 = block_sums8<F, 0, 4>(codes, qx), s1 = block_sums8<F, 4, 8>(codes, qx);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, _mm256_set1_ps(dx)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(e, _mm256_set1_ps(dx)), acc[r]);
         continue;
       }
       const __m256i s = block_sums8<F>(codes, qx);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
       if constexpr (!F::kSigned) {
-        const __m256 m = load_mins8<F>(w, d);
         const float sx = dx * static_cast<float>(xr[r].sum[b]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(e, _mm256_set1_ps(sx), acc[r]);
       }
     }
   }
@@ -369,14 +374,15 @@ void int8_row(const uint8_t* w, int64_t K, int64_t n, T* out) {
   const uint8_t* rec = w + (n / kCols) * nb * F::kRecord;
   for (int64_t b = 0; b < nb; ++b, rec += F::kRecord, out += kQK) {
     const float d = scale_at<typename F::Scale>(rec, r);
-    float m = 0.f;
+    float m = 0.f, d1 = d;  // the min (unsigned kinds); the second half's scale (Q6_K)
     if constexpr (!F::kSigned) m = min_at<F>(rec, static_cast<int>(r));
+    if constexpr (F::kGroups == 2) d1 = scale_at<typename F::Scale>(rec, kCols + r);
     const uint8_t* c = rec + F::kHead + 4 * r;
     for (int t = 0; t < F::kChunks; ++t) {
       for (int i = 0; i < 4; ++i) {
         const uint8_t byte = c[32 * t + i];
         if constexpr (F::kSigned) {
-          const float dt = F::kGroups == 2 && t >= 4 ? scale_at<typename F::Scale>(rec, kCols + r) : d;
+          const float dt = t >= 4 ? d1 : d;
           out[4 * t + i] = static_cast<T>(static_cast<float>(static_cast<int8_t>(byte)) * dt);
         } else if constexpr (!F::kNibbles) {
           out[4 * t + i] = static_cast<T>(std::fma(static_cast<float>(byte), d, m));
