@@ -21,7 +21,8 @@
 //   kind   record of one row (bytes)               GGUF types        value of code q   rows a group
 //   Q4H    f16 d, 16 B nibbles (18)                Q4_0                   d q - 8 d     8
 //   U4H    f16 d, f16 m, 16 B nibbles (20)         Q4_1                   d q + m       8
-//   U4F    f32 d, f32 m, 16 B nibbles (24)         Q4_K (d sc, -dmin m)   d q + m       8
+//   K4S    u8 sc, u8 m, 16 B nibbles (18.5: d, dmin Q4_K            d sc q - dmin m   8
+//          f16 per 256 spread over 8 records)
 //   U8F    f32 d, f32 m, 32 B codes 0..31 (40)     Q5_K, Q5_1             d q + m       8
 //   S8H    f16 d, 32 int8 (34)                     Q8_0                   d q           8
 //   S8F2   f32 d0, f32 d1 (per 16), 32 int8 (40)   Q6_K (q - 32)          d_(k/16) q    8
@@ -29,7 +30,11 @@
 // Nibbles as GGML stores them: byte j holds k = j (low) and k = j + 16 (high). An interleaved
 // record: d[8] | m[8] (unsigned kinds but Q4H, whose m = -8 d is computed) or d1[8] (S8F2, the
 // second half's scales) | chunks of 32 B (4 of nibbles, or 8 of bytes), chunk t
-// byte 4 r + i = row r's code byte 4 t + i.
+// byte 4 r + i = row r's code byte 4 t + i. K4S keeps Q4_K's own factors, 4.625 bits a weight
+// where fp32 scales and mins took 6: sc[8] | m[8] (6-bit, as bytes) | 4 bytes of its super-block's
+// d[8] and dmin[8] (f16; record j of the 8 holds d of rows 2j, 2j + 1, or, from j = 4, dmin of
+// rows 2j - 8, 2j - 7) | 4 chunks of nibbles. d sc and dmin m are exact in fp32 (11 x 6 bits), so
+// its scales are those fp32 ones bit for bit.
 //   unsigned kinds: sum += d dx <q, qx> + m dx sum(qx)      (q 0..31: no int16 saturation)
 //   signed kinds:   sum += dx sum_g d_g <q, qx>_g            (|q| <= 127 via the sign trick)
 #pragma once
@@ -45,6 +50,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "linear_tiles.h"
 #include "prefetch.h"
 
 #if defined(__AVX2__) && !defined(TESSERA_PORTABLE)
@@ -54,7 +60,9 @@
 
 namespace tessera_int8 {
 
-enum Kind : int64_t { kU4H = 10, kU4F = 11, kU8F = 12, kS8H = 13, kS8F2 = 14, kQ4H = 15 };
+enum Kind : int64_t {
+  kU4H = 10, kK4SWide = 11, kU8F = 12, kS8H = 13, kS8F2 = 14, kQ4H = 15, kK4S = 16
+};
 constexpr int64_t kQK = 32;  // K positions a block
 
 // The kinds: kCols output rows a record. Unsigned codes with a min (d[8], m[8], then 4 chunks of
@@ -62,7 +70,8 @@ constexpr int64_t kQK = 32;  // K positions a block
 // and, with two groups, d1[8]; 8 chunks of int8); chunk t, byte 4 r + i is row r's code byte
 // 4 t + i.
 constexpr int64_t kCols = 8;
-template <Kind Id, typename S, bool Signed, bool Nibbles, bool OffsetMin = false, int Groups = 1>
+template <Kind Id, typename S, bool Signed, bool Nibbles, bool OffsetMin = false, int Groups = 1,
+          bool Super = false>
 struct XFmt {
   static constexpr Kind kId = Id;
   using Scale = S;
@@ -73,14 +82,22 @@ struct XFmt {
   static constexpr bool kOffsetMin = OffsetMin;
   // scales a block of a row (signed kinds): 2 for Q6_K, one a half of 16 (chunks 0-3 and 4-7)
   static constexpr int kGroups = Groups;
+  // K4S: 6-bit scales and mins (S = uint8_t) times their super-block's f16 d and dmin, which
+  // take kSuperBytes of each of its kSuperBlocks records, after the mins
+  static constexpr bool kSuper = Super;
+  static constexpr int kSuperBlocks = 8;
+  static constexpr int64_t kSuperBytes = Super ? 4 : 0;
   static constexpr int kChunks = Nibbles ? 4 : 8;  // 32-byte loads of codes a block
-  static constexpr int64_t kHead = (Signed ? Groups : OffsetMin ? 1 : 2) * kCols * sizeof(S);
+  static constexpr int64_t kHead =
+      (Signed ? Groups : OffsetMin ? 1 : 2) * kCols * sizeof(S) + kSuperBytes;
   static constexpr int64_t kRecord = kHead + kChunks * 32;  // a group's block
-  static constexpr int64_t kRowRecord = kRecord / kCols;    // bytes a row a block
 };
 using Q4H = XFmt<kQ4H, c10::Half, false, true, true>;
 using U4H = XFmt<kU4H, c10::Half, false, true>;
-using U4F = XFmt<kU4F, float, false, true>;
+using K4S = XFmt<kK4S, uint8_t, false, true, false, 1, true>;
+// K4S with its scales expanded to fp32 d and m a block (group_rows, for many rows of x): never
+// packed, so not a kind with_kind knows
+using K4SWide = XFmt<kK4SWide, float, false, true>;
 using U8F = XFmt<kU8F, float, false, false>;
 using S8H = XFmt<kS8H, c10::Half, true, false>;
 using S8F2 = XFmt<kS8F2, float, true, false, false, 2>;
@@ -90,7 +107,7 @@ decltype(auto) with_kind(int64_t kind, Fn&& fn) {
   switch (kind) {
     case kQ4H: return fn(Q4H{});
     case kU4H: return fn(U4H{});
-    case kU4F: return fn(U4F{});
+    case kK4S: return fn(K4S{});
     case kU8F: return fn(U8F{});
     case kS8H: return fn(S8H{});
     case kS8F2: return fn(S8F2{});
@@ -98,9 +115,18 @@ decltype(auto) with_kind(int64_t kind, Fn&& fn) {
   TORCH_CHECK(false, "unknown int8 weight kind ", kind);
 }
 
-// Bytes a row a block (the packed tensor holds rows rounded up to whole groups of kCols).
+// Bytes of a group's block record (the packed tensor holds rows rounded up to whole groups of
+// kCols: groups x K / 32 records).
 inline int64_t record_bytes(int64_t kind) {
-  return with_kind(kind, [](auto f) { return decltype(f)::kRowRecord; });
+  return with_kind(kind, [](auto f) { return decltype(f)::kRecord; });
+}
+
+// K positions a row's K must be a multiple of: a block, or K4S's super-block of 8.
+inline int64_t k_multiple(int64_t kind) {
+  return with_kind(kind, [](auto f) {
+    using F = decltype(f);
+    return F::kSuper ? kQK * F::kSuperBlocks : kQK;
+  });
 }
 
 template <typename S>
@@ -110,11 +136,32 @@ inline float scale_at(const uint8_t* p, int i) {
   return static_cast<float>(s);
 }
 
-// The min of row r of an interleaved record of an unsigned kind: stored, or -8 d (Q4H).
+// K4S: row r's super-block factor (`which` 0: d, 1: dmin) for the record rec of block b.
 template <typename F>
-inline float min_at(const uint8_t* rec, int r) {
+inline float super_at(const uint8_t* rec, int64_t b, int which, int r) {
+  const uint8_t* first = rec - (b % F::kSuperBlocks) * F::kRecord;
+  return scale_at<c10::Half>(first + (4 * which + r / 2) * F::kRecord + 2 * kCols, r % 2);
+}
+
+// Scale i of an interleaved record rec of block b (i < kCols: row i's d; else the second
+// half's, S8F2): stored, or d sc (K4S).
+template <typename F>
+inline float scale_of(const uint8_t* rec, int64_t b, int i) {
+  if constexpr (F::kSuper) {
+    return super_at<F>(rec, b, 0, i) * static_cast<float>(rec[i]);
+  } else {
+    return scale_at<typename F::Scale>(rec, i);
+  }
+}
+
+// The min of row r of an interleaved record of an unsigned kind: stored, -8 d (Q4H), or
+// -(dmin m) (K4S).
+template <typename F>
+inline float min_at(const uint8_t* rec, int64_t b, int r) {
   if constexpr (F::kOffsetMin) {
     return -8.f * scale_at<typename F::Scale>(rec, r);
+  } else if constexpr (F::kSuper) {
+    return -(super_at<F>(rec, b, 1, r) * static_cast<float>(rec[kCols + r]));
   } else {
     return scale_at<typename F::Scale>(rec, kCols + r);
   }
@@ -166,6 +213,40 @@ inline __m256 load_mins8(const uint8_t* p, __m256 d) {
     return _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
   } else {
     return load_scales8<F>(p + kCols * sizeof(typename F::Scale));
+  }
+}
+
+// K4S: the super-block's d[8] and dmin[8], 4 bytes of them in each of its records from `first`.
+template <typename F>
+inline void load_super8(const uint8_t* first, __m256* d, __m256* dmin) {
+  int32_t p[F::kSuperBlocks];
+  for (int j = 0; j < F::kSuperBlocks; ++j)
+    std::memcpy(&p[j], first + j * F::kRecord + 2 * kCols, 4);
+  *d = _mm256_cvtph_ps(_mm_setr_epi32(p[0], p[1], p[2], p[3]));
+  *dmin = _mm256_cvtph_ps(_mm_setr_epi32(p[4], p[5], p[6], p[7]));
+}
+
+inline __m256 bytes8_ps(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+
+// The 8 rows' scales d and second scales e (the mins, or S8F2's second half; zero for S8H) of
+// the block record at w. K4S: d sc and -(dmin m), given its super-block's d and dmin.
+template <typename F>
+inline void block_scales8(const uint8_t* w, __m256 sd, __m256 sm, __m256* d, __m256* e) {
+  if constexpr (F::kSuper) {
+    *d = _mm256_mul_ps(sd, bytes8_ps(w));
+    *e = _mm256_xor_ps(_mm256_mul_ps(sm, bytes8_ps(w + kCols)), _mm256_set1_ps(-0.f));
+  } else {
+    *d = load_scales8<F>(w);
+    if constexpr (F::kGroups == 2) {
+      *e = load_scales8<F>(w + kCols * sizeof(typename F::Scale));
+    } else if constexpr (!F::kSigned) {
+      *e = load_mins8<F>(w, *d);
+    } else {
+      *e = _mm256_setzero_ps();
+    }
   }
 }
 
@@ -262,9 +343,16 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(15);
+  __m256 sd = _mm256_setzero_ps(), sm = sd;  // K4S: the super-block's d and dmin
   for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
     prefetch_ahead<F::kRecord>(w);
-    const __m256 d = load_scales8<F>(w);
+    if constexpr (F::kSuper) {
+      if (b % F::kSuperBlocks == 0) load_super8<F>(w, &sd, &sm);
+    }
+    // the block's scales and its other 8 scales (Q6_K's second half, or the mins), once for
+    // every row
+    __m256 d, e;
+    block_scales8<F>(w, sd, sm, &d, &e);
     __m256i codes[8];
     const uint8_t* c = w + F::kHead;
     for (int t = 0; t < F::kChunks; ++t) {
@@ -275,13 +363,6 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
         codes[t] = _mm256_and_si256(raw, low);
         codes[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
       }
-    }
-    // the block's other 8 scales, once for every row: the second half's (Q6_K) or the mins
-    __m256 e = _mm256_setzero_ps();
-    if constexpr (F::kGroups == 2) {
-      e = load_scales8<F>(w + kCols * sizeof(typename F::Scale));
-    } else if constexpr (!F::kSigned) {
-      e = load_mins8<F>(w, d);
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* qx = xr[r].q + b * kQK;
@@ -313,11 +394,6 @@ constexpr int kXRows = 2;
 
 #else  // portable: the same integer sums in plain C++
 
-template <typename F>
-inline float scale8(const uint8_t* w, int i) {
-  return scale_at<typename F::Scale>(w, i);
-}
-
 template <typename F, int R>
 inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)[kCols]) {
   float acc[R][kCols] = {};
@@ -346,11 +422,12 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
           constexpr int n = 32 / F::kGroups;
           int32_t s = 0;
           for (int k = g * n; k < (g + 1) * n; ++k) s += q[c][k] * qx[k];
-          acc[r][c] = std::fma(static_cast<float>(s), scale8<F>(w, g * kCols + c) * dx, acc[r][c]);
+          acc[r][c] = std::fma(static_cast<float>(s), scale_of<F>(w, b, g * kCols + c) * dx,
+                               acc[r][c]);
         }
         if constexpr (!F::kSigned) {
           const float sx = dx * static_cast<float>(xr[r].sum[b]);
-          acc[r][c] = std::fma(min_at<F>(w, c), sx, acc[r][c]);
+          acc[r][c] = std::fma(min_at<F>(w, b, c), sx, acc[r][c]);
         }
       }
     }
@@ -373,10 +450,10 @@ void int8_row(const uint8_t* w, int64_t K, int64_t n, T* out) {
   const int64_t r = n % kCols;
   const uint8_t* rec = w + (n / kCols) * nb * F::kRecord;
   for (int64_t b = 0; b < nb; ++b, rec += F::kRecord, out += kQK) {
-    const float d = scale_at<typename F::Scale>(rec, r);
+    const float d = scale_of<F>(rec, b, static_cast<int>(r));
     float m = 0.f, d1 = d;  // the min (unsigned kinds); the second half's scale (Q6_K)
-    if constexpr (!F::kSigned) m = min_at<F>(rec, static_cast<int>(r));
-    if constexpr (F::kGroups == 2) d1 = scale_at<typename F::Scale>(rec, kCols + r);
+    if constexpr (!F::kSigned) m = min_at<F>(rec, b, static_cast<int>(r));
+    if constexpr (F::kGroups == 2) d1 = scale_of<F>(rec, b, static_cast<int>(kCols + r));
     const uint8_t* c = rec + F::kHead + 4 * r;
     for (int t = 0; t < F::kChunks; ++t) {
       for (int i = 0; i < 4; ++i) {
@@ -395,11 +472,36 @@ void int8_row(const uint8_t* w, int64_t K, int64_t n, T* out) {
   }
 }
 
+// A group's K4S records as K4SWide ones (the same fp32 scales and mins, bit for bit).
+inline void widen_k4s(const uint8_t* w, int64_t nb, uint8_t* out) {
+  for (int64_t b = 0; b < nb; ++b, w += K4S::kRecord, out += K4SWide::kRecord) {
+    float d[kCols], m[kCols];
+    for (int r = 0; r < kCols; ++r) {
+      d[r] = scale_of<K4S>(w, b, r);
+      m[r] = min_at<K4S>(w, b, r);
+    }
+    std::memcpy(out, d, sizeof(d));
+    std::memcpy(out + sizeof(d), m, sizeof(m));
+    std::memcpy(out + K4SWide::kHead, w + K4S::kHead, K4S::kChunks * 32);
+  }
+}
+
 // Rows [m_begin, M) of x against the group of 8 output rows at wg (its records stay in L1),
 // kXRows at a time: y[m][n0 + c] for the group's outputs below N.
 template <typename F, typename T>
 inline void group_rows(const uint8_t* wg, int64_t nb, const QRow* rows, int64_t m_begin, int64_t M,
                        T* y, int64_t ldy, int64_t n0, int64_t N, const float* bias) {
+  if constexpr (F::kSuper) {
+    // more than one pass: K4S's scales (d sc, -dmin m) computed once for all of them, not in
+    // every pass (AVX2 prefill ran 9-13% slower computing them each pass)
+    if (M - m_begin > kXRows) {
+      uint8_t* wide = tessera_tiles::thread_scratch<uint8_t, tessera_tiles::Scratch::kWideRecords>(
+          nb * K4SWide::kRecord);
+      widen_k4s(wg, nb, wide);
+      group_rows<K4SWide>(wide, nb, rows, m_begin, M, y, ldy, n0, N, bias);
+      return;
+    }
+  }
   float out[kXRows][kCols];
   const int64_t cols = std::min(kCols, N - n0);
   auto store = [&](int64_t m, int nrows) {

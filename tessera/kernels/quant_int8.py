@@ -13,7 +13,7 @@ took ~22 instructions a block of one row.
 | --- | --- | ---: | ---: | ---: |
 | q4h | f16 d, 16 B nibbles (m = -8 d, computed) | Q4_0 | 4.5 | 8 |
 | u4h | f16 d, f16 m, 16 B nibbles | Q4_1 | 5 | 8 |
-| u4f | f32 d, f32 m, 16 B nibbles | Q4_K | 6 | 8 |
+| k4s | u8 sc, u8 m, 16 B nibbles; f16 d, dmin a super-block of 256 | Q4_K | 4.625 | 8 |
 | u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K, Q5_1 | 10 | 8 |
 | s8h | f16 d, 32 int8 | Q8_0 | 8.5 | 8 |
 | s8f2 | f32 d per 16 (two), 32 int8 (q - 32) | Q6_K | 10 | 8 |
@@ -24,6 +24,12 @@ interleaved record of a group of 8 rows (r = 0..7) is those rows' records rearra
     d[r] for r = 0..7 | m[r] (unsigned kinds but q4h) or d1[r] (s8f2) for r = 0..7 | chunks
     of 32 B: chunk t, byte 4 r + i = row r's code byte 4 t + i (q4h/u4h/u4f: 4 chunks of nibble
     bytes, k = j low and k = j + 16 high; u8f/s8h/s8f2: 8 chunks, byte j is k = j)
+
+k4s keeps Q4_K's own factors (a row's values are d sc q - dmin m, sc and m 6-bit a block of 32,
+d and dmin f16 a super-block of 256): a row's unit of 256 K positions is d | dmin | sc[8] | m[8]
+| 8 blocks of 16 nibble bytes (148 B), and a group's 8 block records of a super-block hold, each,
+sc[8 rows] | m[8 rows] | 4 bytes of the 8 rows' d (records 0-3: rows 2j, 2j + 1) or dmin (records
+4-7) | its 4 chunks (`_k4s_order`).
 
 A weight whose rows are not a multiple of 8 is padded with zero rows (d = m = 0). The values are
 gguf's (code * d + m), so `dequantize_int8` equals gguf's dequantization; only the activations
@@ -38,6 +44,7 @@ import numpy as np
 import torch
 
 QK = 32  # K positions a record
+SUPER = 8  # k4s: blocks a super-block
 
 
 @dataclass(frozen=True)
@@ -52,12 +59,20 @@ class Int8Format:
     groups: int  # scales a block (signed kinds)
     interleave: int = 8  # output rows a group of records
     offset_min: bool = False  # unsigned codes whose min is -8 d (Q4_0): computed, not stored
+    super_block: bool = False  # 6-bit scales and mins times f16 factors of 256 (Q4_K)
 
     row_major = True  # the integer path's layout, not panels (QuantPart users tell them apart)
     block = QK
 
     @property
+    def unit(self) -> int:
+        """K positions of a row's record (`record_bytes`): a block, or a k4s super-block."""
+        return QK * SUPER if self.super_block else QK
+
+    @property
     def head_bytes(self) -> int:
+        if self.super_block:
+            return 4 + 2 * SUPER  # d, dmin (f16), sc[8], m[8]
         item = np.dtype(self.scale_dtype).itemsize
         return item * (2 if self.stores_min else self.groups)
 
@@ -67,19 +82,19 @@ class Int8Format:
 
     @property
     def record_bytes(self) -> int:
-        return self.head_bytes + (16 if self.nibbles else 32)
+        return self.head_bytes + (16 if self.nibbles else 32) * (self.unit // QK)
 
     def padded_rows(self, n: int) -> int:
         """Rows the packed tensor holds: n rounded up to whole groups."""
         return -(-n // self.interleave) * self.interleave
 
     def packed_bytes(self, n: int, k: int) -> int:
-        return self.padded_rows(n) * (k // QK) * self.record_bytes
+        return self.padded_rows(n) * (k // self.unit) * self.record_bytes
 
 
 U4H = Int8Format("u4h", 10, np.float16, True, True, 1)
 Q4H = Int8Format("q4h", 15, np.float16, True, True, 1, offset_min=True)
-U4F = Int8Format("u4f", 11, np.float32, True, True, 1)
+K4S = Int8Format("k4s", 16, np.uint8, True, True, 1, super_block=True)
 U8F = Int8Format("u8f", 12, np.float32, True, False, 1)
 S8H = Int8Format("s8h", 13, np.float16, False, False, 1)
 S8F2 = Int8Format("s8f2", 14, np.float32, False, False, 2)
@@ -113,15 +128,52 @@ def pack_int8(
     return _interleave(fmt, rows).reshape(-1)
 
 
+def pack_k4s(codes: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
+             m: np.ndarray) -> torch.Tensor:
+    """Q4_K's factors -> k4s records: codes [N, K] 0..15, d and dmin [N, K / 256] (f16 values),
+    sc and m [N, K / 32] 0..63."""
+    n, k = codes.shape
+    if k % (QK * SUPER):
+        raise ValueError(f"K ({k}) is not a multiple of {QK * SUPER}")
+    ns = k // (QK * SUPER)
+    c = np.ascontiguousarray(codes).astype(np.uint8).reshape(n, ns, SUPER, QK)
+    nibbles = (c[..., :16] | (c[..., 16:] << np.uint8(4))).reshape(n, ns, -1)
+    factors = np.stack([d, dmin], axis=-1).astype(np.float16).view(np.uint8).reshape(n, ns, 4)
+    small = [np.asarray(v, dtype=np.uint8).reshape(n, ns, SUPER) for v in (sc, m)]
+    units = np.concatenate([factors, *small, nibbles], axis=-1)
+    assert units.shape[-1] == K4S.record_bytes
+    return _interleave(K4S, torch.from_numpy(np.ascontiguousarray(units))).reshape(-1)
+
+
+def _k4s_order() -> torch.Tensor:
+    """Byte i of a group's k4s super-block (its 8 block records) is byte order[i] of its 8 rows'
+    units side by side ([8 rows x 148 B])."""
+    u = K4S.record_bytes
+    src: list[int] = []
+    for j in range(SUPER):
+        src += [r * u + 4 + j for r in range(8)]  # sc of block j
+        src += [r * u + 4 + SUPER + j for r in range(8)]  # m
+        which, pair = divmod(j, 4)  # records 0-3: d of rows 2j, 2j + 1; 4-7: dmin
+        src += [r * u + 2 * which + i for r in (2 * pair, 2 * pair + 1) for i in range(2)]
+        start = K4S.head_bytes + 16 * j  # block j's nibble bytes
+        src += [r * u + start + 4 * t + i for t in range(4) for r in range(8) for i in range(4)]
+    return torch.tensor(src)
+
+
+_K4S_ORDER = _k4s_order()
+
+
 def _interleave(fmt: Int8Format, rows: torch.Tensor) -> torch.Tensor:
-    """Row-major records [N, nb, R] -> the packed arrangement of `fmt` ([G, nb, 8 R], N padded
-    with zero rows)."""
+    """Row-major records [N, units, R] -> the packed arrangement of `fmt` ([G, units, 8 R], N
+    padded with zero rows)."""
     g = fmt.interleave
     n, nb, r = rows.shape
     pad = fmt.padded_rows(n) - n
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, nb, r)])
     grouped = rows.view(-1, g, nb, r).transpose(1, 2)  # [G, nb, 8, R]
+    if fmt.super_block:
+        return grouped.reshape(-1, nb, g * r)[..., _K4S_ORDER].contiguous()
     h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
     # scales: [8 rows, scalars, bytes] -> [scalars, 8 rows, bytes] (d[8], then m[8])
     head = grouped[..., :h].reshape(-1, nb, g, h // s, s).transpose(2, 3)
@@ -132,27 +184,48 @@ def _interleave(fmt: Int8Format, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(fmt: Int8Format, packed: torch.Tensor, nb: int) -> torch.Tensor:
-    """The packed bytes -> row-major records [padded rows, nb, R] (inverse of `_interleave`)."""
+    """The packed bytes -> row-major records [padded rows, nb units, R] (inverse of
+    `_interleave`)."""
     r = fmt.record_bytes
     g = fmt.interleave
     grouped = packed.view(-1, nb, g * r)
-    h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
-    head = grouped[..., : g * h].reshape(-1, nb, h // s, g, s).transpose(2, 3)
-    codes = grouped[..., g * h :].reshape(-1, nb, (r - h) // 4, g, 4).transpose(2, 3)
-    rows = torch.cat([head.reshape(-1, nb, g, h), codes.reshape(-1, nb, g, r - h)], dim=-1)
+    if fmt.super_block:
+        rows = torch.empty_like(grouped)
+        rows[..., _K4S_ORDER] = grouped
+        rows = rows.view(-1, nb, g, r)
+    else:
+        h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
+        head = grouped[..., : g * h].reshape(-1, nb, h // s, g, s).transpose(2, 3)
+        codes = grouped[..., g * h :].reshape(-1, nb, (r - h) // 4, g, 4).transpose(2, 3)
+        rows = torch.cat([head.reshape(-1, nb, g, h), codes.reshape(-1, nb, g, r - h)], dim=-1)
     return rows.transpose(1, 2).reshape(-1, nb, r)  # [G, nb, 8, R] -> [N, nb, R]
 
 
 def concat_int8(fmt: Int8Format, packed: list[torch.Tensor], ns: list[int], k: int) -> torch.Tensor:
     """Several packed weights of one kind stacked along the output rows, as one packed weight
     (each one's padding rows dropped first, so the rows stay contiguous)."""
-    nb = k // QK
+    nb = k // fmt.unit
     rows = torch.cat([_rows(fmt, p, nb)[:n] for p, n in zip(packed, ns, strict=True)])
     return _interleave(fmt, rows).reshape(-1)
 
 
+def _decode_k4s(units: torch.Tensor) -> torch.Tensor:
+    """k4s units [..., 148] -> float32 weights [..., 256]: d sc q - dmin m, as gguf rounds it
+    (d sc and dmin m are exact)."""
+    factors = units[..., :4].contiguous().view(torch.float16).float()  # [..., 2]
+    sc = units[..., 4 : 4 + SUPER].float()
+    m = units[..., 4 + SUPER : K4S.head_bytes].float()
+    raw = units[..., K4S.head_bytes :].reshape(*units.shape[:-1], SUPER, 16)
+    q = torch.cat([raw & 15, raw >> 4], dim=-1).float()  # [..., 8, 32]
+    scale = (factors[..., :1] * sc).unsqueeze(-1)
+    mins = (-(factors[..., 1:2] * m)).unsqueeze(-1)
+    return (q * scale + mins).flatten(-2)
+
+
 def _decode(fmt: Int8Format, records: torch.Tensor) -> torch.Tensor:
-    """records [..., record_bytes] -> float32 weights [..., 32] (gguf's values)."""
+    """records [..., record_bytes] -> float32 weights [..., unit] (gguf's values)."""
+    if fmt.super_block:
+        return _decode_k4s(records)
     head = records[..., : fmt.head_bytes].contiguous()
     tdtype = torch.float16 if fmt.scale_dtype is np.float16 else torch.float32
     tables = head.view(tdtype).float()  # [..., 2] (d, m) or [..., groups]
@@ -172,7 +245,7 @@ def _decode(fmt: Int8Format, records: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int8(fmt: Int8Format, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The float32 weights [N, K] a packed tensor holds."""
-    return _decode(fmt, _rows(fmt, packed, k // QK)[:n]).reshape(n, k)
+    return _decode(fmt, _rows(fmt, packed, k // fmt.unit)[:n]).reshape(n, k)
 
 
 def dequantize_int8_rows(
@@ -181,7 +254,7 @@ def dequantize_int8_rows(
     """Float32 rows `ids` [T] -> [T, K]: the embedding lookup reads only those rows' records
     (their groups' records, for the interleaved kinds)."""
     ids = ids.reshape(-1)
-    g, nb = fmt.interleave, k // QK
+    g, nb = fmt.interleave, k // fmt.unit
     groups = packed.view(-1, nb * g * fmt.record_bytes)[ids // g]  # [T, group bytes]
     rows = _rows(fmt, groups.reshape(-1), nb).view(-1, g, nb, fmt.record_bytes)
     picked = rows[torch.arange(ids.numel()), ids % g]  # [T, nb, R]

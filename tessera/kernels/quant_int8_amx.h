@@ -1,5 +1,5 @@
 // AMX-INT8 tiles for the integer path's interleaved kinds (quant_int8.h: Q4H = Q4_0, U4H = Q4_1,
-// U4F = Q4_K, U8F = Q5_K/Q5_1, S8H = Q8_0), 16 rows of x at a time.
+// K4S = Q4_K, U8F = Q5_K/Q5_1, S8H = Q8_0), 16 rows of x at a time.
 //
 // Why: at 16 rows and more the VNNI loop is bound by its instructions, not by memory (decode at
 // batch 64 spent 55 ms of a 95 ms bf16 step in the int8 linears, against 23 ms for the same
@@ -98,11 +98,20 @@ inline void expand_block(const uint8_t* ga, const uint8_t* gb, uint8_t* out) {
   }
 }
 
-// The 16 scales of a block's outputs (offset 0: d; kCols scales further: m).
+// The 16 outputs' scales d and second scales e (block_scales8) of block b's records ga, gb.
 template <typename F>
-inline __m512 scales16(const uint8_t* ga, const uint8_t* gb, int64_t offset) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(load_scales8<F>(ga + offset)),
-                            load_scales8<F>(gb + offset), 1);
+inline void block_scales16(const uint8_t* ga, const uint8_t* gb, int64_t b, __m512* d,
+                           __m512* e) {
+  __m256 da, ea, db, eb, sda = _mm256_setzero_ps(), sma = sda, sdb = sda, smb = sda;
+  if constexpr (F::kSuper) {
+    const int64_t back = (b % F::kSuperBlocks) * F::kRecord;
+    load_super8<F>(ga - back, &sda, &sma);
+    load_super8<F>(gb - back, &sdb, &smb);
+  }
+  block_scales8<F>(ga, sda, sma, &da, &ea);
+  block_scales8<F>(gb, sdb, smb, &db, &eb);
+  *d = _mm512_insertf32x8(_mm512_castps256_ps512(da), db, 1);
+  *e = _mm512_insertf32x8(_mm512_castps256_ps512(ea), eb, 1);
 }
 
 // acc[r] += block b's sums (c, [16][16] int32) times the scales, for the 16 rows from row m0:
@@ -111,7 +120,9 @@ template <typename F>
 inline void scale_block(const int32_t* c, const uint8_t* ga, const uint8_t* gb, int64_t b,
                         int64_t half, int64_t nb, const float* dx, const int32_t* xsum,
                         int64_t m0, __m512* acc) {
-  const __m512 d = scales16<F>(ga, gb, half * kCols * sizeof(typename F::Scale));
+  __m512 d, e;
+  block_scales16<F>(ga, gb, b, &d, &e);
+  if (half) d = e;  // S8F2's second half
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     const float dxr = dx[(m0 + r) * nb + b];
@@ -119,17 +130,11 @@ inline void scale_block(const int32_t* c, const uint8_t* ga, const uint8_t* gb, 
     acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dxr)), acc[r]);
   }
   if constexpr (!F::kSigned) {
-    __m512 m;
-    if constexpr (F::kOffsetMin) {
-      m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-    } else {
-      m = scales16<F>(ga, gb, kCols * sizeof(typename F::Scale));
-    }
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
       const int64_t i = (m0 + r) * nb + b;
       const float sx = dx[i] * static_cast<float>(xsum[i]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), acc[r]);
+      acc[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(sx), acc[r]);
     }
   }
 }

@@ -292,8 +292,8 @@ void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, 
   TORCH_CHECK(y.scalar_type() == x.scalar_type(), "x and y dtypes differ");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kQK == 0, "K (", K, ") is not a multiple of 32");
-  TORCH_CHECK(packed.numel() == (N + kCols - 1) / kCols * kCols * (K / kQK) *
+  TORCH_CHECK(K % k_multiple(kind) == 0, "K (", K, ") is not a multiple of ", k_multiple(kind));
+  TORCH_CHECK(packed.numel() == (N + kCols - 1) / kCols * (K / kQK) *
                                     tessera_int8::record_bytes(kind),
               "packed weight does not match N, K and the kind");
   const float* b = nullptr;
@@ -351,8 +351,9 @@ void int8_rows_out(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor 
               "ids must be a contiguous int64 vector");
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == ids.numel() && out.size(1) == K,
               "out must be a contiguous [T, K]");
-  TORCH_CHECK(K > 0 && K % kQK == 0, "K (", K, ") is not a multiple of 32");
-  const int64_t rows = packed.numel() / ((K / kQK) * tessera_int8::record_bytes(kind));
+  TORCH_CHECK(K > 0 && K % k_multiple(kind) == 0, "K (", K, ") is not a multiple of ",
+              k_multiple(kind));
+  const int64_t rows = packed.numel() / ((K / kQK) * tessera_int8::record_bytes(kind)) * kCols;
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < ids.numel(); ++t)
     TORCH_CHECK(id[t] >= 0 && id[t] < rows, "id ", id[t], " is outside the packed rows");
@@ -374,7 +375,8 @@ void int8_rows_out(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_record_bytes", &int8_record_bytes, "bytes of one block record of an int8 kind");
+  m.def("int8_record_bytes", &int8_record_bytes,
+        "bytes of one block record of a group of 8 rows of an int8 kind");
   m.def("int8_dot_instruction", &int8_dot_instruction, "the integer dot product of this build");
   m.def("int8_amx_min_rows", &int8_amx_min_rows,
         "rows from which the integer path runs AMX-INT8 tiles (0: never)");

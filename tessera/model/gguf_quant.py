@@ -26,7 +26,17 @@ import gguf
 import numpy as np
 import torch
 
-from tessera.kernels.quant_int8 import Q4H, S8F2, S8H, U4F, U4H, U8F, Int8Format, pack_int8
+from tessera.kernels.quant_int8 import (
+    K4S,
+    Q4H,
+    S8F2,
+    S8H,
+    U4H,
+    U8F,
+    Int8Format,
+    pack_int8,
+    pack_k4s,
+)
 from tessera.kernels.quant_layout import (
     Q4_FLOAT,
     Q4_HALF,
@@ -60,7 +70,7 @@ INT8_FORMATS: dict[gguf.GGMLQuantizationType, Int8Format] = {
     T.Q5_0: S8H,
     T.Q5_1: U8F,  # 5-bit codes with a min, as Q5_K's
     T.Q8_0: S8H,
-    T.Q4_K: U4F,
+    T.Q4_K: K4S,  # the file's 6-bit scales and f16 factors: 4.625 bits a weight, not 6
     T.Q5_K: U8F,
     T.Q6_K: S8F2,
 }
@@ -121,6 +131,9 @@ class QuantizedTensor:
         n, k = self.shape
         fmt = self.fmt
         if isinstance(fmt, Int8Format):  # one code order: `pairs` does not apply
+            if fmt.super_block:  # k4s (Q4_K): the file's own factors, not their products
+                raw = np.ascontiguousarray(self.data).reshape(n, -1)
+                return QuantPart(fmt, pack_k4s(*_q4_k_factors(raw, n, k)), n, k, bias, False)
             return QuantPart(fmt, pack_int8(fmt, *self.decode()), n, k, bias, False)
         packed = pack_quantized(fmt, *self.decode(), pairs=pairs)
         return QuantPart(fmt, packed, n, k, bias, pairs)
@@ -179,15 +192,20 @@ def _q8_0(raw: np.ndarray, n: int, k: int) -> Decoded:
     return np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k), _half(b[..., 0:2]), None
 
 
-def _q4_k(raw: np.ndarray, n: int, k: int) -> Decoded:
+def _q4_k_factors(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, ...]:
+    """Q4_K as stored: codes [N, K] 0..15, d and dmin [N, K / 256] (f16), and the 6-bit sc and
+    m [N, K / 256, 8]."""
     b = _blocks(raw, n, 144)
-    d = _half(b[..., 0:2]).astype(np.float32)[..., None]
-    dmin = _half(b[..., 2:4]).astype(np.float32)[..., None]
     sc, m = _q4_k_scale_min(b[..., 4:16])  # [N, nb, 8] each
     qs = b[..., 16:].reshape(n, -1, 4, 32)  # per 64 K-positions: 32 bytes
     codes = np.stack([qs & np.uint8(15), qs >> np.uint8(4)], axis=-2).reshape(n, k)
-    scales = (d * sc.astype(np.float32)).reshape(n, -1)  # exact: 11 x 6 bits
-    mins = -(dmin * m.astype(np.float32)).reshape(n, -1)
+    return codes, _half(b[..., 0:2]), _half(b[..., 2:4]), sc, m
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int) -> Decoded:
+    codes, d, dmin, sc, m = _q4_k_factors(raw, n, k)
+    scales = (d.astype(np.float32)[..., None] * sc.astype(np.float32)).reshape(n, -1)  # exact
+    mins = -(dmin.astype(np.float32)[..., None] * m.astype(np.float32)).reshape(n, -1)
     return codes, scales, mins
 
 
