@@ -14,7 +14,8 @@ took ~22 instructions a block of one row.
 | q4h | f16 d, 16 B nibbles (m = -8 d, computed) | Q4_0 | 4.5 | 8 |
 | u4h | f16 d, f16 m, 16 B nibbles | Q4_1 | 5 | 8 |
 | k4s | u8 sc, u8 m, 16 B nibbles; f16 d, dmin a super-block of 256 | Q4_K | 4.625 | 8 |
-| u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_K, Q5_1 | 10 | 8 |
+| k5s | k4s and 4 B of the codes' 5th bits | Q5_K | 5.625 | 8 |
+| u8f | f32 d, f32 m, 32 B codes 0..31 | Q5_1 | 10 | 8 |
 | s8h | f16 d, 32 int8 | Q8_0 | 8.5 | 8 |
 | s8f2 | f32 d per 16 (two), 32 int8 (q - 32) | Q6_K | 10 | 8 |
 
@@ -22,14 +23,16 @@ Nibbles of a row as GGML stores them: byte j holds k = j (low) and k = j + 16 (h
 interleaved record of a group of 8 rows (r = 0..7) is those rows' records rearranged:
 
     d[r] for r = 0..7 | m[r] (unsigned kinds but q4h) or d1[r] (s8f2) for r = 0..7 | chunks
-    of 32 B: chunk t, byte 4 r + i = row r's code byte 4 t + i (q4h/u4h/u4f: 4 chunks of nibble
+    of 32 B: chunk t, byte 4 r + i = row r's code byte 4 t + i (q4h/u4h/k4s: 4 chunks of nibble
     bytes, k = j low and k = j + 16 high; u8f/s8h/s8f2: 8 chunks, byte j is k = j)
 
 k4s keeps Q4_K's own factors (a row's values are d sc q - dmin m, sc and m 6-bit a block of 32,
 d and dmin f16 a super-block of 256): a row's unit of 256 K positions is d | dmin | sc[8] | m[8]
 | 8 blocks of 16 nibble bytes (148 B), and a group's 8 block records of a super-block hold, each,
 sc[8 rows] | m[8 rows] | 4 bytes of the 8 rows' d (records 0-3: rows 2j, 2j + 1) or dmin (records
-4-7) | its 4 chunks (`_k4s_order`).
+4-7) | its 4 chunks (`_super_order`). k5s (Q5_K) has 4 bytes more in a row's block: its codes'
+5th bits, byte i bit t for K position 4 t + i; in the group record, a 32-byte plane after the
+factors (byte 4 r + i, bit t: row r's), before the chunks of the low nibbles.
 
 A weight whose rows are not a multiple of 8 is padded with zero rows (d = m = 0). The values are
 gguf's (code * d + m), so `dequantize_int8` equals gguf's dequantization; only the activations
@@ -38,6 +41,7 @@ are rounded (to Q8 blocks, in the kernel).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +63,8 @@ class Int8Format:
     groups: int  # scales a block (signed kinds)
     interleave: int = 8  # output rows a group of records
     offset_min: bool = False  # unsigned codes whose min is -8 d (Q4_0): computed, not stored
-    super_block: bool = False  # 6-bit scales and mins times f16 factors of 256 (Q4_K)
+    super_block: bool = False  # 6-bit scales and mins times f16 factors of 256 (Q4_K, Q5_K)
+    high_bits: bool = False  # nibbles and a plane of 5th bits (Q5_K)
 
     row_major = True  # the integer path's layout, not panels (QuantPart users tell them apart)
     block = QK
@@ -71,8 +76,8 @@ class Int8Format:
 
     @property
     def head_bytes(self) -> int:
-        if self.super_block:
-            return 4 + 2 * SUPER  # d, dmin (f16), sc[8], m[8]
+        if self.super_block:  # d, dmin (f16), sc[8], m[8], 5th bits (4 B a block)
+            return 4 + 2 * SUPER + (4 * SUPER if self.high_bits else 0)
         item = np.dtype(self.scale_dtype).itemsize
         return item * (2 if self.stores_min else self.groups)
 
@@ -95,6 +100,7 @@ class Int8Format:
 U4H = Int8Format("u4h", 10, np.float16, True, True, 1)
 Q4H = Int8Format("q4h", 15, np.float16, True, True, 1, offset_min=True)
 K4S = Int8Format("k4s", 16, np.uint8, True, True, 1, super_block=True)
+K5S = Int8Format("k5s", 17, np.uint8, True, True, 1, super_block=True, high_bits=True)
 U8F = Int8Format("u8f", 12, np.float32, True, False, 1)
 S8H = Int8Format("s8h", 13, np.float16, False, False, 1)
 S8F2 = Int8Format("s8f2", 14, np.float32, False, False, 2)
@@ -128,39 +134,44 @@ def pack_int8(
     return _interleave(fmt, rows).reshape(-1)
 
 
-def pack_k4s(codes: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
-             m: np.ndarray) -> torch.Tensor:
-    """Q4_K's factors -> k4s records: codes [N, K] 0..15, d and dmin [N, K / 256] (f16 values),
-    sc and m [N, K / 32] 0..63."""
+def pack_super(fmt: Int8Format, codes: np.ndarray, d: np.ndarray, dmin: np.ndarray,
+               sc: np.ndarray, m: np.ndarray) -> torch.Tensor:
+    """Q4_K's or Q5_K's factors -> k4s or k5s records: codes [N, K] (0..15, or 0..31 for k5s),
+    d and dmin [N, K / 256] (f16 values), sc and m [N, K / 32] 0..63."""
     n, k = codes.shape
     if k % (QK * SUPER):
         raise ValueError(f"K ({k}) is not a multiple of {QK * SUPER}")
     ns = k // (QK * SUPER)
     c = np.ascontiguousarray(codes).astype(np.uint8).reshape(n, ns, SUPER, QK)
-    nibbles = (c[..., :16] | (c[..., 16:] << np.uint8(4))).reshape(n, ns, -1)
+    low = c & np.uint8(15)
+    nibbles = (low[..., :16] | (low[..., 16:] << np.uint8(4))).reshape(n, ns, -1)
     factors = np.stack([d, dmin], axis=-1).astype(np.float16).view(np.uint8).reshape(n, ns, 4)
-    small = [np.asarray(v, dtype=np.uint8).reshape(n, ns, SUPER) for v in (sc, m)]
-    units = np.concatenate([factors, *small, nibbles], axis=-1)
-    assert units.shape[-1] == K4S.record_bytes
-    return _interleave(K4S, torch.from_numpy(np.ascontiguousarray(units))).reshape(-1)
+    parts = [factors] + [np.asarray(v, dtype=np.uint8).reshape(n, ns, SUPER) for v in (sc, m)]
+    if fmt.high_bits:  # byte i, bit t: the 5th bit of K position 4 t + i, 4 bytes a block
+        fifth = (c >> np.uint8(4)).reshape(n, ns, SUPER, 8, 4)
+        weights = (np.uint8(1) << np.arange(8, dtype=np.uint8))[:, None]
+        parts.append((fifth * weights).sum(axis=-2, dtype=np.uint8).reshape(n, ns, -1))
+    units = np.concatenate([*parts, nibbles], axis=-1)
+    assert units.shape[-1] == fmt.record_bytes
+    return _interleave(fmt, torch.from_numpy(np.ascontiguousarray(units))).reshape(-1)
 
 
-def _k4s_order() -> torch.Tensor:
-    """Byte i of a group's k4s super-block (its 8 block records) is byte order[i] of its 8 rows'
-    units side by side ([8 rows x 148 B])."""
-    u = K4S.record_bytes
+@functools.cache
+def _super_order(fmt: Int8Format) -> torch.Tensor:
+    """Byte i of a group's k4s/k5s super-block (its 8 block records) is byte order[i] of its 8
+    rows' units side by side ([8 rows x record_bytes])."""
+    u = fmt.record_bytes
     src: list[int] = []
     for j in range(SUPER):
         src += [r * u + 4 + j for r in range(8)]  # sc of block j
         src += [r * u + 4 + SUPER + j for r in range(8)]  # m
         which, pair = divmod(j, 4)  # records 0-3: d of rows 2j, 2j + 1; 4-7: dmin
         src += [r * u + 2 * which + i for r in (2 * pair, 2 * pair + 1) for i in range(2)]
-        start = K4S.head_bytes + 16 * j  # block j's nibble bytes
+        if fmt.high_bits:  # the 5th bits of block j: 4 bytes a row
+            src += [r * u + 4 + 2 * SUPER + 4 * j + i for r in range(8) for i in range(4)]
+        start = fmt.head_bytes + 16 * j  # block j's nibble bytes
         src += [r * u + start + 4 * t + i for t in range(4) for r in range(8) for i in range(4)]
     return torch.tensor(src)
-
-
-_K4S_ORDER = _k4s_order()
 
 
 def _interleave(fmt: Int8Format, rows: torch.Tensor) -> torch.Tensor:
@@ -173,7 +184,7 @@ def _interleave(fmt: Int8Format, rows: torch.Tensor) -> torch.Tensor:
         rows = torch.cat([rows, rows.new_zeros(pad, nb, r)])
     grouped = rows.view(-1, g, nb, r).transpose(1, 2)  # [G, nb, 8, R]
     if fmt.super_block:
-        return grouped.reshape(-1, nb, g * r)[..., _K4S_ORDER].contiguous()
+        return grouped.reshape(-1, nb, g * r)[..., _super_order(fmt)].contiguous()
     h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
     # scales: [8 rows, scalars, bytes] -> [scalars, 8 rows, bytes] (d[8], then m[8])
     head = grouped[..., :h].reshape(-1, nb, g, h // s, s).transpose(2, 3)
@@ -191,7 +202,7 @@ def _rows(fmt: Int8Format, packed: torch.Tensor, nb: int) -> torch.Tensor:
     grouped = packed.view(-1, nb, g * r)
     if fmt.super_block:
         rows = torch.empty_like(grouped)
-        rows[..., _K4S_ORDER] = grouped
+        rows[..., _super_order(fmt)] = grouped
         rows = rows.view(-1, nb, g, r)
     else:
         h, s = fmt.head_bytes, np.dtype(fmt.scale_dtype).itemsize
@@ -209,14 +220,19 @@ def concat_int8(fmt: Int8Format, packed: list[torch.Tensor], ns: list[int], k: i
     return _interleave(fmt, rows).reshape(-1)
 
 
-def _decode_k4s(units: torch.Tensor) -> torch.Tensor:
-    """k4s units [..., 148] -> float32 weights [..., 256]: d sc q - dmin m, as gguf rounds it
-    (d sc and dmin m are exact)."""
+def _decode_super(fmt: Int8Format, units: torch.Tensor) -> torch.Tensor:
+    """k4s/k5s units [..., record_bytes] -> float32 weights [..., 256]: d sc q - dmin m, as gguf
+    rounds it (d sc and dmin m are exact)."""
     factors = units[..., :4].contiguous().view(torch.float16).float()  # [..., 2]
     sc = units[..., 4 : 4 + SUPER].float()
-    m = units[..., 4 + SUPER : K4S.head_bytes].float()
-    raw = units[..., K4S.head_bytes :].reshape(*units.shape[:-1], SUPER, 16)
-    q = torch.cat([raw & 15, raw >> 4], dim=-1).float()  # [..., 8, 32]
+    m = units[..., 4 + SUPER : 4 + 2 * SUPER].float()
+    raw = units[..., fmt.head_bytes :].reshape(*units.shape[:-1], SUPER, 16)
+    q = torch.cat([raw & 15, raw >> 4], dim=-1)  # [..., 8, 32]
+    if fmt.high_bits:
+        fifth = units[..., 4 + 2 * SUPER : fmt.head_bytes].reshape(*units.shape[:-1], SUPER, 1, 4)
+        shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+        q = q | (((fifth >> shifts) & 1) << 4).reshape(q.shape)  # [.., 8 blocks, 8 t, 4 i]
+    q = q.float()
     scale = (factors[..., :1] * sc).unsqueeze(-1)
     mins = (-(factors[..., 1:2] * m)).unsqueeze(-1)
     return (q * scale + mins).flatten(-2)
@@ -225,7 +241,7 @@ def _decode_k4s(units: torch.Tensor) -> torch.Tensor:
 def _decode(fmt: Int8Format, records: torch.Tensor) -> torch.Tensor:
     """records [..., record_bytes] -> float32 weights [..., unit] (gguf's values)."""
     if fmt.super_block:
-        return _decode_k4s(records)
+        return _decode_super(fmt, records)
     head = records[..., : fmt.head_bytes].contiguous()
     tdtype = torch.float16 if fmt.scale_dtype is np.float16 else torch.float32
     tables = head.view(tdtype).float()  # [..., 2] (d, m) or [..., groups]

@@ -1,5 +1,5 @@
 // AMX-INT8 tiles for the integer path's interleaved kinds (quant_int8.h: Q4H = Q4_0, U4H = Q4_1,
-// K4S = Q4_K, U8F = Q5_K/Q5_1, S8H = Q8_0), 16 rows of x at a time.
+// K4S = Q4_K, K5S = Q5_K, U8F = Q5_1, S8H = Q8_0, S8F2 = Q6_K), 16 rows of x at a time.
 //
 // Why: at 16 rows and more the VNNI loop is bound by its instructions, not by memory (decode at
 // batch 64 spent 55 ms of a 95 ms bf16 step in the int8 linears, against 23 ms for the same
@@ -88,12 +88,21 @@ inline void expand_block(const uint8_t* ga, const uint8_t* gb, uint8_t* out) {
     }
   } else {
     const __m256i low = _mm256_set1_epi8(15);
+    __m256i a[8], b[8];
     for (int t = 0; t < 4; ++t) {
       const __m256i ra = load(ca + 32 * t), rb = load(cb + 32 * t);
-      store(out + 64 * t, _mm256_and_si256(ra, low));
-      store(out + 64 * t + 32, _mm256_and_si256(rb, low));
-      store(out + 64 * (t + 4), _mm256_and_si256(_mm256_srli_epi16(ra, 4), low));
-      store(out + 64 * (t + 4) + 32, _mm256_and_si256(_mm256_srli_epi16(rb, 4), low));
+      a[t] = _mm256_and_si256(ra, low);
+      b[t] = _mm256_and_si256(rb, low);
+      a[t + 4] = _mm256_and_si256(_mm256_srli_epi16(ra, 4), low);
+      b[t + 4] = _mm256_and_si256(_mm256_srli_epi16(rb, 4), low);
+    }
+    if constexpr (F::kHighBits) {
+      add_high_bits(ga + F::kHighOffset, a);
+      add_high_bits(gb + F::kHighOffset, b);
+    }
+    for (int t = 0; t < 8; ++t) {
+      store(out + 64 * t, a[t]);
+      store(out + 64 * t + 32, b[t]);
     }
   }
 }
@@ -114,15 +123,11 @@ inline void block_scales16(const uint8_t* ga, const uint8_t* gb, int64_t b, __m5
   *e = _mm512_insertf32x8(_mm512_castps256_ps512(ea), eb, 1);
 }
 
-// acc[r] += block b's sums (c, [16][16] int32) times the scales, for the 16 rows from row m0:
-// the VNNI loop's operations (dot_group), lane by lane. `half`: which half's sums (S8F2).
+// acc[r] += block b's sums (c, [16][16] int32) times the scales d (and the mins e, unsigned
+// kinds), for the 16 rows from row m0: the VNNI loop's operations (dot_group), lane by lane.
 template <typename F>
-inline void scale_block(const int32_t* c, const uint8_t* ga, const uint8_t* gb, int64_t b,
-                        int64_t half, int64_t nb, const float* dx, const int32_t* xsum,
-                        int64_t m0, __m512* acc) {
-  __m512 d, e;
-  block_scales16<F>(ga, gb, b, &d, &e);
-  if (half) d = e;  // S8F2's second half
+inline void scale_block(const int32_t* c, __m512 d, __m512 e, int64_t b, int64_t nb,
+                        const float* dx, const int32_t* xsum, int64_t m0, __m512* acc) {
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     const float dxr = dx[(m0 + r) * nb + b];
@@ -166,12 +171,31 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
                     uint8_t* bbuf, T* y, int64_t ldy, int64_t n0, int64_t cols,
                     const float* bias) {
   constexpr int64_t G = F::kGroups;
-  for (int64_t b = 0; b < nb; ++b)
+  // the super-block kinds' scales d sc and mins -dmin m, once a call (else loaded per tile)
+  float* sbuf = nullptr;
+  if constexpr (F::kSuper)
+    sbuf = tessera_tiles::thread_scratch<float, tessera_tiles::Scratch::kWideRecords>(32 * nb);
+  for (int64_t b = 0; b < nb; ++b) {
     expand_block<F>(ga + b * F::kRecord, gb + b * F::kRecord, bbuf + b * G * kBBlockBytes);
+    if constexpr (F::kSuper) {
+      __m512 d, e;
+      block_scales16<F>(ga + b * F::kRecord, gb + b * F::kRecord, b, &d, &e);
+      _mm512_storeu_ps(sbuf + 32 * b, d);
+      _mm512_storeu_ps(sbuf + 32 * b + 16, e);
+    }
+  }
   const int64_t units = nb * G;
   auto scale = [&](const int32_t* c, int64_t u, int64_t m0, __m512* acc) {
     const int64_t b = u / G;
-    scale_block<F>(c, ga + b * F::kRecord, gb + b * F::kRecord, b, u % G, nb, dx, xsum, m0, acc);
+    __m512 d, e;
+    if constexpr (F::kSuper) {
+      d = _mm512_loadu_ps(sbuf + 32 * b);
+      e = _mm512_loadu_ps(sbuf + 32 * b + 16);
+    } else {
+      block_scales16<F>(ga + b * F::kRecord, gb + b * F::kRecord, b, &d, &e);
+    }
+    if (u % G) d = e;  // S8F2's second half
+    scale_block<F>(c, d, e, b, nb, dx, xsum, m0, acc);
   };
   alignas(64) int32_t c[2][kTileRows * kPairCols];
   for (int64_t m0 = 0; m0 < m_tiles; m0 += kTileRows) {

@@ -28,6 +28,7 @@ import torch
 
 from tessera.kernels.quant_int8 import (
     K4S,
+    K5S,
     Q4H,
     S8F2,
     S8H,
@@ -35,7 +36,7 @@ from tessera.kernels.quant_int8 import (
     U8F,
     Int8Format,
     pack_int8,
-    pack_k4s,
+    pack_super,
 )
 from tessera.kernels.quant_layout import (
     Q4_FLOAT,
@@ -71,7 +72,7 @@ INT8_FORMATS: dict[gguf.GGMLQuantizationType, Int8Format] = {
     T.Q5_1: U8F,  # 5-bit codes with a min, as Q5_K's
     T.Q8_0: S8H,
     T.Q4_K: K4S,  # the file's 6-bit scales and f16 factors: 4.625 bits a weight, not 6
-    T.Q5_K: U8F,
+    T.Q5_K: K5S,  # as Q4_K, and a plane of 5th bits: 5.625 bits a weight, not 10
     T.Q6_K: S8F2,
 }
 
@@ -131,9 +132,10 @@ class QuantizedTensor:
         n, k = self.shape
         fmt = self.fmt
         if isinstance(fmt, Int8Format):  # one code order: `pairs` does not apply
-            if fmt.super_block:  # k4s (Q4_K): the file's own factors, not their products
+            if fmt.super_block:  # Q4_K, Q5_K: the file's own factors, not their products
                 raw = np.ascontiguousarray(self.data).reshape(n, -1)
-                return QuantPart(fmt, pack_k4s(*_q4_k_factors(raw, n, k)), n, k, bias, False)
+                factors = _K_FACTORS[self.qtype](raw, n, k)
+                return QuantPart(fmt, pack_super(fmt, *factors), n, k, bias, False)
             return QuantPart(fmt, pack_int8(fmt, *self.decode()), n, k, bias, False)
         packed = pack_quantized(fmt, *self.decode(), pairs=pairs)
         return QuantPart(fmt, packed, n, k, bias, pairs)
@@ -202,11 +204,16 @@ def _q4_k_factors(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, ...]:
     return codes, _half(b[..., 0:2]), _half(b[..., 2:4]), sc, m
 
 
-def _q4_k(raw: np.ndarray, n: int, k: int) -> Decoded:
-    codes, d, dmin, sc, m = _q4_k_factors(raw, n, k)
-    scales = (d.astype(np.float32)[..., None] * sc.astype(np.float32)).reshape(n, -1)  # exact
+def _k_products(codes, d, dmin, sc, m) -> Decoded:
+    """A K-quant's factors as codes, fp32 scales d sc and mins -dmin m (both exact)."""
+    n = codes.shape[0]
+    scales = (d.astype(np.float32)[..., None] * sc.astype(np.float32)).reshape(n, -1)
     mins = -(dmin.astype(np.float32)[..., None] * m.astype(np.float32)).reshape(n, -1)
     return codes, scales, mins
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int) -> Decoded:
+    return _k_products(*_q4_k_factors(raw, n, k))
 
 
 def _q4_k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -217,19 +224,23 @@ def _q4_k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _q5_k(raw: np.ndarray, n: int, k: int) -> Decoded:
+def _q5_k_factors(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, ...]:
+    """Q5_K as stored: codes [N, K] 0..31, and d, dmin, sc, m as _q4_k_factors'."""
     b = _blocks(raw, n, 176)
-    d = _half(b[..., 0:2]).astype(np.float32)[..., None]
-    dmin = _half(b[..., 2:4]).astype(np.float32)[..., None]
     sc, m = _q4_k_scale_min(b[..., 4:16])  # [N, nb, 8] each
     qh = b[..., 16:48]  # [N, nb, 32]: bit j of byte l is the 5th bit of K 32 j + l
     qs = b[..., 48:].reshape(n, -1, 4, 32)  # per 64 K-positions: 32 bytes, as Q4_K
     low = np.stack([qs & np.uint8(15), qs >> np.uint8(4)], axis=-2).reshape(n, -1, 8, 32)
     high = np.stack([(qh >> np.uint8(j)) & np.uint8(1) for j in range(8)], axis=-2)
     codes = (low | (high << np.uint8(4))).reshape(n, k)
-    scales = (d * sc.astype(np.float32)).reshape(n, -1)  # exact: 11 x 6 bits
-    mins = -(dmin * m.astype(np.float32)).reshape(n, -1)
-    return codes, scales, mins
+    return codes, _half(b[..., 0:2]), _half(b[..., 2:4]), sc, m
+
+
+def _q5_k(raw: np.ndarray, n: int, k: int) -> Decoded:
+    return _k_products(*_q5_k_factors(raw, n, k))
+
+
+_K_FACTORS = {T.Q4_K: _q4_k_factors, T.Q5_K: _q5_k_factors}
 
 
 def _q6_k(raw: np.ndarray, n: int, k: int) -> Decoded:
