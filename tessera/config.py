@@ -74,7 +74,7 @@ class ModelConfig:
     # "gguf_int8": a GGUF's weights stay in their blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
     # Q5_K, Q6_K) and run on integer dot products against activations quantized per row to Q8
     # blocks; "gguf": the same blocks with exact float products; "none": all dequantized at load;
-    # "auto": gguf_int8 on the AVX2 build for mostly 4-6-bit GGUFs, else gguf (loader.py)
+    # "auto": gguf_int8 on the AVX2 build for mostly quantized GGUFs, else gguf (loader.py)
     quantization: str = QUANTIZATION_DEFAULT
 
     def __post_init__(self) -> None:
@@ -532,7 +532,7 @@ class EngineArgs:
     quantization: str = _arg(
         QUANTIZATION_DEFAULT,
         "auto (default): gguf_int8 on CPUs without AVX-512 for GGUFs whose matrices are mostly "
-        "4-6-bit, where its kernels are the faster ones, else gguf; gguf: keep a GGUF's "
+        "quantized, where its kernels are the faster ones, else gguf; gguf: keep a GGUF's "
         "quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and run exact float "
         "products on them; gguf_int8: the same blocks against activations quantized per row to "
         "8-bit blocks, integer dot products (llama.cpp's form); none: dequantize all at load",

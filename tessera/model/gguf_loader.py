@@ -235,29 +235,19 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
     return gguf.GGUFReader(path, "r")
 
 
-# Weight types of at most 6 bits: their own rounding (a 16th to a 64th of a block's range) is 8-30x
-# that of activations rounded to 8-bit blocks (a 254th), so the integer path adds little to it
-_LOW_BIT_TYPES = {
-    gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-    gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1,
-    gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
-    gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
-    gguf.GGMLQuantizationType.Q6_K,
-}
-
-
-def low_bit_weight_share(path: str) -> float:
-    """The share of the file's matrix parameters stored in types of at most 6 bits (Q4_0 ...
-    Q6_K), against 8-bit, 16-bit and float matrices: what `--quantization auto` asks of a GGUF
-    before it runs it on 8-bit activations."""
-    low = total = 0
+def integer_path_share(path: str) -> float:
+    """The share of the file's matrix parameters stored in types the integer path keeps in their
+    blocks (gguf_quant.INT8_FORMATS: Q4_0 ... Q8_0, Q4_K ... Q6_K), against float matrices and
+    types dequantized at load: what `--quantization auto` asks of a GGUF before it runs it on
+    8-bit activations."""
+    kept = total = 0
     for t in _open(path).tensors:
         if len(t.shape) < 2:
             continue  # norms and biases
         n = int(t.n_elements)
         total += n
-        low += n if t.tensor_type in _LOW_BIT_TYPES else 0
-    return low / total if total else 0.0
+        kept += n if t.tensor_type in INT8_FORMATS else 0
+    return kept / total if total else 0.0
 
 
 def _open(path: str) -> gguf.GGUFReader:

@@ -48,13 +48,13 @@ def load_model(
 
 def auto_quantization(device: str, path: str | None = None) -> str:
     """What `--quantization auto` (the default) runs a GGUF on: "gguf_int8" on the AVX2 build
-    (CPUs without AVX-512: Zen 2/3, client chips) when most of the file's matrices are 4-6-bit
-    types, else "gguf". Why: there the exact kernels decode at 0.46x llama.cpp's speed and the
-    integer ones at 1.2-1.4x, while rounding activations to 8 bits adds little to what 4-6-bit
-    weights already round (with 8-bit or float weights it would be the larger error). On AVX-512
-    the exact kernels already beat llama.cpp and give the dequantized model's greedy tokens, which
+    (CPUs without AVX-512: Zen 2/3, client chips) when most of the file's matrices are in types
+    the integer path keeps, else "gguf". Why: there the exact kernels decode at 0.46x llama.cpp's
+    speed on the default model and 0.48x on an 8-bit file, the integer ones at 1.7x, and 8-bit
+    activations cost perplexity 0.2-0.3% with 4-bit and with 8-bit weights alike. On AVX-512 the
+    exact kernels already beat llama.cpp and give the dequantized model's greedy tokens, which
     8-bit activations change at near-ties, so `gguf_int8` (faster still in fp32) stays a choice
-    (docs/cpu_kernels.md has the figures). `path` None: the rule for a 4-bit file."""
+    (docs/cpu_kernels.md has the figures). `path` None: the rule for a quantized file."""
     from tessera.kernels.build import cpu_isa
 
     if torch.device(device).type != "cpu" or cpu_isa() != "avx2":
@@ -62,9 +62,9 @@ def auto_quantization(device: str, path: str | None = None) -> str:
     if path is not None:
         if not path.endswith(".gguf"):
             return "gguf"  # no blocks to keep: nothing changes
-        from tessera.model.gguf_loader import low_bit_weight_share
+        from tessera.model.gguf_loader import integer_path_share
 
-        if low_bit_weight_share(path) < 0.5:
+        if integer_path_share(path) < 0.5:
             return "gguf"
     return "gguf_int8"
 

@@ -183,33 +183,40 @@ def test_auto_picks_the_integer_path_on_the_avx2_build(monkeypatch, default_mode
         assert weight_quantization("auto", "float32", device, default_model_path) == expected
 
 
-def test_auto_keeps_exact_products_for_8_bit_and_float_weights(monkeypatch, tmp_path):
-    """8-bit or float matrices: rounding activations to 8 bits would be the larger error, so
-    auto keeps the exact products even on the AVX2 build; an HF directory has no blocks."""
+def test_auto_runs_quantized_files_on_the_integer_path_and_keeps_float_ones(monkeypatch, tmp_path):
+    """On the AVX2 build auto picks gguf_int8 for a file whose matrices are mostly in types the
+    integer path keeps (4-bit and 8-bit alike: its kernels are the faster ones for both), and
+    gguf for a float file (no blocks); an HF directory has no blocks either."""
     import gguf
     import numpy as np
 
     import tessera.kernels.build as build
-    from tessera.model.gguf_loader import low_bit_weight_share
+    from tessera.model.gguf_loader import integer_path_share
     from tessera.model.loader import auto_quantization
 
     monkeypatch.setattr(build, "cpu_isa", lambda: "avx2")
     rng = np.random.default_rng(0)
     paths = {}
     for name, qtype in (("q8", gguf.GGMLQuantizationType.Q8_0),
-                        ("q4", gguf.GGMLQuantizationType.Q4_0)):
+                        ("q4", gguf.GGMLQuantizationType.Q4_0),
+                        ("f16", gguf.GGMLQuantizationType.F16)):
         w = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
         data = rng.standard_normal((64, 256)).astype(np.float32)
-        w.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        if qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor("blk.0.ffn_up.weight", data.astype(np.float16))
+        else:
+            w.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         w.add_tensor("blk.0.ffn_norm.weight", np.ones(256, dtype=np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
         paths[name] = str(tmp_path / f"{name}.gguf")
-    assert low_bit_weight_share(paths["q8"]) == 0.0 and low_bit_weight_share(paths["q4"]) == 1.0
-    assert auto_quantization("cpu", paths["q8"]) == "gguf"
+    assert integer_path_share(paths["q8"]) == 1.0 and integer_path_share(paths["q4"]) == 1.0
+    assert integer_path_share(paths["f16"]) == 0.0
+    assert auto_quantization("cpu", paths["q8"]) == "gguf_int8"
     assert auto_quantization("cpu", paths["q4"]) == "gguf_int8"
+    assert auto_quantization("cpu", paths["f16"]) == "gguf"
     assert auto_quantization("cpu", str(tmp_path)) == "gguf"
 
 
