@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 QK = 32  # K positions a record
-SUPER = 8  # k4s: blocks a super-block
+SUPER = 8  # k4s, k5s: blocks a super-block
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Int8Format:
 
     @property
     def unit(self) -> int:
-        """K positions of a row's record (`record_bytes`): a block, or a k4s super-block."""
+        """K positions of a row's record (`record_bytes`): a block, or a k4s/k5s super-block."""
         return QK * SUPER if self.super_block else QK
 
     @property
