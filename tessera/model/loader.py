@@ -52,9 +52,10 @@ def auto_quantization(device: str, path: str | None = None) -> str:
     the integer path keeps, else "gguf". Why: there the exact kernels decode at 0.46x llama.cpp's
     speed on the default model and 0.48x on an 8-bit file, the integer ones at 1.7x, and 8-bit
     activations cost perplexity 0.2-0.3% with 4-bit and with 8-bit weights alike. On AVX-512 the
-    exact kernels already beat llama.cpp and give the dequantized model's greedy tokens, which
-    8-bit activations change at near-ties, so `gguf_int8` (faster still in fp32) stays a choice
-    (docs/cpu_kernels.md has the figures). `path` None: the rule for a quantized file."""
+    exact kernels give the dequantized model's greedy tokens, which 8-bit activations change at
+    near-ties, and beat llama.cpp on Q4_0/Q4_1 files (not on K-quant ones), so `gguf_int8`
+    (faster in fp32) stays a choice (docs/cpu_kernels.md has the figures). `path` None: the rule
+    for a quantized file."""
     from tessera.kernels.build import cpu_isa
 
     if torch.device(device).type != "cpu" or cpu_isa() != "avx2":
