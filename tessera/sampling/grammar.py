@@ -103,7 +103,7 @@ class GrammarBackend:
         matcher = _xgrammar().GrammarMatcher(self.compile(params))
         if params.reasoning_end_token_ids:
             matcher = ReasoningGate(matcher, params.reasoning_end_token_ids)
-        state = GrammarState(matcher)
+        state = GrammarState(matcher, self.vocab_size)
         state.accept(token_ids)
         return state
 
@@ -111,14 +111,21 @@ class GrammarBackend:
 class GrammarState:
     """One sequence's position in its grammar."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
+        self.vocab_size = vocab_size
+        # the grammar allows no token of this vocabulary here (a choice or regex needing a
+        # character no token spells, as \x1d in the default model): the sequence may only stop
+        self.dead = False
 
     def accept(self, token_ids: list[int]) -> None:
         for t in token_ids:
-            if self.matcher.is_terminated():
+            if self.matcher.is_terminated() or self.dead:
                 return  # tokens after the end (stop tokens under ignore_eos) change nothing
             if not self.matcher.accept_token(t):
+                if dead_end(self.matcher, self.vocab_size):
+                    self.dead = True  # the stop token its mask allowed (apply_grammar_masks)
+                    return
                 # the scheduler accepted a token the mask forbade: a bug, not user input
                 raise AssertionError(f"token {t} violates the request's grammar")
 
@@ -228,11 +235,22 @@ class _DraftRow:
             self.walk.state.matcher.fill_next_token_bitmask(bitmask, index)
 
 
+def dead_end(matcher: Any, vocab_size: int) -> bool:
+    """Whether the grammar, not terminated, allows no token at all next."""
+    if matcher.is_terminated():
+        return False
+    bitmask = _xgrammar().allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return not bool(bitmask.any())
+
+
 def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None],
                         stop_token_ids: tuple[int, ...]) -> None:
     """Mask, in place, the tokens each constrained row's grammar forbids next (logits [R, V]).
 
-    A row whose grammar has ended may only emit a stop token."""
+    A row whose grammar has ended may only emit a stop token, and so may a row at a dead end (a
+    grammar that allows no token of this vocabulary next): every logit -inf would sample an
+    arbitrary token, which the grammar then refuses."""
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return
@@ -247,9 +265,12 @@ def apply_grammar_masks(logits: torch.Tensor, states: list[GrammarState | None],
         assert state is not None
         if state.matcher.is_terminated():
             ended.append(i)
-        else:
-            state.matcher.fill_next_token_bitmask(bitmask, i)
+            continue
+        state.matcher.fill_next_token_bitmask(bitmask, i)
+        if bitmask[i].any():
             active.append(i)
+        else:
+            ended.append(i)
     apply_bitmask_(logits, bitmask, active)
     for i in ended:
         stop = [t for t in stop_token_ids if 0 <= t < vocab]

@@ -177,3 +177,20 @@ def test_constrained_requests_speculate(make_llm, default_model_path, method):
     m = llm.get_metrics()
     assert m["tessera:spec_decode_num_drafts_total"] > 0
     assert m["tessera:spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_a_grammar_no_token_can_follow_ends_that_request_alone(llm):
+    """A choice that needs a character no token of the vocabulary spells (\x1d here) reaches a dead
+    end: the request stops there, or under ignore_eos emits stop tokens until max_tokens, where
+    every logit -inf sampled an arbitrary token that the grammar refused and the engine step
+    failed (found by the fuzz test). The request beside it is untouched."""
+    dead = StructuredOutputsParams(choice=["ab\x1dcd"])
+    fine = StructuredOutputsParams(choice=["yes", "no"])
+    for ignore_eos in (False, True):
+        params = [greedy(max_tokens=8, ignore_eos=ignore_eos, structured_outputs=dead),
+                  SamplingParams(max_tokens=8, seed=3, min_p=0.3, structured_outputs=fine)]
+        outs = llm.generate(["Say something", "Answer yes or no"], params, use_tqdm=False)
+        text = outs[0].outputs[0].text
+        assert text == "ab", text
+        assert outs[0].outputs[0].finish_reason == ("length" if ignore_eos else "stop")
+        assert outs[1].outputs[0].text in ("yes", "no")
