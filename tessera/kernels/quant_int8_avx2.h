@@ -31,7 +31,8 @@ inline __m256 load_mins8(const uint8_t* p, __m256 d) {
   }
 }
 
-// K4S: the super-block's d[8] and dmin[8], 4 bytes of them in each of its records from `first`.
+// K4S, K5S: the super-block's d[8] and dmin[8], 4 bytes of them in each of its records from
+// `first`.
 template <typename F>
 inline void load_super8(const uint8_t* first, __m256* d, __m256* dmin) {
   int32_t p[F::kSuperBlocks];
@@ -47,7 +48,7 @@ inline __m256 bytes8_ps(const uint8_t* p) {
 }
 
 // The 8 rows' scales d and second scales e (the mins, or S8F2's second half; zero for S8H) of
-// the block record at w. K4S: d sc and -(dmin m), given its super-block's d and dmin.
+// the block record at w. K4S, K5S: d sc and -(dmin m), given its super-block's d and dmin.
 template <typename F>
 inline void block_scales8(const uint8_t* w, __m256 sd, __m256 sm, __m256* d, __m256* e) {
   if constexpr (F::kSuper) {

@@ -63,8 +63,8 @@ struct XFmt {
   static constexpr bool kOffsetMin = OffsetMin;
   // scales a block of a row (signed kinds): 2 for Q6_K, one a half of 16 (chunks 0-3 and 4-7)
   static constexpr int kGroups = Groups;
-  // K4S: 6-bit scales and mins (S = uint8_t) times their super-block's f16 d and dmin, which
-  // take kSuperBytes of each of its kSuperBlocks records, after the mins
+  // K4S, K5S: 6-bit scales and mins (S = uint8_t) times their super-block's f16 d and dmin,
+  // which take kSuperBytes of each of its kSuperBlocks records, after the mins
   static constexpr bool kSuper = Super;
   static constexpr int kSuperBlocks = 8;
   static constexpr int64_t kSuperBytes = Super ? 4 : 0;
@@ -124,7 +124,7 @@ inline float scale_at(const uint8_t* p, int i) {
   return static_cast<float>(s);
 }
 
-// K4S: row r's super-block factor (`which` 0: d, 1: dmin) for the record rec of block b.
+// K4S, K5S: row r's super-block factor (`which` 0: d, 1: dmin) for the record rec of block b.
 template <typename F>
 inline float super_at(const uint8_t* rec, int64_t b, int which, int r) {
   const uint8_t* first = rec - (b % F::kSuperBlocks) * F::kRecord;
@@ -132,7 +132,7 @@ inline float super_at(const uint8_t* rec, int64_t b, int which, int r) {
 }
 
 // Scale i of an interleaved record rec of block b (i < kCols: row i's d; else the second
-// half's, S8F2): stored, or d sc (K4S).
+// half's, S8F2): stored, or d sc (K4S, K5S).
 template <typename F>
 inline float scale_of(const uint8_t* rec, int64_t b, int i) {
   if constexpr (F::kSuper) {
@@ -143,7 +143,7 @@ inline float scale_of(const uint8_t* rec, int64_t b, int i) {
 }
 
 // The min of row r of an interleaved record of an unsigned kind: stored, -8 d (Q4H), or
-// -(dmin m) (K4S).
+// -(dmin m) (K4S, K5S).
 template <typename F>
 inline float min_at(const uint8_t* rec, int64_t b, int r) {
   if constexpr (F::kOffsetMin) {
