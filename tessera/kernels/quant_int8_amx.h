@@ -24,6 +24,9 @@
 //   1, 4  A  int8  [16 rows][32 K]         the rows' Q8 codes, read in place (row stride K)
 //   2, 5  B  [8 K quads][16 outputs x 4]  two groups' codes side by side, expanded from their
 //                                         records once per call into this thread's scratch
+//   6, 7  C  int32 [16 rows][16 outputs]   rows held to 16 bits (QRow's residual plane): the
+//                                         residual codes' sums, a product of their own against
+//                                         the same B, reloading A; kLoScale C + this, exact
 // Signed codes (S8H, S8F2) use tdpbssd, unsigned codes (0..15, 0..31) tdpbsud: no sign trick
 // needed. S8F2 (Q6_K) has a scale for each half of a block: each half is a product of its own,
 // against a B tile whose other half's rows are zero, so its sum stays apart as in the VNNI loop.
@@ -44,7 +47,7 @@ constexpr int64_t kBBlockBytes = 8 * 64;      // one block's B tile
 
 inline void amx_int8_configure() {
   tessera_tiles::TileConfig cfg;
-  for (int t : {0, 3}) {
+  for (int t : {0, 3, 6, 7}) {
     cfg.rows[t] = kTileRows;
     cfg.colsb[t] = 64;
   }
@@ -123,15 +126,21 @@ inline void block_scales16(const uint8_t* ga, const uint8_t* gb, int64_t b, __m5
   *e = _mm512_insertf32x8(_mm512_castps256_ps512(ea), eb, 1);
 }
 
-// acc[r] += block b's sums (c, [16][16] int32) times the scales d (and the mins e, unsigned
-// kinds), for the 16 rows from row m0: the VNNI loop's operations (dot_group), lane by lane.
+// acc[r] += block b's sums (c, [16][16] int32; with the residual plane's sums c_lo, kLoScale c
+// + c_lo) times the scales d (and the mins e, unsigned kinds), for the 16 rows from row m0: the
+// VNNI loop's operations (dot_group), lane by lane.
 template <typename F>
-inline void scale_block(const int32_t* c, __m512 d, __m512 e, int64_t b, int64_t nb,
-                        const float* dx, const int32_t* xsum, int64_t m0, __m512* acc) {
+inline void scale_block(const int32_t* c, const int32_t* c_lo, __m512 d, __m512 e, int64_t b,
+                        int64_t nb, const float* dx, const int32_t* xsum, int64_t m0,
+                        __m512* acc) {
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     const float dxr = dx[(m0 + r) * nb + b];
-    const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r));
+    __m512i si = _mm512_load_si512(c + 16 * r);
+    if (c_lo)
+      si = _mm512_add_epi32(_mm512_mullo_epi32(si, _mm512_set1_epi32(kLoScale)),
+                            _mm512_load_si512(c_lo + 16 * r));
+    const __m512 s = _mm512_cvtepi32_ps(si);
     acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dxr)), acc[r]);
   }
   if constexpr (!F::kSigned) {
@@ -145,29 +154,40 @@ inline void scale_block(const int32_t* c, __m512 d, __m512 e, int64_t b, int64_t
 }
 
 // Block product on tile set S (C = 3 S, A = 3 S + 1, B = 3 S + 2): the block's 16 rows of codes
-// (row stride K) against its B tile. GCC's tile intrinsics paste their operands into the
-// instruction's text, so the tile numbers are literals.
+// (row stride K) against its B tile; with the residual codes lo, their product too, in C tile
+// 6 + S. GCC's tile intrinsics paste their operands into the instruction's text, so the tile
+// numbers are literals.
 template <typename F, int S>
-inline void block_product(const int8_t* a, int64_t K, const uint8_t* bt) {
+inline void block_product(const int8_t* a, const int8_t* lo, int64_t K, const uint8_t* bt) {
   if constexpr (S == 0) {
     _tile_zero(0);
     _tile_loadd(1, a, K);
     _tile_loadd(2, bt, 64);
     if constexpr (F::kSigned) _tile_dpbssd(0, 1, 2); else _tile_dpbsud(0, 1, 2);
+    if (lo) {
+      _tile_zero(6);
+      _tile_loadd(1, lo, K);
+      if constexpr (F::kSigned) _tile_dpbssd(6, 1, 2); else _tile_dpbsud(6, 1, 2);
+    }
   } else {
     _tile_zero(3);
     _tile_loadd(4, a, K);
     _tile_loadd(5, bt, 64);
     if constexpr (F::kSigned) _tile_dpbssd(3, 4, 5); else _tile_dpbsud(3, 4, 5);
+    if (lo) {
+      _tile_zero(7);
+      _tile_loadd(4, lo, K);
+      if constexpr (F::kSigned) _tile_dpbssd(7, 4, 5); else _tile_dpbsud(7, 4, 5);
+    }
   }
 }
 
-// Rows [0, m_tiles) (a multiple of 16) of x's codes q ([M][K], row stride K) against the two
-// groups at ga, gb (nb block records each): y[m][n0 + c] for c < cols. `bbuf`: nb * kGroups B
+// Rows [0, m_tiles) (a multiple of 16) of x's codes q ([M][K], row stride K; lo: the residual
+// plane's, the same way, or null) against the two groups at ga, gb (nb block records each): y[m][n0 + c] for c < cols. `bbuf`: nb * kGroups B
 // tiles, 64-byte aligned, this thread's. A unit u is block u / kGroups (its half u % kGroups).
 template <typename F, typename T>
 void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8_t* q,
-                    int64_t K, const float* dx, const int32_t* xsum, int64_t m_tiles,
+                    const int8_t* lo, int64_t K, const float* dx, const int32_t* xsum, int64_t m_tiles,
                     uint8_t* bbuf, T* y, int64_t ldy, int64_t n0, int64_t cols,
                     const float* bias) {
   constexpr int64_t G = F::kGroups;
@@ -185,7 +205,7 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
     }
   }
   const int64_t units = nb * G;
-  auto scale = [&](const int32_t* c, int64_t u, int64_t m0, __m512* acc) {
+  auto scale = [&](const int32_t* c, const int32_t* c_lo, int64_t u, int64_t m0, __m512* acc) {
     const int64_t b = u / G;
     __m512 d, e;
     if constexpr (F::kSuper) {
@@ -195,26 +215,35 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
       block_scales16<F>(ga + b * F::kRecord, gb + b * F::kRecord, b, &d, &e);
     }
     if (u % G) d = e;  // S8F2's second half
-    scale_block<F>(c, d, e, b, nb, dx, xsum, m0, acc);
+    scale_block<F>(c, c_lo, d, e, b, nb, dx, xsum, m0, acc);
   };
-  alignas(64) int32_t c[2][kTileRows * kPairCols];
+  alignas(64) int32_t c[2][kTileRows * kPairCols], c_lo[2][kTileRows * kPairCols];
   for (int64_t m0 = 0; m0 < m_tiles; m0 += kTileRows) {
     __m512 acc[kTileRows];
     for (auto& a : acc) a = _mm512_setzero_ps();
     const int8_t* qg = q + m0 * K;
+    const int8_t* lg = lo ? lo + m0 * K : nullptr;
     // unit u on tile set u % 2: unit u - 1 is scaled while u's product is in flight
     for (int64_t u = 0; u < units; ++u) {
       const int set = static_cast<int>(u & 1);
       const uint8_t* bt = bbuf + u * kBBlockBytes;
+      const int8_t* lu = lg ? lg + u / G * kQK : nullptr;
       if (set == 0) {
-        block_product<F, 0>(qg + u / G * kQK, K, bt);
+        block_product<F, 0>(qg + u / G * kQK, lu, K, bt);
       } else {
-        block_product<F, 1>(qg + u / G * kQK, K, bt);
+        block_product<F, 1>(qg + u / G * kQK, lu, K, bt);
       }
-      if (u > 0) scale(c[1 - set], u - 1, m0, acc);
-      if (set == 0) _tile_stored(0, c[0], 64); else _tile_stored(3, c[1], 64);
+      if (u > 0) scale(c[1 - set], lg ? c_lo[1 - set] : nullptr, u - 1, m0, acc);
+      if (set == 0) {
+        _tile_stored(0, c[0], 64);
+        if (lg) _tile_stored(6, c_lo[0], 64);
+      } else {
+        _tile_stored(3, c[1], 64);
+        if (lg) _tile_stored(7, c_lo[1], 64);
+      }
     }
-    scale(c[(units - 1) & 1], units - 1, m0, acc);
+    const int last = static_cast<int>((units - 1) & 1);
+    scale(c[last], lg ? c_lo[last] : nullptr, units - 1, m0, acc);
     for (int r = 0; r < kTileRows; ++r) {
       alignas(64) float out[kPairCols];
       _mm512_store_ps(out, acc[r]);
@@ -243,8 +272,8 @@ bool run_int8_groups_amx(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y
       const int64_t g = 2 * pair;
       if (g + 1 < groups) {
         const uint8_t* ga = w + g * group_bytes;
-        amx_group_pair<F>(ga, ga + group_bytes, nb, rows[0].q, K, rows[0].d, rows[0].sum, m_tiles,
-                          bbuf, y, ldy, g * kCols, std::min(kPairCols, N - g * kCols), bias);
+        amx_group_pair<F>(ga, ga + group_bytes, nb, rows[0].q, rows[0].lo, K, rows[0].d,
+                          rows[0].sum, m_tiles, bbuf, y, ldy, g * kCols, std::min(kPairCols, N - g * kCols), bias);
         group_rows<F>(ga, nb, rows, m_tiles, M, y, ldy, g * kCols, N, bias);
         group_rows<F>(ga + group_bytes, nb, rows, m_tiles, M, y, ldy, (g + 1) * kCols, N, bias);
       } else {

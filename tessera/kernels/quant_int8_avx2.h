@@ -168,6 +168,16 @@ inline __m256i block_sums8(const __m256i* codes, const int8_t* qx) {
 #endif
 }
 
+// block_sums8 for one row of x: with its residual plane lo (QRow), kLoScale <codes, qx> +
+// <codes, lo>.
+template <typename F, int J0 = 0, int J1 = 8>
+inline __m256i row_sums8(const __m256i* codes, const int8_t* qx, const int8_t* lo) {
+  const __m256i s = block_sums8<F, J0, J1>(codes, qx);
+  if (!lo) return s;
+  return _mm256_add_epi32(_mm256_mullo_epi32(s, _mm256_set1_epi32(kLoScale)),
+                          block_sums8<F, J0, J1>(codes, lo));
+}
+
 // out[r][c] = <row c of the group at w, x row r> for R rows of quantized x (AVX2 / VNNI).
 template <typename F, int R>
 inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)[kCols]) {
@@ -198,14 +208,15 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
     if constexpr (F::kHighBits) add_high_bits(w + F::kHighOffset, codes);
     for (int r = 0; r < R; ++r) {
       const int8_t* qx = xr[r].q + b * kQK;
+      const int8_t* lo = xr[r].lo ? xr[r].lo + b * kQK : nullptr;
       const float dx = xr[r].d[b];
       if constexpr (F::kGroups == 2) {  // Q6_K: a sum and a scale a half of 16
-        const __m256i s0 = block_sums8<F, 0, 4>(codes, qx), s1 = block_sums8<F, 4, 8>(codes, qx);
+        const __m256i s0 = row_sums8<F, 0, 4>(codes, qx, lo), s1 = row_sums8<F, 4, 8>(codes, qx, lo);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(e, _mm256_set1_ps(dx)), acc[r]);
         continue;
       }
-      const __m256i s = block_sums8<F>(codes, qx);
+      const __m256i s = row_sums8<F>(codes, qx, lo);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
       if constexpr (!F::kSigned) {
         const float sx = dx * static_cast<float>(xr[r].sum[b]);

@@ -170,15 +170,25 @@ inline int code_at(const uint8_t* rec, int t, int p) {
   return v;
 }
 
-// One row of x quantized: per block of 32, int8 codes, the scale dx, and the codes' sum.
+// One row of x quantized: per block of 32, int8 codes, the scale dx, and the codes' sum. With a
+// second plane (`lo` not null) the row is held to 16 bits: lo is the residual x - dx q in units
+// of dx / kLoScale, the block's value is (dx / kLoScale) (kLoScale q + lo), d holds dx / kLoScale
+// and sum the sum of kLoScale q + lo. The kernels take kLoScale <w, q> + <w, lo> as the block's
+// integer sum (exact in int32: at most 32 x 127 x 127 x 254 < 2^31) and the rest is unchanged.
 struct QRow {
   int8_t* q;     // [K]
+  int8_t* lo;    // [K] or null (one plane)
   float* d;      // [K / 32]
   int32_t* sum;  // [K / 32]
 };
 
+// The residual plane's weight: its codes lie in [-127, 127] (|x - dx q| <= dx / 2), so the sign
+// trick of the signed kinds and vpmaddubsw's int16 pairs hold for them as for q.
+constexpr int32_t kLoScale = 254;
+
 // Q8 blocks of one row (llama.cpp's Q8_0/Q8_K rule: dx = max|x| / 127, q = round(x / dx), ties
-// to even). Scalar on purpose: the same codes on every ISA, and it is O(K) against O(N K).
+// to even), and the residual plane when r.lo is set. Scalar on purpose: the same codes on every
+// ISA, and it is O(K) against O(N K).
 template <typename T>
 void quantize_row(const T* x, int64_t K, QRow r) {
   for (int64_t b = 0; b < K / kQK; ++b) {
@@ -186,14 +196,22 @@ void quantize_row(const T* x, int64_t K, QRow r) {
     for (int64_t i = 0; i < kQK; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[b * kQK + i])));
     const float d = amax / 127.f;
     const float id = d > 0.f ? 1.f / d : 0.f;
-    int32_t s = 0;
+    const float lo_id = id * static_cast<float>(kLoScale);
+    int32_t s = 0, s_lo = 0;
     for (int64_t i = 0; i < kQK; ++i) {
-      const int v = static_cast<int>(std::nearbyint(static_cast<float>(x[b * kQK + i]) * id));
-      r.q[b * kQK + i] = static_cast<int8_t>(v);
-      s += v;
+      const float v = static_cast<float>(x[b * kQK + i]);
+      const int q = static_cast<int>(std::nearbyint(v * id));
+      r.q[b * kQK + i] = static_cast<int8_t>(q);
+      s += q;
+      if (r.lo) {
+        const float rest = std::fma(-d, static_cast<float>(q), v);  // one rounding on every ISA
+        const int lo = std::clamp(static_cast<int>(std::nearbyint(rest * lo_id)), -127, 127);
+        r.lo[b * kQK + i] = static_cast<int8_t>(lo);
+        s_lo += lo;
+      }
     }
-    r.d[b] = d;
-    r.sum[b] = s;
+    r.d[b] = r.lo ? d / static_cast<float>(kLoScale) : d;
+    r.sum[b] = r.lo ? kLoScale * s + s_lo : s;
   }
 }
 

@@ -43,15 +43,18 @@ inline int64_t int8_amx_min_rows() {
 }
 
 // y (an [M, N] view with a contiguous last dim) = x [M, K] @ W^T (+ bias) on the integer path
-// (quant_int8.h): x fp32 or bf16, quantized here per row to Q8 blocks; `packed` the row-major
-// records of `kind` ([N, K / 32 records]); `bias` float32 [>= N] or None.
+// (quant_int8.h): x fp32 or bf16, quantized here per row to Q8 blocks, plus a residual plane
+// (QRow) when `planes` is 2; `packed` the row-major records of `kind` ([N, K / 32 records]);
+// `bias` float32 [>= N] or None.
 inline void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t N,
-                           c10::optional<torch::Tensor> bias, torch::Tensor y) {
+                                  c10::optional<torch::Tensor> bias, torch::Tensor y,
+                                  int64_t planes) {
   using namespace tessera_int8;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with a contiguous last dim");
   TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0) && y.size(1) == N,
               "y must be [M, N] with a contiguous last dim");
   TORCH_CHECK(y.scalar_type() == x.scalar_type(), "x and y dtypes differ");
+  TORCH_CHECK(planes == 1 || planes == 2, "planes must be 1 or 2, got ", planes);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be uint8");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % k_multiple(kind) == 0, "K (", K, ") is not a multiple of ", k_multiple(kind));
@@ -67,12 +70,15 @@ inline void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t
   }
   if (M == 0) return;
   const int64_t nb = K / kQK;
-  // the rows' Q8 blocks, in this thread's scratch (grown once, never zeroed)
-  int8_t* q = thread_scratch<int8_t, Scratch::kPackedRows>(M * K);
+  // the rows' Q8 blocks (and residual planes), in this thread's scratch (grown once, never
+  // zeroed)
+  int8_t* q = thread_scratch<int8_t, Scratch::kPackedRows>(planes * M * K);
+  int8_t* lo = planes == 2 ? q + M * K : nullptr;
   float* d = thread_scratch<float, Scratch::kBlockSums>(M * nb * 2);
   int32_t* sums = reinterpret_cast<int32_t*>(d + M * nb);
   std::vector<QRow> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = QRow{q + m * K, d + m * nb, sums + m * nb};
+  for (int64_t m = 0; m < M; ++m)
+    rows[m] = QRow{q + m * K, lo ? lo + m * K : nullptr, d + m * nb, sums + m * nb};
   const bool f32 = x.scalar_type() == torch::kFloat32;
   TORCH_CHECK(f32 || x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {

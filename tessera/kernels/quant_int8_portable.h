@@ -18,12 +18,18 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
         for (int i = 0; i < 4; ++i) q[c][4 * t + i] = code_at<F>(w, t, 4 * c + i);
     for (int r = 0; r < R; ++r) {
       const int8_t* qx = xr[r].q + b * kQK;
+      const int8_t* lo = xr[r].lo ? xr[r].lo + b * kQK : nullptr;
       const float dx = xr[r].d[b];
       for (int c = 0; c < kCols; ++c) {
         for (int g = 0; g < F::kGroups; ++g) {  // Q6_K: a sum and a scale a half of 16
           constexpr int n = 32 / F::kGroups;
           int32_t s = 0;
           for (int k = g * n; k < (g + 1) * n; ++k) s += q[c][k] * qx[k];
+          if (lo) {  // the residual plane (QRow)
+            int32_t s_lo = 0;
+            for (int k = g * n; k < (g + 1) * n; ++k) s_lo += q[c][k] * lo[k];
+            s = kLoScale * s + s_lo;
+          }
           acc[r][c] = std::fma(static_cast<float>(s), scale_of<F>(w, b, g * kCols + c) * dx,
                                acc[r][c]);
         }

@@ -24,7 +24,7 @@ tests and the embedding's reference use.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -148,7 +148,7 @@ def with_layout(part: QuantPart, pairs: bool) -> QuantPart:
     canonical = (raw >> shift.reshape(-1).to(torch.uint8)) & 15 if fmt.bits == 4 else raw
     codes = _lay_out_codes(fmt, canonical, pairs)
     packed = torch.cat([codes, records[..., fmt.code_bytes :]], dim=-1).reshape(-1)
-    return QuantPart(fmt, packed, part.n, part.k, part.bias, pairs)
+    return replace(part, packed=packed, pairs=pairs)
 
 
 def _panels(rows: np.ndarray, n_pad: int, item: int = 1) -> np.ndarray:
@@ -238,6 +238,9 @@ class QuantPart:
     k: int
     bias: torch.Tensor | None = None  # float32, padded to the panel width (the kernel's form)
     pairs: bool = False  # the codes' layout (code_positions, pairs_layout)
+    # the integer path: x as Q8 blocks (1), or those and a residual plane, 16 bits (2; QRow in
+    # quant_int8_kinds.h)
+    act_planes: int = 1
 
 
 def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
@@ -260,6 +263,7 @@ def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
             and (last.bias is None) == (p.bias is None)
             and last.packed.device == p.packed.device
             and last.pairs == p.pairs
+            and last.act_planes == p.act_planes
         ):
             # integer records: the last part's padding rows must not shift the next part's bias
             head = last.bias if last.bias is None or not p.fmt.row_major else last.bias[: last.n]
@@ -268,7 +272,7 @@ def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
                 packed = concat_int8(p.fmt, [last.packed, p.packed], [last.n, p.n], p.k)
             else:
                 packed = torch.cat([last.packed, p.packed])
-            merged[-1] = QuantPart(last.fmt, packed, last.n + p.n, p.k, bias, p.pairs)
+            merged[-1] = replace(last, packed=packed, n=last.n + p.n, bias=bias)
         else:
             merged.append(p)
     return merged

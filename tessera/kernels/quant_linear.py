@@ -230,7 +230,7 @@ class QuantLinear:
         p = self.parts[i]
         if self.int8[i]:
             assert self._int8_kernel is not None
-            self._int8_kernel(x, p.packed, p.fmt.kernel_id, p.n, p.bias, out)
+            self._int8_kernel(x, p.packed, p.fmt.kernel_id, p.n, p.bias, out, p.act_planes)
         else:
             assert self._kernel is not None
             self._kernel(x, p.packed, p.fmt.kernel_id, p.n, p.bias, out, self._dense_min_rows)

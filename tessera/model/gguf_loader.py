@@ -33,7 +33,7 @@ from tessera.model.gguf_config import (  # noqa: F401  (the rope helpers: import
     read_config,
     read_field,
 )
-from tessera.model.gguf_quant import INT8_FORMATS, KERNEL_FORMATS, QuantizedTensor
+from tessera.model.gguf_quant import INT8_FORMATS, INTEGER_PATHS, KERNEL_FORMATS, QuantizedTensor
 from tessera.model.registry import GGUF_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ _PLAIN_TYPES = {
 
 
 # what a load is asked for: --quantization once "auto" is resolved (loader.weight_quantization)
-RESOLVED_QUANTIZATIONS = ("none", "gguf", "gguf_int8")
+RESOLVED_QUANTIZATIONS = ("none", "gguf", *INTEGER_PATHS)
 
 
 def load_gguf(
@@ -147,9 +147,9 @@ def load_gguf(
                     continue  # another rank's expert (--enable-expert-parallel)
                 weights[part] = _to_weight(array if plan is None else plan.shard(part, array))
             continue
-        int8 = quantization == "gguf_int8"
-        keep = quantization != "none" and _kernel_serves(tensor, int8)
-        array = _keep_quantized(tensor, int8) if keep else dequantize_tensor(tensor)
+        planes = INTEGER_PATHS.get(quantization, 0)
+        keep = quantization != "none" and _kernel_serves(tensor, planes > 0)
+        array = _keep_quantized(tensor, planes) if keep else dequantize_tensor(tensor)
         if gemma and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norms as (1 + w); HF's weights are w
             array = np.asarray(array) - 1.0
@@ -211,13 +211,14 @@ def _split_experts(
     expert, so a step reads only the experts its tokens chose (and a rank can hold a subset)."""
     proj = _EXPERT_NAME_MAP[tensor.name.split(".")[2]]
     num_experts, n, k = (int(d) for d in reversed(tensor.shape))
-    int8 = quantization == "gguf_int8"
+    planes = INTEGER_PATHS.get(quantization, 0)
     names = [f"{stem}.{e}.{proj}.weight" for e in range(num_experts)]
-    if quantization != "none" and tensor.tensor_type in (INT8_FORMATS if int8 else KERNEL_FORMATS):
+    formats = INT8_FORMATS if planes else KERNEL_FORMATS
+    if quantization != "none" and tensor.tensor_type in formats:
         data = np.asarray(tensor.data).reshape(num_experts, n, -1)  # [E, rows, bytes a row]
         return {
             name: QuantizedTensor(tensor.tensor_type, np.array(data[e], copy=True),
-                                  torch.Size([n, k]), int8)
+                                  torch.Size([n, k]), planes > 0, max(planes, 1))
             for e, name in enumerate(names)
         }
     dense = dequantize_tensor(tensor)  # [E, n, k]
@@ -282,10 +283,12 @@ def _kernel_serves(tensor: gguf.ReaderTensor, int8: bool = False) -> bool:
     return tensor.tensor_type in formats and len(tensor.shape) == 2
 
 
-def _keep_quantized(tensor: gguf.ReaderTensor, int8: bool = False) -> QuantizedTensor:
-    """The tensor's blocks, copied out of the file's mmap (so the mapping closes after loading)."""
+def _keep_quantized(tensor: gguf.ReaderTensor, planes: int = 0) -> QuantizedTensor:
+    """The tensor's blocks, copied out of the file's mmap (so the mapping closes after loading),
+    for the exact kernels (planes 0) or the integer path with `planes` activation planes."""
     shape = torch.Size(int(d) for d in reversed(tensor.shape))
-    return QuantizedTensor(tensor.tensor_type, np.array(tensor.data, copy=True), shape, int8)
+    data = np.array(tensor.data, copy=True)
+    return QuantizedTensor(tensor.tensor_type, data, shape, planes > 0, max(planes, 1))
 
 
 def _unpermute(w: np.ndarray | QuantizedTensor, num_heads: int) -> np.ndarray | QuantizedTensor:

@@ -64,6 +64,10 @@ KERNEL_FORMATS: dict[gguf.GGMLQuantizationType, QuantFormat] = {
     T.Q6_K: Q8_FLOAT16,
 }
 
+# --quantization of the integer path -> its activation planes (quant_int8_kinds.h, QRow): Q8
+# blocks (llama.cpp's form), or those and a plane of residuals, which holds x to 16 bits
+INTEGER_PATHS = {"gguf_int8": 1, "gguf_int8_a16": 2}
+
 # The GGUF types the integer path (--quantization gguf_int8) keeps, and its record kind for each.
 INT8_FORMATS: dict[gguf.GGMLQuantizationType, Int8Format] = {
     T.Q4_0: Q4H,  # m = -8 d computed: the file's 18 bytes a block
@@ -88,6 +92,7 @@ class QuantizedTensor:
     data: np.ndarray
     shape: torch.Size
     int8: bool = False  # pack for the integer path (quant_int8.py) instead of the panels
+    act_planes: int = 1  # the integer path's activation planes (QuantPart.act_planes)
 
     @property
     def fmt(self) -> QuantFormat | Int8Format:
@@ -135,8 +140,10 @@ class QuantizedTensor:
             if fmt.super_block:  # Q4_K, Q5_K: the file's own factors, not their products
                 raw = np.ascontiguousarray(self.data).reshape(n, -1)
                 factors = _K_FACTORS[self.qtype](raw, n, k)
-                return QuantPart(fmt, pack_super(fmt, *factors), n, k, bias, False)
-            return QuantPart(fmt, pack_int8(fmt, *self.decode()), n, k, bias, False)
+                packed = pack_super(fmt, *factors)
+            else:
+                packed = pack_int8(fmt, *self.decode())
+            return QuantPart(fmt, packed, n, k, bias, False, self.act_planes)
         packed = pack_quantized(fmt, *self.decode(), pairs=pairs)
         return QuantPart(fmt, packed, n, k, bias, pairs)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ def _dense(w: Weight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _to_device(part: QuantPart, device: torch.device) -> QuantPart:
     bias = None if part.bias is None else part.bias.to(device)
-    return QuantPart(part.fmt, part.packed.to(device), part.n, part.k, bias, part.pairs)
+    return replace(part, packed=part.packed.to(device), bias=bias)
 
 
 class Embedding:

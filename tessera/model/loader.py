@@ -15,7 +15,7 @@ import torch
 
 from tessera.distributed.sharding import ShardPlan
 from tessera.model.config import ModelArchConfig
-from tessera.model.gguf_quant import QuantizedTensor
+from tessera.model.gguf_quant import INTEGER_PATHS, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -74,22 +74,23 @@ def weight_quantization(
     quantization: str, dtype: str, device: str, path: str | None = None
 ) -> str:
     """What `load_model` is asked for under `--quantization quantization` with this compute dtype
-    and device, for the model at `path`. "auto" is auto_quantization's pick. "gguf_int8" keeps a
-    GGUF's blocks for the integer kernel where it serves (a CPU with the C++ kernels built, any
-    ISA), else falls back to "gguf"; "gguf" keeps them where the exact kernel serves; elsewhere
-    the weights are dequantized once, at load. Why: without a kernel a quantized layer would hold
-    dense weights anyway."""
+    and device, for the model at `path`. "auto" is auto_quantization's pick. The integer paths
+    ("gguf_int8", "gguf_int8_a16") keep a GGUF's blocks for the integer kernel where it serves (a
+    CPU with the C++ kernels built, any ISA), else fall back to "gguf"; "gguf" keeps them where
+    the exact kernel serves; elsewhere the weights are dequantized once, at load. Why: without a
+    kernel a quantized layer would hold dense weights anyway."""
     from tessera.kernels.quant_linear import int8_kernel_supported, quant_kernel_supported
 
     torch_dtype, torch_device = getattr(torch, dtype), torch.device(device)
     if quantization == "auto":
         quantization = auto_quantization(device, path)
         logger.info("--quantization auto: %s on %s", quantization, device)
-    if quantization == "gguf_int8":
+    if quantization in INTEGER_PATHS:
         if int8_kernel_supported(torch_dtype, torch_device):
             return quantization
         logger.info(
-            "--quantization gguf_int8: no integer kernel for %s on %s here; trying the exact one",
+            "--quantization %s: no integer kernel for %s on %s here; trying the exact one",
+            quantization,
             dtype,
             device,
         )

@@ -9,6 +9,9 @@ the torch fallback only the near-tie rule holds.
 per row to 8-bit blocks, so logits move by ~1e-2; greedy tokens agree with the dequantized model
 except where its top two logits are close, and batching, chunking and prefix caching still never
 change a token.
+
+--quantization gguf_int8_a16: the same integer products with a residual plane that holds the
+activations to 16 bits (~5e-6 relative error), so greedy tokens equal the dequantized model's.
 """
 
 from __future__ import annotations
@@ -125,9 +128,45 @@ def test_int8_greedy_follows_the_dequantized_model_outside_close_calls(
         assert gap <= INT8_MARGIN, f"token {i}: not a close call (gap {gap:.3f})"
 
 
-def test_int8_rows_do_not_depend_on_batching_or_chunking(int8_bundle, default_tokenizer):
+@pytest.fixture(scope="module")
+def a16_bundle(default_model_path):
+    from tessera.config import EngineArgs
+    from tessera.engine.loading import load_bundle
+
+    return load_bundle(EngineArgs(max_model_len=1024, quantization="gguf_int8_a16"))
+
+
+def test_a16_runs_every_linear_on_two_activation_planes(a16_bundle):
+    from tessera.kernels.quant_linear import int8_kernel_supported
+
+    if not int8_kernel_supported(torch.float32, torch.device("cpu")):
+        assert a16_bundle.quantization in ("gguf", "none")  # the fallback, as for gguf_int8
+        return
+    assert a16_bundle.quantization == "gguf_int8_a16"
+    model = a16_bundle.model
+    linears = [model.lm_head] + [lin for layer in model.layers
+                                 for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
+    for lin in linears:
+        assert isinstance(lin, QuantLinear) and all(lin.int8)
+        assert {p.act_planes for p in lin.parts} == {2}
+
+
+def test_a16_greedy_equals_the_dequantized_model(a16_bundle, dequantized_bundle,
+                                                 default_tokenizer):
+    """16-bit activations move logits by ~1e-4, far below this model's close calls on these
+    prompts: every token equals the dequantized fp32 model's (gguf_int8 differs on some)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": default_tokenizer.encode(p)} for p in PROMPTS]
+    a16 = _llm(a16_bundle).generate(prompts, params, use_tqdm=False)
+    dense = _llm(dequantized_bundle).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a16] == [o.outputs[0].token_ids for o in dense]
+
+
+@pytest.mark.parametrize("bundle", ["int8_bundle", "a16_bundle"])
+def test_int8_rows_do_not_depend_on_batching_or_chunking(bundle, default_tokenizer, request):
     """Each row is quantized alone, so batching, chunked prefill and prefix caching keep every
     token (compared exactly, on the integer path itself)."""
+    int8_bundle = request.getfixturevalue(bundle)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [{"prompt_token_ids": default_tokenizer.encode(p * 3)} for p in PROMPTS]
     batched = _llm(int8_bundle).generate(prompts, params, use_tqdm=False)
@@ -156,6 +195,7 @@ def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
     monkeypatch.setattr(ql, "int8_kernel_supported", lambda dtype, device: False)
     assert weight_quantization("gguf", "float32", "cpu") == "none"
     assert weight_quantization("gguf_int8", "float32", "cpu") == "none"
+    assert weight_quantization("gguf_int8_a16", "float32", "cpu") == "none"
     assert weight_quantization("none", "float32", "cpu") == "none"
     monkeypatch.setattr(ql, "quant_kernel_supported", lambda dtype, device: dtype == torch.bfloat16)
     assert weight_quantization("gguf", "bfloat16", "cpu") == "gguf"
@@ -163,6 +203,7 @@ def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
     assert weight_quantization("gguf_int8", "bfloat16", "cpu") == "gguf"  # the exact one
     monkeypatch.setattr(ql, "int8_kernel_supported", lambda dtype, device: True)
     assert weight_quantization("gguf_int8", "float32", "cpu") == "gguf_int8"
+    assert weight_quantization("gguf_int8_a16", "float32", "cpu") == "gguf_int8_a16"
 
 
 @pytest.mark.parametrize(("isa", "device", "expected"), [
