@@ -46,19 +46,27 @@ def load_model(
     return config, weights
 
 
-def auto_quantization(device: str, path: str | None = None) -> str:
-    """What `--quantization auto` (the default) runs a GGUF on: "gguf_int8" on the AVX2 build
-    (CPUs without AVX-512: Zen 2/3, client chips) when most of the file's matrices are in types
-    the integer path keeps, else "gguf". Why: there the exact kernels decode at 0.46x llama.cpp's
-    speed on the default model and 0.48x on an 8-bit file, the integer ones at 1.7x, and 8-bit
-    activations cost perplexity 0.2-0.3% with 4-bit and with 8-bit weights alike. On AVX-512 the
-    exact kernels give the dequantized model's greedy tokens, which 8-bit activations change at
-    near-ties, and beat llama.cpp on Q4_0/Q4_1 files (not on K-quant ones), so `gguf_int8`
-    (faster in fp32) stays a choice (docs/cpu_kernels.md has the figures). `path` None: the rule
-    for a quantized file."""
+def auto_quantization(device: str, path: str | None = None, dtype: str = "float32") -> str:
+    """What `--quantization auto` (the default) runs a GGUF on, for a file whose matrices are
+    mostly in types the integer path keeps (else, and off the CPU or on the portable build,
+    "gguf"; `path` None: the rule for such a file):
+
+    - the AVX2 build (Zen 2/3, client chips): "gguf_int8". There the exact kernels decode at
+      0.46x llama.cpp's speed on the default model and 0.48x on an 8-bit file, the integer ones
+      at 1.7x; 8-bit activations cost perplexity 0.2-0.3% with 4-bit and 8-bit weights alike,
+      and "gguf_int8_a16" (which keeps the float model's greedy tokens) costs 17% of prefill,
+      which would fall under llama.cpp's.
+    - the AVX-512 build in float32: "gguf_int8_a16". It keeps the dequantized model's greedy
+      tokens as the exact kernels do, and is as fast or faster: 1.7x their batch-1 decode on a
+      1B Q4_K_M file, about equal on batches (W1).
+    - the AVX-512 build in bfloat16: "gguf", whose AMX bf16 tiles run batches faster than the
+      integer tiles.
+
+    docs/cpu_kernels.md has the figures."""
     from tessera.kernels.build import cpu_isa
 
-    if torch.device(device).type != "cpu" or cpu_isa() != "avx2":
+    isa = cpu_isa()
+    if torch.device(device).type != "cpu" or isa not in ("avx2", "avx512"):
         return "gguf"
     if path is not None:
         if not path.endswith(".gguf"):
@@ -67,7 +75,9 @@ def auto_quantization(device: str, path: str | None = None) -> str:
 
         if integer_path_share(path) < 0.5:
             return "gguf"
-    return "gguf_int8"
+    if isa == "avx2":
+        return "gguf_int8"
+    return "gguf_int8_a16" if dtype == "float32" else "gguf"
 
 
 def weight_quantization(
@@ -83,7 +93,7 @@ def weight_quantization(
 
     torch_dtype, torch_device = getattr(torch, dtype), torch.device(device)
     if quantization == "auto":
-        quantization = auto_quantization(device, path)
+        quantization = auto_quantization(device, path, dtype)
         logger.info("--quantization auto: %s on %s", quantization, device)
     if quantization in INTEGER_PATHS:
         if int8_kernel_supported(torch_dtype, torch_device):

@@ -20,6 +20,7 @@ import pytest
 import torch
 from greedy_reference import check_greedy
 
+import tessera.kernels.quant_linear as ql
 from tessera import SamplingParams
 from tessera.kernels.quant_linear import QuantLinear, quant_kernel_supported
 
@@ -206,22 +207,25 @@ def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
     assert weight_quantization("gguf_int8_a16", "float32", "cpu") == "gguf_int8_a16"
 
 
-@pytest.mark.parametrize(("isa", "device", "expected"), [
-    ("avx2", "cpu", "gguf_int8"), ("avx512", "cpu", "gguf"), ("portable", "cpu", "gguf"),
-    ("avx2", "cuda:0", "gguf"),
+@pytest.mark.parametrize(("isa", "device", "dtype", "expected"), [
+    ("avx2", "cpu", "float32", "gguf_int8"), ("avx2", "cpu", "bfloat16", "gguf_int8"),
+    ("avx512", "cpu", "float32", "gguf_int8_a16"), ("avx512", "cpu", "bfloat16", "gguf"),
+    ("portable", "cpu", "float32", "gguf"), ("avx2", "cuda:0", "float32", "gguf"),
 ])
-def test_auto_picks_the_integer_path_on_the_avx2_build(monkeypatch, default_model_path, isa,
-                                                       device, expected):
-    """--quantization auto (the default): gguf_int8 on the AVX2 build for a 4-bit GGUF (the
-    default model: Q4_1 layers, a Q8_0 embedding), where its kernels are 2.6x the exact ones at
-    decode; the exact products elsewhere."""
+def test_auto_picks_the_integer_path_by_build_and_dtype(monkeypatch, default_model_path, isa,
+                                                        device, dtype, expected):
+    """--quantization auto (the default) for a 4-bit GGUF (the default model: Q4_1 layers, a
+    Q8_0 embedding): 8-bit activations on the AVX2 build, where its kernels are 2.6x the exact
+    ones at decode; 16-bit ones on AVX-512 in fp32 (the float model's tokens, faster than the
+    exact kernels); the exact products in bf16 on AVX-512 (AMX bf16 tiles) and elsewhere."""
     import tessera.kernels.build as build
     from tessera.model.loader import auto_quantization, weight_quantization
 
     monkeypatch.setattr(build, "cpu_isa", lambda: isa)
-    assert auto_quantization(device, default_model_path) == expected
-    if device == "cpu" and quant_kernel_supported(torch.float32, torch.device("cpu")):
-        assert weight_quantization("auto", "float32", device, default_model_path) == expected
+    assert auto_quantization(device, default_model_path, dtype) == expected
+    if device == "cpu" and expected != "gguf" and ql.int8_kernel_supported(
+            getattr(torch, dtype), torch.device("cpu")):
+        assert weight_quantization("auto", dtype, device, default_model_path) == expected
 
 
 def test_auto_runs_quantized_files_on_the_integer_path_and_keeps_float_ones(monkeypatch, tmp_path):
