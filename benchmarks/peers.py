@@ -114,8 +114,8 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="do not LD_PRELOAD tcmalloc and Intel OpenMP into vLLM (its CPU docs' setup)",
     )
     ap.add_argument("--hf-batch", type=int, default=0, help="also HF static batching at this size")
-    ap.add_argument("--quantization", default="auto",
-                    choices=["auto", "gguf", "gguf_int8", "gguf_int8_a16", "none"], help="Tessera's")
+    ap.add_argument("--quantization", default="auto", help="Tessera's",
+                    choices=["auto", "gguf", "gguf_int8", "gguf_int8_a16", "none"])
     ap.add_argument("--llama-cpp", action="store_true",
                     help="instead of the offline workload: llama.cpp's llama-bench (pp512, tg128) "
                          "against Tessera's 512-token prefill and batch-1 decode on the same GGUF "

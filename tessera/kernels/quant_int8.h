@@ -5,7 +5,9 @@
 // x is quantized once a call to Q8 blocks of 32 (int8 codes, one fp32 scale, the codes' sum), and
 // each block's products run on integer instructions (vpdpbusd on AVX-512 VNNI, 256-bit;
 // vpmaddubsw + vpmaddwd on AVX2; plain C++ in the portable build). The weights never leave
-// their codes.
+// their codes. `--quantization gguf_int8_a16` adds a second plane of codes, each block's
+// rounding residual, and runs the same products on it (QRow in quant_int8_kinds.h): 16 bits of
+// x, which keep the float model's greedy tokens.
 //
 // Every kind interleaves 8 output rows a record (quant_int8.py): 32-bit lane r of the products
 // is output row r; 4 bytes of x broadcast against 4 codes of each of the 8 rows, 8 such

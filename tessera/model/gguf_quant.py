@@ -1,6 +1,7 @@
-"""GGUF tensors kept quantized (`--quantization gguf` or `gguf_int8`): the blocks of the types
-our kernels serve, decoded into the canonical codes/scales/mins of tessera/kernels/quant_linear.py
-(and, for the integer path, packed by tessera/kernels/quant_int8.py).
+"""GGUF tensors kept quantized (`--quantization gguf`, `gguf_int8`, `gguf_int8_a16`): the blocks
+of the types our kernels serve, decoded into the canonical codes/scales/mins of
+tessera/kernels/quant_linear.py (and, for the integer path, packed by
+tessera/kernels/quant_int8.py).
 
 Each decoder reproduces gguf.quants' dequantization exactly: w = code * scale + min, where
 code * scale is exact in float32, so the one rounding happens where gguf's does (the tests compare
