@@ -8,7 +8,7 @@ from dataclasses import dataclass
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "half", "float16")
 # --quantization: see ModelConfig.quantization; docs/cpu_kernels.md says which runs where
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gguf_int8", "gguf_int8_a16")
-# auto: gguf_int8 or gguf by CPU and file (tessera/model/loader.py, auto_quantization)
+# auto: gguf_int8, gguf_int8_a16 or gguf by CPU, dtype and file (loader.py, auto_quantization)
 QUANTIZATION_DEFAULT = "auto"
 RESOLVED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}

@@ -183,12 +183,13 @@ inline void block_product(const int8_t* a, const int8_t* lo, int64_t K, const ui
 }
 
 // Rows [0, m_tiles) (a multiple of 16) of x's codes q ([M][K], row stride K; lo: the residual
-// plane's, the same way, or null) against the two groups at ga, gb (nb block records each): y[m][n0 + c] for c < cols. `bbuf`: nb * kGroups B
-// tiles, 64-byte aligned, this thread's. A unit u is block u / kGroups (its half u % kGroups).
+// plane's, the same way, or null) against the two groups at ga, gb (nb block records each):
+// y[m][n0 + c] for c < cols. `bbuf`: nb * kGroups B tiles, 64-byte aligned, this thread's. A
+// unit u is block u / kGroups (its half u % kGroups).
 template <typename F, typename T>
 void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8_t* q,
-                    const int8_t* lo, int64_t K, const float* dx, const int32_t* xsum, int64_t m_tiles,
-                    uint8_t* bbuf, T* y, int64_t ldy, int64_t n0, int64_t cols,
+                    const int8_t* lo, int64_t K, const float* dx, const int32_t* xsum,
+                    int64_t m_tiles, uint8_t* bbuf, T* y, int64_t ldy, int64_t n0, int64_t cols,
                     const float* bias) {
   constexpr int64_t G = F::kGroups;
   // the super-block kinds' scales d sc and mins -dmin m, once a call (else loaded per tile)
@@ -273,7 +274,8 @@ bool run_int8_groups_amx(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y
       if (g + 1 < groups) {
         const uint8_t* ga = w + g * group_bytes;
         amx_group_pair<F>(ga, ga + group_bytes, nb, rows[0].q, rows[0].lo, K, rows[0].d,
-                          rows[0].sum, m_tiles, bbuf, y, ldy, g * kCols, std::min(kPairCols, N - g * kCols), bias);
+                          rows[0].sum, m_tiles, bbuf, y, ldy, g * kCols,
+                          std::min(kPairCols, N - g * kCols), bias);
         group_rows<F>(ga, nb, rows, m_tiles, M, y, ldy, g * kCols, N, bias);
         group_rows<F>(ga + group_bytes, nb, rows, m_tiles, M, y, ldy, (g + 1) * kCols, N, bias);
       } else {

@@ -211,7 +211,8 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
       const int8_t* lo = xr[r].lo ? xr[r].lo + b * kQK : nullptr;
       const float dx = xr[r].d[b];
       if constexpr (F::kGroups == 2) {  // Q6_K: a sum and a scale a half of 16
-        const __m256i s0 = row_sums8<F, 0, 4>(codes, qx, lo), s1 = row_sums8<F, 4, 8>(codes, qx, lo);
+        const __m256i s0 = row_sums8<F, 0, 4>(codes, qx, lo);
+        const __m256i s1 = row_sums8<F, 4, 8>(codes, qx, lo);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(e, _mm256_set1_ps(dx)), acc[r]);
         continue;
