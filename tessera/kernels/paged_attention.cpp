@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "paged_attention_amx.h"
+#include "paged_attention_avx2.h"
 #include "paged_attention_avx512.h"
 #include "paged_attention_common.h"
 #include "paged_attention_fold.h"
@@ -96,6 +97,15 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       case 256: attend = attend_avx512<16, q_t, kv_t, index_t>; break;
       default: break;  // other head sizes: portable path
     }
+  }
+#elif defined(TESSERA_ATTN_AVX2)
+  switch (geo.head_dim) {
+    case 32: attend = attend_avx2<4, q_t, kv_t, index_t>; break;
+    case 64: attend = attend_avx2<8, q_t, kv_t, index_t>; break;
+    case 96: attend = attend_avx2<12, q_t, kv_t, index_t>; break;
+    case 128: attend = attend_avx2<16, q_t, kv_t, index_t>; break;
+    case 256: attend = attend_avx2<32, q_t, kv_t, index_t>; break;
+    default: break;  // other head sizes: portable path
   }
 #endif
   // the AMX path (bf16 q and cache), which also attends a prompt's rows in groups

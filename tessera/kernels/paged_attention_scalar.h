@@ -1,8 +1,8 @@
-// The avx2 and portable path of paged_attention.cpp (any CPU, any head size; also AVX-512 builds
-// for head sizes without a tuned kernel): the same algorithm as paged_attention_avx512.h, in
-// plain C++ whose inner loops the compiler vectorizes for the build's ISA (`omp simd`: 8 fp32
-// lanes with FMA under -march=x86-64-v3, SSE2/NEON in the portable build). The K/V rows are
-// widened from bf16 on load like the AVX-512 path (F16C is not needed: bf16 is a shift).
+// The portable path of paged_attention.cpp (any CPU, any head size; also the AVX2 and AVX-512
+// builds for head sizes without a tuned kernel, paged_attention_avx2.h and _avx512.h): the same
+// algorithm in plain C++ whose inner loops the compiler vectorizes for the build's ISA (`omp
+// simd`: SSE2/NEON in the portable build). The K/V rows are widened from bf16 on load like the
+// vector paths (F16C is not needed: bf16 is a shift).
 #pragma once
 
 #include <algorithm>
