@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--isa", default="avx512,avx2", help="TESSERA_CPU_ISA values, comma list")
     ap.add_argument("--quantization", default="gguf_int8",
-                    help="Tessera's --quantization values (auto, gguf, gguf_int8, none), comma "
-                         "list")
+                    help="Tessera's --quantization values (auto, gguf, gguf_int8, gguf_int8_a16, "
+                         "none), comma list")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--build-dir", default=DEFAULT_BUILD_DIR)
     ap.add_argument("--result-file", default=None)
@@ -251,9 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     isas = [i.strip() for i in args.isa.split(",") if i.strip()]
     quantizations = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    from tessera.config import QUANTIZATION_CHOICES
+
     for q in quantizations:
-        if q not in ("auto", "gguf", "gguf_int8", "none"):
-            raise ValueError(f"--quantization {q!r}: expected auto, gguf, gguf_int8 or none")
+        if q not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization {q!r}: expected one of "
+                             f"{', '.join(QUANTIZATION_CHOICES)}")
     rows = compare(models, isas, quantizations, args.threads, args.build_dir)
     if args.result_file:
         with open(args.result_file, "w") as f:

@@ -49,20 +49,13 @@ def load_model(
 def auto_quantization(device: str, path: str | None = None, dtype: str = "float32") -> str:
     """What `--quantization auto` (the default) runs a GGUF on, for a file whose matrices are
     mostly in types the integer path keeps (else, and off the CPU or on the portable build,
-    "gguf"; `path` None: the rule for such a file):
-
-    - the AVX2 build (Zen 2/3, client chips): "gguf_int8". There the exact kernels decode at
-      0.46x llama.cpp's speed on the default model and 0.48x on an 8-bit file, the integer ones
-      at 1.7x; 8-bit activations cost perplexity 0.2-0.3% with 4-bit and 8-bit weights alike,
-      and "gguf_int8_a16" (which keeps the float model's greedy tokens) costs 17% of prefill,
-      which would fall under llama.cpp's.
-    - the AVX-512 build in float32: "gguf_int8_a16". It keeps the dequantized model's greedy
-      tokens as the exact kernels do, and is as fast or faster: 1.7x their batch-1 decode on a
-      1B Q4_K_M file, about equal on batches (W1).
-    - the AVX-512 build in bfloat16: "gguf", whose AMX bf16 tiles run batches faster than the
-      integer tiles.
-
-    docs/cpu_kernels.md has the figures."""
+    "gguf"; `path` None: the rule for such a file): "gguf_int8_a16", whose 16-bit activations
+    keep the dequantized model's greedy tokens as the exact kernels do, and which runs faster
+    than them: on the AVX2 build 2-4x their batch-1 decode, on AVX-512 1.7x on a 1B Q4_K_M file
+    and about level on batches (W1). The exception is bfloat16 on the AVX-512 build: "gguf",
+    whose AMX bf16 tiles run batches faster than the integer tiles. 8-bit activations
+    (`gguf_int8`, llama.cpp's form) are faster still, most on prefill and batches, but change
+    greedy tokens at near-ties (W1: 32 of 64 requests). docs/cpu_kernels.md has the figures."""
     from tessera.kernels.build import cpu_isa
 
     isa = cpu_isa()
@@ -75,9 +68,9 @@ def auto_quantization(device: str, path: str | None = None, dtype: str = "float3
 
         if integer_path_share(path) < 0.5:
             return "gguf"
-    if isa == "avx2":
-        return "gguf_int8"
-    return "gguf_int8_a16" if dtype == "float32" else "gguf"
+    if isa == "avx512" and dtype != "float32":
+        return "gguf"
+    return "gguf_int8_a16"
 
 
 def weight_quantization(

@@ -5,7 +5,7 @@ fp32 (--quantization none), whose own reference is HF on the GGUF (tests/model/t
 the dense ones on gguf's dequantized weights bit for bit, so tokens and logprobs are identical; on
 the torch fallback only the near-tie rule holds.
 
---quantization gguf_int8 (what the default, auto, picks on the AVX2 build): activations rounded
+--quantization gguf_int8 (llama.cpp's numeric form): activations rounded
 per row to 8-bit blocks, so logits move by ~1e-2; greedy tokens agree with the dequantized model
 except where its top two logits are close, and batching, chunking and prefix caching still never
 change a token.
@@ -208,16 +208,16 @@ def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
 
 
 @pytest.mark.parametrize(("isa", "device", "dtype", "expected"), [
-    ("avx2", "cpu", "float32", "gguf_int8"), ("avx2", "cpu", "bfloat16", "gguf_int8"),
+    ("avx2", "cpu", "float32", "gguf_int8_a16"), ("avx2", "cpu", "bfloat16", "gguf_int8_a16"),
     ("avx512", "cpu", "float32", "gguf_int8_a16"), ("avx512", "cpu", "bfloat16", "gguf"),
     ("portable", "cpu", "float32", "gguf"), ("avx2", "cuda:0", "float32", "gguf"),
 ])
 def test_auto_picks_the_integer_path_by_build_and_dtype(monkeypatch, default_model_path, isa,
                                                         device, dtype, expected):
     """--quantization auto (the default) for a 4-bit GGUF (the default model: Q4_1 layers, a
-    Q8_0 embedding): 8-bit activations on the AVX2 build, where its kernels are 2.6x the exact
-    ones at decode; 16-bit ones on AVX-512 in fp32 (the float model's tokens, faster than the
-    exact kernels); the exact products in bf16 on AVX-512 (AMX bf16 tiles) and elsewhere."""
+    Q8_0 embedding): the integer path with 16-bit activations (the float model's tokens, faster
+    than the exact kernels) on x86 builds; the exact products in bf16 on AVX-512 (AMX bf16
+    tiles) and elsewhere."""
     import tessera.kernels.build as build
     from tessera.model.loader import auto_quantization, weight_quantization
 
@@ -229,8 +229,8 @@ def test_auto_picks_the_integer_path_by_build_and_dtype(monkeypatch, default_mod
 
 
 def test_auto_runs_quantized_files_on_the_integer_path_and_keeps_float_ones(monkeypatch, tmp_path):
-    """On the AVX2 build auto picks gguf_int8 for a file whose matrices are mostly in types the
-    integer path keeps (4-bit and 8-bit alike: its kernels are the faster ones for both), and
+    """On the AVX2 build auto picks the integer path for a file whose matrices are mostly in types
+    the integer path keeps (4-bit and 8-bit alike: its kernels are the faster ones for both), and
     gguf for a float file (no blocks); an HF directory has no blocks either."""
     import gguf
     import numpy as np
@@ -259,8 +259,8 @@ def test_auto_runs_quantized_files_on_the_integer_path_and_keeps_float_ones(monk
         paths[name] = str(tmp_path / f"{name}.gguf")
     assert integer_path_share(paths["q8"]) == 1.0 and integer_path_share(paths["q4"]) == 1.0
     assert integer_path_share(paths["f16"]) == 0.0
-    assert auto_quantization("cpu", paths["q8"]) == "gguf_int8"
-    assert auto_quantization("cpu", paths["q4"]) == "gguf_int8"
+    assert auto_quantization("cpu", paths["q8"]) == "gguf_int8_a16"
+    assert auto_quantization("cpu", paths["q4"]) == "gguf_int8_a16"
     assert auto_quantization("cpu", paths["f16"]) == "gguf"
     assert auto_quantization("cpu", str(tmp_path)) == "gguf"
 
