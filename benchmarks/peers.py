@@ -27,9 +27,9 @@ Peers:
   llama-bench's tg128 and pp512 on the same GGUF, per TESSERA_CPU_ISA (benchmarks/llamacpp_peer.py).
 
 vLLM runs the dequantized weights (an HF checkpoint has no Q4_1); Tessera runs the GGUF as its
-default does (`--quantization auto`: `gguf_int8` on the AVX2 build, `gguf` elsewhere; `gguf`:
-exact products, which reproduce the dequantized matmuls' tokens; `gguf_int8`: integer products on
-8-bit activations; `none` dequantizes).
+default does (`--quantization auto`: `gguf_int8_a16` on x86 builds, `gguf` in bf16 on AVX-512;
+`gguf`: exact products, which reproduce the dequantized matmuls' tokens; `gguf_int8`: integer
+products on 8-bit activations; `gguf_int8_a16`: on 16-bit ones; `none` dequantizes).
 """
 
 from __future__ import annotations

@@ -50,9 +50,9 @@ class EngineArgs:
     )
     quantization: str = _arg(
         QUANTIZATION_DEFAULT,
-        "auto (default): for GGUFs whose matrices are mostly quantized, gguf_int8 on CPUs "
-        "without AVX-512 and gguf_int8_a16 on AVX-512 ones in float32 (there its kernels are "
-        "the faster ones), else gguf; gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q5_0, "
+        "auto (default): for GGUFs whose matrices are mostly quantized, gguf_int8_a16 on x86 "
+        "CPUs (its kernels are the faster ones there), but gguf in bfloat16 on AVX-512 ones "
+        "(AMX bf16 tiles), else gguf; gguf: keep a GGUF's quantized weights (Q4_0, Q4_1, Q5_0, "
         "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and run exact float products on them; gguf_int8: the "
         "same blocks against activations quantized per row to 8-bit blocks, integer dot "
         "products (llama.cpp's form); gguf_int8_a16: the same with a second 8-bit plane of the "
