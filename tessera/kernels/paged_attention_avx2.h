@@ -20,24 +20,18 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// exp(x) for the softmax (x <= 0), as exp16: x = n ln2 + r, e^r by its degree-7 Taylor
-// polynomial, times 2^n built in the exponent bits (n >= -126 after the clamp: a normal float).
+// exp(x) for the softmax (x <= 0), kExpTaylor's polynomial (paged_attention_common.h), times 2^n
+// built in the exponent bits (n >= -126 after the clamp: a normal float).
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTaylor[i]));
+  const __m256i n_bits = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(n_bits, 23)));
 }
 
 // Transposed horizontal sum: lane i of the result is the sum of d[i]'s 8 lanes (two rounds of
@@ -70,7 +64,8 @@ inline __m256 scores8(const float* q, const kv_t* const* kp, int64_t off, int64_
   for (int64_t i = 0; i < 8; ++i) {
     __m256 d = _mm256_setzero_ps();
     if (i < n) {
-      for (int c = 0; c < NC; ++c) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(kp[i] + off + 8 * c), d);
+      for (int c = 0; c < NC; ++c)
+        d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(kp[i] + off + 8 * c), d);
     }
     dots[i] = d;
   }
@@ -89,7 +84,8 @@ inline void pv_group8(const float* p, const float* corr, const kv_t* const* vp, 
     for (int c = 0; c < NC; ++c) {
       __m256 acc[kRegs];
       for (int64_t g = 0; g < gn; ++g)
-        acc[g] = _mm256_mul_ps(_mm256_loadu_ps(a + (g0 + g) * D + 8 * c), _mm256_set1_ps(corr[g0 + g]));
+        acc[g] = _mm256_mul_ps(_mm256_loadu_ps(a + (g0 + g) * D + 8 * c),
+                               _mm256_set1_ps(corr[g0 + g]));
       for (int64_t i = 0; i < n; ++i) {
         const __m256 v = load8(vp[i] + off + 8 * c);
         for (int64_t g = 0; g < gn; ++g)
@@ -125,7 +121,8 @@ void attend_avx2(const q_t* q, const kv_t* k, const kv_t* v, const index_t* tabl
     }
     __m256 live[4];  // lanes of tokens < n
     for (int u = 0; u < 4; ++u)
-      live[u] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * u)), iota));
+      live[u] = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * u)), iota));
     for (int64_t j = 0; j < nh; ++j) {
       const float* qj = sc.q.data() + j * D;
       const int64_t off = (j / G) * D;
