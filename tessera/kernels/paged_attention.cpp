@@ -89,24 +89,14 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   auto attend = attend_scalar<q_t, kv_t, index_t>;
 #if defined(__AVX512F__)
   if (geo.group <= kMaxGroup) {
-    switch (geo.head_dim) {
-      case 32: attend = attend_avx512<2, q_t, kv_t, index_t>; break;
-      case 64: attend = attend_avx512<4, q_t, kv_t, index_t>; break;
-      case 96: attend = attend_avx512<6, q_t, kv_t, index_t>; break;
-      case 128: attend = attend_avx512<8, q_t, kv_t, index_t>; break;
-      case 256: attend = attend_avx512<16, q_t, kv_t, index_t>; break;
-      default: break;  // other head sizes: portable path
-    }
+    with_head_chunks<16>(geo.head_dim, [&](auto nc) {
+      attend = attend_avx512<decltype(nc)::value, q_t, kv_t, index_t>;
+    });
   }
 #elif defined(TESSERA_ATTN_AVX2)
-  switch (geo.head_dim) {
-    case 32: attend = attend_avx2<4, q_t, kv_t, index_t>; break;
-    case 64: attend = attend_avx2<8, q_t, kv_t, index_t>; break;
-    case 96: attend = attend_avx2<12, q_t, kv_t, index_t>; break;
-    case 128: attend = attend_avx2<16, q_t, kv_t, index_t>; break;
-    case 256: attend = attend_avx2<32, q_t, kv_t, index_t>; break;
-    default: break;  // other head sizes: portable path
-  }
+  with_head_chunks<8>(geo.head_dim, [&](auto nc) {
+    attend = attend_avx2<decltype(nc)::value, q_t, kv_t, index_t>;
+  });
 #endif
   // the AMX path (bf16 q and cache), which also attends a prompt's rows in groups
   using AttendRows = void (*)(const q_t*, const kv_t*, const kv_t*, const index_t*, int64_t,
@@ -115,17 +105,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 #if defined(TESSERA_HAVE_AMX)
   if constexpr (std::is_same<q_t, at::BFloat16>::value && std::is_same<kv_t, at::BFloat16>::value) {
     if (geo.group <= kLanes && tessera_tiles::amx_ready()) {
-      switch (geo.head_dim) {
-        case 32: attend_rows = attend_amx_rows<2, index_t>; attend = attend_amx<2, index_t>; break;
-        case 64: attend_rows = attend_amx_rows<4, index_t>; attend = attend_amx<4, index_t>; break;
-        case 96: attend_rows = attend_amx_rows<6, index_t>; attend = attend_amx<6, index_t>; break;
-        case 128: attend_rows = attend_amx_rows<8, index_t>; attend = attend_amx<8, index_t>; break;
-        case 256:
-          attend_rows = attend_amx_rows<16, index_t>;
-          attend = attend_amx<16, index_t>;
-          break;
-        default: break;
-      }
+      with_head_chunks<16>(geo.head_dim, [&](auto nc) {
+        attend_rows = attend_amx_rows<decltype(nc)::value, index_t>;
+        attend = attend_amx<decltype(nc)::value, index_t>;
+      });
     }
   }
 #endif

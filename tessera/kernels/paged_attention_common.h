@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace tessera_paged {
@@ -35,6 +36,21 @@ constexpr float kExpTaylor[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 2
 // a context of at most P tokens is one partition, the plain online softmax.
 constexpr int64_t kPartition = TESSERA_ATTN_PARTITION;
 static_assert(kPartition % kTile == 0, "a partition is whole tiles");
+
+// The head sizes the vector and AMX paths are compiled for: fn(std::integral_constant<int, C>)
+// with C = head_dim / Lanes, the head's chunks of Lanes floats; false (fn not called) for other
+// sizes, which take the portable path.
+template <int Lanes, typename Fn>
+inline bool with_head_chunks(int64_t head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 32: fn(std::integral_constant<int, 32 / Lanes>{}); return true;
+    case 64: fn(std::integral_constant<int, 64 / Lanes>{}); return true;
+    case 96: fn(std::integral_constant<int, 96 / Lanes>{}); return true;
+    case 128: fn(std::integral_constant<int, 128 / Lanes>{}); return true;
+    case 256: fn(std::integral_constant<int, 256 / Lanes>{}); return true;
+    default: return false;
+  }
+}
 
 inline int64_t num_partitions(int64_t seq_len) {
   return std::max<int64_t>(1, (seq_len + kPartition - 1) / kPartition);
