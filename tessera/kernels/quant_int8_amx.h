@@ -44,6 +44,10 @@ namespace tessera_int8 {
 constexpr int64_t kTileRows = 16;             // rows of x a tile
 constexpr int64_t kPairCols = 2 * kCols;      // outputs a tile: two interleaved groups
 constexpr int64_t kBBlockBytes = 8 * 64;      // one block's B tile
+#ifndef TESSERA_INT8_ROW_BLOCK
+#define TESSERA_INT8_ROW_BLOCK 256
+#endif
+constexpr int64_t kRowBlock = TESSERA_INT8_ROW_BLOCK;  // rows a pass over the thread's groups
 
 inline void amx_int8_configure() {
   tessera_tiles::TileConfig cfg;
@@ -126,30 +130,28 @@ inline void block_scales16(const uint8_t* ga, const uint8_t* gb, int64_t b, __m5
   *e = _mm512_insertf32x8(_mm512_castps256_ps512(ea), eb, 1);
 }
 
-// acc[r] += block b's sums (c, [16][16] int32; with the residual plane's sums c_lo, kLoScale c
-// + c_lo) times the scales d (and the mins e, unsigned kinds), for the 16 rows from row m0: the
-// VNNI loop's operations (dot_group), lane by lane.
-template <typename F>
-inline void scale_block(const int32_t* c, const int32_t* c_lo, __m512 d, __m512 e, int64_t b,
-                        int64_t nb, const float* dx, const int32_t* xsum, int64_t m0,
-                        __m512* acc) {
+// acc[r] += block b's sums (c, [16][16] int32) times the scales d (and the mins e, unsigned
+// kinds), for 16 rows: the VNNI loop's operations (dot_group), lane by lane. With the residual
+// plane's sums c_lo (kLo), the block's sum is kLoScale c + c_lo: one fma forms it exactly (both
+// converted exactly, |c| < 2^24) and rounds it once, as the VNNI loop converts its int32 sum.
+// dx, dsum: the first row's entries for this block (QRow), rows nb apart.
+template <typename F, bool kLo>
+__attribute__((always_inline)) inline void scale_block(const int32_t* c, const int32_t* c_lo,
+                                                       __m512 d, __m512 e, const float* dx,
+                                                       const float* dsum, int64_t nb,
+                                                       __m512* acc) {
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
-    const float dxr = dx[(m0 + r) * nb + b];
-    __m512i si = _mm512_load_si512(c + 16 * r);
-    if (c_lo)
-      si = _mm512_add_epi32(_mm512_mullo_epi32(si, _mm512_set1_epi32(kLoScale)),
-                            _mm512_load_si512(c_lo + 16 * r));
-    const __m512 s = _mm512_cvtepi32_ps(si);
-    acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dxr)), acc[r]);
+    __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r));
+    if constexpr (kLo)
+      s = _mm512_fmadd_ps(s, _mm512_set1_ps(static_cast<float>(kLoScale)),
+                          _mm512_cvtepi32_ps(_mm512_load_si512(c_lo + 16 * r)));
+    acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb])), acc[r]);
   }
   if constexpr (!F::kSigned) {
 #pragma GCC unroll 16
-    for (int r = 0; r < kTileRows; ++r) {
-      const int64_t i = (m0 + r) * nb + b;
-      const float sx = dx[i] * static_cast<float>(xsum[i]);
-      acc[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(sx), acc[r]);
-    }
+    for (int r = 0; r < kTileRows; ++r)
+      acc[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(dsum[r * nb]), acc[r]);
   }
 }
 
@@ -157,14 +159,15 @@ inline void scale_block(const int32_t* c, const int32_t* c_lo, __m512 d, __m512 
 // (row stride K) against its B tile; with the residual codes lo, their product too, in C tile
 // 6 + S. GCC's tile intrinsics paste their operands into the instruction's text, so the tile
 // numbers are literals.
-template <typename F, int S>
-inline void block_product(const int8_t* a, const int8_t* lo, int64_t K, const uint8_t* bt) {
+template <typename F, int S, bool kLo>
+__attribute__((always_inline)) inline void block_product(const int8_t* a, const int8_t* lo,
+                                                         int64_t K, const uint8_t* bt) {
   if constexpr (S == 0) {
     _tile_zero(0);
     _tile_loadd(1, a, K);
     _tile_loadd(2, bt, 64);
     if constexpr (F::kSigned) _tile_dpbssd(0, 1, 2); else _tile_dpbsud(0, 1, 2);
-    if (lo) {
+    if constexpr (kLo) {
       _tile_zero(6);
       _tile_loadd(1, lo, K);
       if constexpr (F::kSigned) _tile_dpbssd(6, 1, 2); else _tile_dpbsud(6, 1, 2);
@@ -174,7 +177,7 @@ inline void block_product(const int8_t* a, const int8_t* lo, int64_t K, const ui
     _tile_loadd(4, a, K);
     _tile_loadd(5, bt, 64);
     if constexpr (F::kSigned) _tile_dpbssd(3, 4, 5); else _tile_dpbsud(3, 4, 5);
-    if (lo) {
+    if constexpr (kLo) {
       _tile_zero(7);
       _tile_loadd(4, lo, K);
       if constexpr (F::kSigned) _tile_dpbssd(7, 4, 5); else _tile_dpbsud(7, 4, 5);
@@ -182,69 +185,82 @@ inline void block_product(const int8_t* a, const int8_t* lo, int64_t K, const ui
   }
 }
 
-// Rows [0, m_tiles) (a multiple of 16) of x's codes q ([M][K], row stride K; lo: the residual
-// plane's, the same way, or null) against the two groups at ga, gb (nb block records each):
+// Rows [m_begin, m_end) (multiples of 16) of x's codes q ([M][K], row stride K; with kLo, the
+// residual plane's lo the same way) against the two groups at ga, gb (nb block records each):
 // y[m][n0 + c] for c < cols. `bbuf`: nb * kGroups B tiles, 64-byte aligned, this thread's. A
 // unit u is block u / kGroups (its half u % kGroups).
-template <typename F, typename T>
+template <typename F, bool kLo, typename T>
 void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8_t* q,
-                    const int8_t* lo, int64_t K, const float* dx, const int32_t* xsum,
-                    int64_t m_tiles, uint8_t* bbuf, T* y, int64_t ldy, int64_t n0, int64_t cols,
+                    const int8_t* lo, int64_t K, const float* dx, const float* dsum,
+                    int64_t m_begin, int64_t m_end, uint8_t* bbuf, T* y, int64_t ldy, int64_t n0,
+                    int64_t cols,
                     const float* bias) {
   constexpr int64_t G = F::kGroups;
-  // the super-block kinds' scales d sc and mins -dmin m, once a call (else loaded per tile)
-  float* sbuf = nullptr;
-  if constexpr (F::kSuper)
-    sbuf = tessera_tiles::thread_scratch<float, tessera_tiles::Scratch::kWideRecords>(32 * nb);
+  // every unit's scales d and e (S8F2's second half: its scales as d), once a call: they are
+  // the same for every 16 rows
+  float* sbuf = tessera_tiles::thread_scratch<float, tessera_tiles::Scratch::kWideRecords>(
+      32 * nb * G);
   for (int64_t b = 0; b < nb; ++b) {
     expand_block<F>(ga + b * F::kRecord, gb + b * F::kRecord, bbuf + b * G * kBBlockBytes);
-    if constexpr (F::kSuper) {
-      __m512 d, e;
-      block_scales16<F>(ga + b * F::kRecord, gb + b * F::kRecord, b, &d, &e);
-      _mm512_storeu_ps(sbuf + 32 * b, d);
-      _mm512_storeu_ps(sbuf + 32 * b + 16, e);
+    __m512 d, e;
+    block_scales16<F>(ga + b * F::kRecord, gb + b * F::kRecord, b, &d, &e);
+    for (int64_t h = 0; h < G; ++h) {
+      _mm512_storeu_ps(sbuf + 32 * (b * G + h), h ? e : d);
+      _mm512_storeu_ps(sbuf + 32 * (b * G + h) + 16, e);
     }
   }
   const int64_t units = nb * G;
-  auto scale = [&](const int32_t* c, const int32_t* c_lo, int64_t u, int64_t m0, __m512* acc) {
-    const int64_t b = u / G;
-    __m512 d, e;
-    if constexpr (F::kSuper) {
-      d = _mm512_loadu_ps(sbuf + 32 * b);
-      e = _mm512_loadu_ps(sbuf + 32 * b + 16);
-    } else {
-      block_scales16<F>(ga + b * F::kRecord, gb + b * F::kRecord, b, &d, &e);
-    }
-    if (u % G) d = e;  // S8F2's second half
-    scale_block<F>(c, c_lo, d, e, b, nb, dx, xsum, m0, acc);
-  };
-  alignas(64) int32_t c[2][kTileRows * kPairCols], c_lo[2][kTileRows * kPairCols];
-  for (int64_t m0 = 0; m0 < m_tiles; m0 += kTileRows) {
+  // three buffers of C: unit u's tiles are stored while u + 1's product runs, and scaled one
+  // unit later still, so no load waits on a tile store just issued
+  alignas(64) int32_t c[3][kTileRows * kPairCols], c_lo[3][kTileRows * kPairCols];
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
+    // the 16 rows' accumulators stay in registers: every helper below is inlined
     __m512 acc[kTileRows];
     for (auto& a : acc) a = _mm512_setzero_ps();
     const int8_t* qg = q + m0 * K;
-    const int8_t* lg = lo ? lo + m0 * K : nullptr;
-    // unit u on tile set u % 2: unit u - 1 is scaled while u's product is in flight
+    const int8_t* lg = kLo ? lo + m0 * K : nullptr;
+    const float* dxg = dx + m0 * nb;
+    const float* dsg = dsum + m0 * nb;
+    auto scale = [&](int64_t u) __attribute__((always_inline)) {
+      const float* su = sbuf + 32 * u;
+      scale_block<F, kLo>(c[u % 3], c_lo[u % 3], _mm512_loadu_ps(su), _mm512_loadu_ps(su + 16),
+                          dxg + u / G, dsg + u / G, nb, acc);
+    };
+    // unit u's C tiles (set u % 2) into buffer u % 3
+    auto store = [&](int64_t u) __attribute__((always_inline)) {
+      if (u & 1) {
+        _tile_stored(3, c[u % 3], 64);
+        if constexpr (kLo) _tile_stored(7, c_lo[u % 3], 64);
+      } else {
+        _tile_stored(0, c[u % 3], 64);
+        if constexpr (kLo) _tile_stored(6, c_lo[u % 3], 64);
+      }
+    };
     for (int64_t u = 0; u < units; ++u) {
-      const int set = static_cast<int>(u & 1);
       const uint8_t* bt = bbuf + u * kBBlockBytes;
-      const int8_t* lu = lg ? lg + u / G * kQK : nullptr;
-      if (set == 0) {
-        block_product<F, 0>(qg + u / G * kQK, lu, K, bt);
-      } else {
-        block_product<F, 1>(qg + u / G * kQK, lu, K, bt);
+      const int8_t* au = qg + u / G * kQK;
+      const int8_t* lu = kLo ? lg + u / G * kQK : nullptr;
+      // the rows' next cache line of codes into L1 ahead of its tile loads, which otherwise wait
+      // on L2 for 16 lines each (a row block's codes stay in L2, not L1)
+      if (u % (2 * G) == 0 && (u / G + 2) * kQK < K) {
+#pragma GCC unroll 16
+        for (int r = 0; r < kTileRows; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(au + r * K + 2 * kQK), _MM_HINT_T0);
+          if constexpr (kLo)
+            _mm_prefetch(reinterpret_cast<const char*>(lu + r * K + 2 * kQK), _MM_HINT_T0);
+        }
       }
-      if (u > 0) scale(c[1 - set], lg ? c_lo[1 - set] : nullptr, u - 1, m0, acc);
-      if (set == 0) {
-        _tile_stored(0, c[0], 64);
-        if (lg) _tile_stored(6, c_lo[0], 64);
+      if (u & 1) {
+        block_product<F, 1, kLo>(au, lu, K, bt);
       } else {
-        _tile_stored(3, c[1], 64);
-        if (lg) _tile_stored(7, c_lo[1], 64);
+        block_product<F, 0, kLo>(au, lu, K, bt);
       }
+      if (u >= 1) store(u - 1);
+      if (u >= 2) scale(u - 2);
     }
-    const int last = static_cast<int>((units - 1) & 1);
-    scale(c[last], lg ? c_lo[last] : nullptr, units - 1, m0, acc);
+    store(units - 1);
+    if (units >= 2) scale(units - 2);
+    scale(units - 1);
     for (int r = 0; r < kTileRows; ++r) {
       alignas(64) float out[kPairCols];
       _mm512_store_ps(out, acc[r]);
@@ -264,18 +280,35 @@ bool run_int8_groups_amx(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y
   if (M < kTileRows || !tessera_tiles::amx_ready()) return false;
   const int64_t nb = K / kQK, groups = (N + kCols - 1) / kCols, group_bytes = nb * F::kRecord;
   const int64_t m_tiles = M / kTileRows * kTileRows;
+  const int64_t pairs = groups / 2;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     amx_int8_configure();  // tile state is per thread
     uint8_t* bbuf = tessera_tiles::thread_scratch<uint8_t, tessera_tiles::Scratch::kDequantPanel>(
         nb * F::kGroups * kBBlockBytes + 64);
     bbuf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bbuf) + 63) & ~uintptr_t{63});
+    const QRow& x = rows[0];  // every row's codes and factors are one array each
+    // Row blocks outermost: a block's codes stay in L2 while they meet each of the thread's
+    // pairs of groups (whose B tiles are expanded again for every block: O(N K) against the
+    // block's O(rows N K) products).
+    for (int64_t mb = 0; mb < m_tiles; mb += kRowBlock) {
+      const int64_t me = std::min(m_tiles, mb + kRowBlock);
+      for (int64_t pair = begin; pair < std::min(end, pairs); ++pair) {
+        const int64_t g = 2 * pair;
+        const uint8_t* ga = w + g * group_bytes;
+        const int64_t cols = std::min(kPairCols, N - g * kCols);
+        if (x.lo) {
+          amx_group_pair<F, true>(ga, ga + group_bytes, nb, x.q, x.lo, K, x.d, x.dsum, mb, me,
+                                  bbuf, y, ldy, g * kCols, cols, bias);
+        } else {
+          amx_group_pair<F, false>(ga, ga + group_bytes, nb, x.q, x.lo, K, x.d, x.dsum, mb, me,
+                                   bbuf, y, ldy, g * kCols, cols, bias);
+        }
+      }
+    }
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t g = 2 * pair;
       if (g + 1 < groups) {
         const uint8_t* ga = w + g * group_bytes;
-        amx_group_pair<F>(ga, ga + group_bytes, nb, rows[0].q, rows[0].lo, K, rows[0].d,
-                          rows[0].sum, m_tiles, bbuf, y, ldy, g * kCols,
-                          std::min(kPairCols, N - g * kCols), bias);
         group_rows<F>(ga, nb, rows, m_tiles, M, y, ldy, g * kCols, N, bias);
         group_rows<F>(ga + group_bytes, nb, rows, m_tiles, M, y, ldy, (g + 1) * kCols, N, bias);
       } else {

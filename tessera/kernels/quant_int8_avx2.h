@@ -220,8 +220,7 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
       const __m256i s = row_sums8<F>(codes, qx, lo);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
       if constexpr (!F::kSigned) {
-        const float sx = dx * static_cast<float>(xr[r].sum[b]);
-        acc[r] = _mm256_fmadd_ps(e, _mm256_set1_ps(sx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(e, _mm256_set1_ps(xr[r].dsum[b]), acc[r]);
       }
     }
   }

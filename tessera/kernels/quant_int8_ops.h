@@ -75,10 +75,10 @@ inline void quant_linear_int8_out(torch::Tensor x, torch::Tensor packed, int64_t
   int8_t* q = thread_scratch<int8_t, Scratch::kPackedRows>(planes * M * K);
   int8_t* lo = planes == 2 ? q + M * K : nullptr;
   float* d = thread_scratch<float, Scratch::kBlockSums>(M * nb * 2);
-  int32_t* sums = reinterpret_cast<int32_t*>(d + M * nb);
+  float* dsums = d + M * nb;
   std::vector<QRow> rows(M);
   for (int64_t m = 0; m < M; ++m)
-    rows[m] = QRow{q + m * K, lo ? lo + m * K : nullptr, d + m * nb, sums + m * nb};
+    rows[m] = QRow{q + m * K, lo ? lo + m * K : nullptr, d + m * nb, dsums + m * nb};
   const bool f32 = x.scalar_type() == torch::kFloat32;
   TORCH_CHECK(f32 || x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {

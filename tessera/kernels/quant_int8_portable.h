@@ -34,8 +34,7 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
                                acc[r][c]);
         }
         if constexpr (!F::kSigned) {
-          const float sx = dx * static_cast<float>(xr[r].sum[b]);
-          acc[r][c] = std::fma(min_at<F>(w, b, c), sx, acc[r][c]);
+          acc[r][c] = std::fma(min_at<F>(w, b, c), xr[r].dsum[b], acc[r][c]);
         }
       }
     }

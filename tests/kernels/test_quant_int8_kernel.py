@@ -21,6 +21,7 @@ from quant_weights import random_weight
 
 from tessera.kernels import quant_linear as ql
 from tessera.kernels.quant_int8 import QK, dequantize_int8, dequantize_int8_rows
+from tessera.model.gguf_quant import QuantizedTensor
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -119,6 +120,35 @@ def test_a_residual_plane_holds_x_to_16_bits():
     err = {p: ((_linear(w, torch.float32, planes=p)(x).double() - exact).abs() / scale).max()
            for p in (1, 2)}
     assert err[1] > 3e-4 and err[2] < 2e-5 and err[1] > 50 * err[2], err
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_rows_are_quantized_to_the_reference_codes_bit_for_bit(planes):
+    """Against Q8_0 identity weights (code 127 on the diagonal), output n of row m is the fp32
+    product 127 c * (d_w dx), c = q (or 254 q + lo): the kernel's codes and scales, exactly. The
+    reference is the rule in torch: fp32 d = max|x| / 127, q = round(x / d) ties to even, the
+    residual rounded once, lo = round(rest * 254 / d) within +-127."""
+    _kernel()
+    k = 128
+    eye = gguf.quants.quantize(np.eye(k, dtype=np.float32), T.Q8_0)
+    lin = _linear(QuantizedTensor(T.Q8_0, eye, torch.Size((k, k)), True), torch.float32,
+                  planes=planes)
+    x = torch.randn(40, k) * torch.logspace(-3, 3, 40).unsqueeze(1)  # 16-row tiles and the rest
+    x[3, :QK] = 0  # a block of zeros: scale 0
+    x[5, :4] = torch.tensor([0.5, -1.5, 2.5, 127.0])  # ties at q = x / (127 / 127)
+    xb = x.view(40, -1, QK)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv)
+    if planes == 1:
+        c, dx = q, d
+    else:
+        rest = (xb.double() - d.double() * q.double()).float()  # exact in float64: one rounding
+        lo = torch.round(rest * (inv * 254)).clamp(-127, 127)
+        c, dx = 254 * q + lo, d / 254
+    d_w = float(np.float16(1 / 127))
+    expected = ((127 * c).float() * (d_w * dx)).view(40, k)
+    assert torch.equal(lin(x), expected)
 
 
 @pytest.mark.parametrize("planes", [1, 2])
