@@ -35,6 +35,8 @@
 #include "linear_amx.h"
 #include "quant_int8.h"
 
+#include <type_traits>
+
 #if defined(TESSERA_HAVE_AMX) && defined(__AMX_INT8__) && defined(TESSERA_INT8_AVX2) && \
     defined(__AVX512DQ__)
 #define TESSERA_HAVE_AMX_INT8 1
@@ -261,12 +263,18 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
     store(units - 1);
     if (units >= 2) scale(units - 2);
     scale(units - 1);
+    const __mmask16 valid = static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 vbias = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < kTileRows; ++r) {
-      alignas(64) float out[kPairCols];
-      _mm512_store_ps(out, acc[r]);
+      const __m512 v = bias ? _mm512_add_ps(acc[r], vbias) : acc[r];
       T* yr = y + (m0 + r) * ldy + n0;
-      for (int64_t i = 0; i < cols; ++i)
-        yr[i] = static_cast<T>(bias ? out[i] + bias[n0 + i] : out[i]);
+      if constexpr (std::is_same<T, float>::value) {
+        _mm512_mask_storeu_ps(yr, valid, v);
+      } else {  // c10's rounding to bf16
+        alignas(64) float out[kPairCols];
+        _mm512_store_ps(out, v);
+        for (int64_t i = 0; i < cols; ++i) yr[i] = static_cast<T>(out[i]);
+      }
     }
   }
 }
