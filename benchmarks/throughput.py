@@ -188,6 +188,11 @@ def main() -> None:
         f"{100 * st.execute / total:.1f}%  "
         f"update {100 * st.update / total:.1f}%"
     )
+    print(
+        f"  execute: {st.num_multi_token_steps} steps with prompt tokens "
+        f"{st.multi_token_execute:.2f}s, {st.num_steps - st.num_multi_token_steps} decode steps "
+        f"{st.execute - st.multi_token_execute:.2f}s"
+    )
     if not args.skip_hf:
         del llm  # HF runs alone
         best = 0.0

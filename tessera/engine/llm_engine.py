@@ -51,13 +51,21 @@ class StepTimes:
     schedule: float = 0.0
     execute: float = 0.0
     update: float = 0.0
+    # the steps that computed more tokens than they scheduled requests (prompt tokens, or
+    # speculative drafts) and their execute time: a workload's prefill against its decode
+    num_multi_token_steps: int = 0
+    multi_token_execute: float = 0.0
 
-    def record(self, schedule: float, execute: float, update: float, num_tokens: int) -> None:
+    def record(self, schedule: float, execute: float, update: float, num_tokens: int,
+               num_reqs: int = 0) -> None:
         self.num_steps += 1
         self.num_tokens += num_tokens
         self.schedule += schedule
         self.execute += execute
         self.update += update
+        if num_tokens > num_reqs:
+            self.num_multi_token_steps += 1
+            self.multi_token_execute += execute
 
 
 class LLMEngine:
@@ -309,7 +317,8 @@ class LLMEngine:
         outputs += failed  # the culprits of a step that raised (engine/step_recovery.py)
         t3 = time.perf_counter()
         self.step_times.record(
-            t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens
+            t1 - t0, t2 - t1, t3 - t2, scheduler_output.total_num_scheduled_tokens,
+            len(scheduler_output.num_scheduled_tokens),
         )
         if self.step_log is not None:
             self.step_log.step(scheduler_output, core_outputs, outputs, t0, t3,

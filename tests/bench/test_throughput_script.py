@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tessera.engine.llm_engine import StepTimes
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "throughput.py")
 
 
@@ -46,7 +48,8 @@ def test_main_runs_and_reports_every_request(throughput, monkeypatch, capsys):
 
     def fake_run_tessera(prompts, out_lens, dtype, **engine_args):
         ran["num_prompts"] = len(prompts)
-        step_times = SimpleNamespace(num_steps=10, schedule=1.0, execute=8.0, update=1.0)
+        step_times = StepTimes(num_steps=10, schedule=1.0, execute=8.0, update=1.0,
+                               num_multi_token_steps=2, multi_token_execute=3.0)
         return (
             2.0,
             sum(out_lens),
@@ -57,4 +60,14 @@ def test_main_runs_and_reports_every_request(throughput, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["throughput.py", "--num-requests", "100", "--skip-hf"])
     throughput.main()
     assert ran["num_prompts"] == 100
-    assert "float32: 100 requests, " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "float32: 100 requests, " in out
+    assert "2 steps with prompt tokens 3.00s, 8 decode steps 5.00s" in out
+
+
+def test_step_times_split_prompt_steps_from_decode_steps():
+    st = StepTimes()
+    st.record(0.1, 2.0, 0.1, num_tokens=300, num_reqs=3)  # prompt tokens
+    st.record(0.1, 0.5, 0.1, num_tokens=3, num_reqs=3)  # one token a request: decode
+    assert (st.num_steps, st.num_multi_token_steps) == (2, 1)
+    assert st.multi_token_execute == 2.0 and st.execute == 2.5
