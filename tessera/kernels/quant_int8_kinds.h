@@ -191,7 +191,8 @@ constexpr int32_t kLoScale = 254;
 
 // One block of a row (llama.cpp's Q8_0/Q8_K rule: dx = max|x| / 127, q = round(x / dx), ties
 // to even; with lo, the residual plane too): codes into q (and lo), and its dx and dsum (QRow).
-// Plain C++, the reference that the vector version below must match bit for bit.
+// Plain C++ (the portable build); the vector version below gives the same bits, and
+// tests/kernels/test_quant_int8_kernel.py checks each build's codes against the rule in torch.
 inline void quantize_block_scalar(const float* v, int8_t* q, int8_t* lo, float* dx, float* dsum) {
   float amax = 0.f;
   for (int64_t i = 0; i < kQK; ++i) amax = std::max(amax, std::fabs(v[i]));
