@@ -46,10 +46,14 @@ namespace tessera_int8 {
 constexpr int64_t kTileRows = 16;             // rows of x a tile
 constexpr int64_t kPairCols = 2 * kCols;      // outputs a tile: two interleaved groups
 constexpr int64_t kBBlockBytes = 8 * 64;      // one block's B tile
-#ifndef TESSERA_INT8_ROW_BLOCK
-#define TESSERA_INT8_ROW_BLOCK 256
+#ifndef TESSERA_INT8_PAIR_MAJOR_ROWS
+#define TESSERA_INT8_PAIR_MAJOR_ROWS 256
 #endif
-constexpr int64_t kRowBlock = TESSERA_INT8_ROW_BLOCK;  // rows a pass over the thread's groups
+constexpr int64_t kPairMajorRows = TESSERA_INT8_PAIR_MAJOR_ROWS;  // see run_int8_groups_amx
+#ifndef TESSERA_INT8_EXPANDED_BYTES
+#define TESSERA_INT8_EXPANDED_BYTES (1 << 20)
+#endif
+constexpr int64_t kExpandedBytes = TESSERA_INT8_EXPANDED_BYTES;  // a thread's expanded B, in L2
 
 inline void amx_int8_configure() {
   tessera_tiles::TileConfig cfg;
@@ -187,21 +191,13 @@ __attribute__((always_inline)) inline void block_product(const int8_t* a, const 
   }
 }
 
-// Rows [m_begin, m_end) (multiples of 16) of x's codes q ([M][K], row stride K; with kLo, the
-// residual plane's lo the same way) against the two groups at ga, gb (nb block records each):
-// y[m][n0 + c] for c < cols. `bbuf`: nb * kGroups B tiles, 64-byte aligned, this thread's. A
-// unit u is block u / kGroups (its half u % kGroups).
-template <typename F, bool kLo, typename T>
-void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8_t* q,
-                    const int8_t* lo, int64_t K, const float* dx, const float* dsum,
-                    int64_t m_begin, int64_t m_end, uint8_t* bbuf, T* y, int64_t ldy, int64_t n0,
-                    int64_t cols,
-                    const float* bias) {
+// The two groups at ga, gb (nb block records each) made ready for the tiles, once a call: their
+// B tiles (nb * kGroups of them, into bbuf, 64-byte aligned) and every unit's scales d and e
+// (into sbuf, 32 floats a unit; S8F2's second half has its scales as d). A unit u is block
+// u / kGroups (its half u % kGroups).
+template <typename F>
+void expand_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, uint8_t* bbuf, float* sbuf) {
   constexpr int64_t G = F::kGroups;
-  // every unit's scales d and e (S8F2's second half: its scales as d), once a call: they are
-  // the same for every 16 rows
-  float* sbuf = tessera_tiles::thread_scratch<float, tessera_tiles::Scratch::kWideRecords>(
-      32 * nb * G);
   for (int64_t b = 0; b < nb; ++b) {
     expand_block<F>(ga + b * F::kRecord, gb + b * F::kRecord, bbuf + b * G * kBBlockBytes);
     __m512 d, e;
@@ -211,6 +207,18 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
       _mm512_storeu_ps(sbuf + 32 * (b * G + h) + 16, e);
     }
   }
+}
+
+// Rows [m_begin, m_end) (multiples of 16) of x's codes q ([M][K], row stride K; with kLo, the
+// residual plane's lo the same way) against one expanded pair of groups (expand_pair):
+// y[m][n0 + c] for c < cols. `prefetch_codes`: the rows' codes are not in L1 (the first pair
+// they meet).
+template <typename F, bool kLo, typename T>
+void tile_pair(const uint8_t* bbuf, const float* sbuf, int64_t nb, const int8_t* q,
+               const int8_t* lo, int64_t K, const float* dx, const float* dsum, int64_t m_begin,
+               int64_t m_end, T* y, int64_t ldy, int64_t n0, int64_t cols, const float* bias,
+               bool prefetch_codes) {
+  constexpr int64_t G = F::kGroups;
   const int64_t units = nb * G;
   // three buffers of C: unit u's tiles are stored while u + 1's product runs, and scaled one
   // unit later still, so no load waits on a tile store just issued
@@ -243,8 +251,8 @@ void amx_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8
       const int8_t* au = qg + u / G * kQK;
       const int8_t* lu = kLo ? lg + u / G * kQK : nullptr;
       // the rows' next cache line of codes into L1 ahead of its tile loads, which otherwise wait
-      // on L2 for 16 lines each (a row block's codes stay in L2, not L1)
-      if (u % (2 * G) == 0 && (u / G + 2) * kQK < K) {
+      // on L2 for 16 lines each (pair by pair, a tile's codes are not in L1)
+      if (prefetch_codes && u % (2 * G) == 0 && (u / G + 2) * kQK < K) {
 #pragma GCC unroll 16
         for (int r = 0; r < kTileRows; ++r) {
           _mm_prefetch(reinterpret_cast<const char*>(au + r * K + 2 * kQK), _MM_HINT_T0);
@@ -286,31 +294,60 @@ template <typename F, typename T>
 bool run_int8_groups_amx(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int64_t ldy,
                          const float* bias, const QRow* rows) {
   if (M < kTileRows || !tessera_tiles::amx_ready()) return false;
+  constexpr int64_t G = F::kGroups;
   const int64_t nb = K / kQK, groups = (N + kCols - 1) / kCols, group_bytes = nb * F::kRecord;
   const int64_t m_tiles = M / kTileRows * kTileRows;
   const int64_t pairs = groups / 2;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     amx_int8_configure();  // tile state is per thread
+    const int64_t mine = std::max<int64_t>(0, std::min(end, pairs) - begin);  // whole pairs
+    const int64_t pair_bytes = nb * G * kBBlockBytes, pair_scales = 32 * nb * G;
+    const bool pair_major = m_tiles <= kPairMajorRows;
+    // expanded pairs held at once: one pair by pair, else as many as fit kExpandedBytes
+    const int64_t slots = pair_major ? 1
+                                     : std::clamp<int64_t>(kExpandedBytes / pair_bytes, 1,
+                                                           std::max<int64_t>(mine, 1));
     uint8_t* bbuf = tessera_tiles::thread_scratch<uint8_t, tessera_tiles::Scratch::kDequantPanel>(
-        nb * F::kGroups * kBBlockBytes + 64);
+        slots * pair_bytes + 64);
     bbuf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bbuf) + 63) & ~uintptr_t{63});
+    float* sbuf = tessera_tiles::thread_scratch<float, tessera_tiles::Scratch::kWideRecords>(
+        slots * pair_scales);
+    // pair p of the thread's, expanded into slot `slot` of bbuf and sbuf
+    auto expand = [&](int64_t p, int64_t slot) {
+      const uint8_t* ga = w + 2 * (begin + p) * group_bytes;
+      expand_pair<F>(ga, ga + group_bytes, nb, bbuf + slot * pair_bytes,
+                     sbuf + slot * pair_scales);
+    };
     const QRow& x = rows[0];  // every row's codes and factors are one array each
-    // Row blocks outermost: a block's codes stay in L2 while they meet each of the thread's
-    // pairs of groups (whose B tiles are expanded again for every block: O(N K) against the
-    // block's O(rows N K) products).
-    for (int64_t mb = 0; mb < m_tiles; mb += kRowBlock) {
-      const int64_t me = std::min(m_tiles, mb + kRowBlock);
-      for (int64_t pair = begin; pair < std::min(end, pairs); ++pair) {
-        const int64_t g = 2 * pair;
-        const uint8_t* ga = w + g * group_bytes;
-        const int64_t cols = std::min(kPairCols, N - g * kCols);
-        if (x.lo) {
-          amx_group_pair<F, true>(ga, ga + group_bytes, nb, x.q, x.lo, K, x.d, x.dsum, mb, me,
-                                  bbuf, y, ldy, g * kCols, cols, bias);
-        } else {
-          amx_group_pair<F, false>(ga, ga + group_bytes, nb, x.q, x.lo, K, x.d, x.dsum, mb, me,
-                                   bbuf, y, ldy, g * kCols, cols, bias);
-        }
+    auto tile = [&](int64_t m0, int64_t m1, int64_t p, int64_t slot, bool prefetch_codes) {
+      const int64_t n0 = 2 * (begin + p) * kCols;
+      const int64_t cols = std::min(kPairCols, N - n0);
+      const uint8_t* bp = bbuf + slot * pair_bytes;
+      const float* sp = sbuf + slot * pair_scales;
+      if (x.lo) {
+        tile_pair<F, true>(bp, sp, nb, x.q, x.lo, K, x.d, x.dsum, m0, m1, y, ldy, n0, cols, bias,
+                           prefetch_codes);
+      } else {
+        tile_pair<F, false>(bp, sp, nb, x.q, x.lo, K, x.d, x.dsum, m0, m1, y, ldy, n0, cols, bias,
+                            prefetch_codes);
+      }
+    };
+    // The same tiles in either order (the same bits). Up to kPairMajorRows rows (decode
+    // batches), each pair is expanded just before every 16 rows meet it, its B tiles in L1.
+    // More rows (prefill): a run of pairs expanded first (into L2), then each 16 rows meet all
+    // of them in turn, their codes in L1: an M = 1648 prefill's linears ran 1.35x (one plane)
+    // and 1.48x (two) faster than pair by pair, where each pair re-read every row's codes.
+    if (pair_major) {
+      for (int64_t p = 0; p < mine; ++p) {
+        expand(p, 0);  // one slot, reused: it stays in L1
+        tile(0, m_tiles, p, 0, true);
+      }
+    } else {
+      for (int64_t p0 = 0; p0 < mine; p0 += slots) {
+        const int64_t p1 = std::min(mine, p0 + slots);
+        for (int64_t p = p0; p < p1; ++p) expand(p, p - p0);
+        for (int64_t m0 = 0; m0 < m_tiles; m0 += kTileRows)
+          for (int64_t p = p0; p < p1; ++p) tile(m0, m0 + kTileRows, p, p - p0, p == p0);
       }
     }
     for (int64_t pair = begin; pair < end; ++pair) {

@@ -167,6 +167,22 @@ def test_a_row_does_not_depend_on_its_batch(qtype, dtype, planes):
         assert torch.equal(lin(x[:m]), alone[:m]), m
 
 
+@pytest.mark.parametrize("planes", [1, 2])
+def test_a_prefill_row_does_not_depend_on_its_batch(planes):
+    """Past 256 rows (prefill) the AMX-INT8 tiles take each 16 rows to a run of expanded
+    groups in turn, runs as long as fit in L2 (here more than one a thread): a row alone, in a
+    decode-size batch and in the prefill gives the same bits."""
+    _kernel()
+    n, k = 1048, 2048  # 131 groups of 8 (the last one odd), 32 KiB of B tiles a pair
+    w = random_weight(T.Q4_1, n, k, seed=5, int8=True)
+    lin = _linear(w, torch.float32, torch.randn(n), planes)
+    x = torch.randn(275, k)
+    full = lin(x)
+    for i in (0, 17, 150, 256, 274):
+        assert torch.equal(lin(x[i : i + 1]), full[i : i + 1]), i
+    assert torch.equal(lin(x[:40]), full[:40])
+
+
 def test_amx_int8_tiles_serve_where_the_cpu_has_them(isa):
     """The AVX-512 build runs 16 rows and more on AMX-INT8 where the CPU and kernel allow it
     (TESSERA_DISABLE_AMX turns the tiles off); no other build does."""
