@@ -47,7 +47,9 @@ inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // What a thread's scratch buffer holds. Each use has its own buffer, because the calling thread
 // is also one of its parallel region's workers: its packed rows must outlive its own tiles'
 // partial sums and dequantized panels.
-enum class Scratch { kPackedRows, kBlockSums, kPartialSums, kDequantPanel, kWideRecords };
+enum class Scratch {
+  kPackedRows, kBlockSums, kPartialSums, kDequantPanel, kWideRecords, kXTiles
+};
 
 // This thread's buffer for `use`, at least `elems` long: grown when needed, never shrunk and
 // never zeroed (every use writes before it reads), so a step's ~120 linear calls allocate nothing.

@@ -37,6 +37,7 @@
 #include "linear_tiles.h"
 #include "quant_int8_avx2.h"
 #include "quant_int8_kinds.h"
+#include "quant_int8_pairs.h"
 #include "quant_int8_portable.h"
 
 namespace tessera_int8 {
@@ -129,15 +130,104 @@ inline void group_rows(const uint8_t* wg, int64_t nb, const QRow* rows, int64_t 
   }
 }
 
+// Bytes of x's codes (both planes) a block of rows of run_int8_groups holds: they stay in L2
+// while the thread's groups meet them (L2 is 512 KiB a core on Zen 3, 1 MiB on Zen 4).
+constexpr int64_t kRowBlockBytes = 192 * 1024;
+
+// Rows a block of run_int8_groups: as many whole kXRows as kRowBlockBytes holds, at least one.
+inline int64_t row_block(int64_t K, int64_t planes) {
+  return std::max<int64_t>(1, kRowBlockBytes / (K * planes) / kXRows) * kXRows;
+}
+
+#if defined(TESSERA_INT8_PAIRS)
+// Tiles [t0, t1) of x (packed, xt) against the pair of groups at wa, wb (outputs n0 .. n0 + 15):
+// y rows 8 t0 .. min(M, 8 t1).
+template <typename F, typename T>
+void pair_tiles(const uint8_t* wa, const uint8_t* wb, int64_t nb, const TileBlock* xt, bool two,
+                int64_t t0, int64_t t1, int64_t M, T* y, int64_t ldy, int64_t n0, int64_t N,
+                const float* bias) {
+  float out[kTileRows8][kPairCols16];
+  const int64_t cols = std::min<int64_t>(kPairCols16, N - n0);
+  for (int64_t t = t0; t < t1; ++t) {
+    if (two) {
+      dot_pair_tile<F, true>(wa, wb, nb, xt + t * nb, t == t0, out);
+    } else {
+      dot_pair_tile<F, false>(wa, wb, nb, xt + t * nb, t == t0, out);
+    }
+    const int64_t rows = std::min<int64_t>(kTileRows8, M - t * kTileRows8);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* yr = y + (t * kTileRows8 + r) * ldy + n0;
+      for (int64_t c = 0; c < cols; ++c)
+        yr[c] = static_cast<T>(bias ? out[r][c] + bias[n0 + c] : out[r][c]);
+    }
+  }
+}
+
+// run_int8_groups from 8 rows on an AVX-512 VNNI build (quant_int8_pairs.h): x packed into
+// tiles of 8 rows once, then each pair of groups meets a block of tiles at a time (the block's
+// tiles stay in L2, as run_int8_groups' rows do); an odd last group takes group_rows.
+template <typename F, typename T>
+void run_int8_pairs(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int64_t ldy,
+                    const float* bias, const QRow* rows) {
+  const int64_t nb = K / kQK, groups = (N + kCols - 1) / kCols, group_bytes = nb * F::kRecord;
+  const int64_t tiles = (M + kTileRows8 - 1) / kTileRows8;
+  TileBlock* xt = tessera_tiles::thread_scratch<TileBlock, tessera_tiles::Scratch::kXTiles>(
+      tiles * nb);
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      pack_tile(rows + t * kTileRows8, std::min<int64_t>(kTileRows8, M - t * kTileRows8), nb,
+                xt + t * nb);
+  });
+  const bool two = rows[0].lo != nullptr;
+  const int64_t block = std::max<int64_t>(
+      1, kRowBlockBytes / static_cast<int64_t>(nb * sizeof(TileBlock)));  // tiles
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    using W = WideOf<F>;
+    uint8_t* wide = nullptr;
+    if constexpr (F::kSuper)
+      wide = tessera_tiles::thread_scratch<uint8_t, tessera_tiles::Scratch::kWideRecords>(
+          2 * nb * W::kRecord);
+    for (int64_t t0 = 0; t0 < tiles; t0 += block) {
+      const int64_t t1 = std::min(tiles, t0 + block);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t g = 2 * p;
+        const uint8_t* wa = w + g * group_bytes;
+        if (g + 1 == groups) {
+          group_rows<F>(wa, nb, rows, t0 * kTileRows8, std::min(M, t1 * kTileRows8), y, ldy,
+                        g * kCols, N, bias);
+        } else if constexpr (F::kSuper) {
+          widen_super<F>(wa, nb, wide);
+          widen_super<F>(wa + group_bytes, nb, wide + nb * W::kRecord);
+          pair_tiles<W>(wide, wide + nb * W::kRecord, nb, xt, two, t0, t1, M, y, ldy, g * kCols,
+                        N, bias);
+        } else {
+          pair_tiles<F>(wa, wa + group_bytes, nb, xt, two, t0, t1, M, y, ldy, g * kCols, N,
+                        bias);
+        }
+      }
+    }
+  });
+}
+#endif
+
 // y[M, N] (row stride ldy) = x @ W^T (+ bias) for an interleaved kind: each group of 8 output
-// rows meets every row of x (group_rows).
+// rows meets every row of x (group_rows), a block of rows at a time. Why blocks: group by group
+// over all rows, each group re-read every row's codes; past L2 (a 2048-row prefill chunk holds
+// 2.4 MB of them at K = 576) that was a stream from L3 per group of 8 outputs. A row's result is
+// the same either way (its own chain of fmas, whatever rows share its pass).
 template <typename F, typename T>
 void run_int8_groups(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int64_t ldy,
                      const float* bias, const QRow* rows) {
+#if defined(TESSERA_INT8_PAIRS)
+  if (M >= kTileRows8) return run_int8_pairs<F>(M, K, w, N, y, ldy, bias, rows);
+#endif
   const int64_t nb = K / kQK, groups = (N + kCols - 1) / kCols, group_bytes = nb * F::kRecord;
+  const int64_t block = row_block(K, rows[0].lo ? 2 : 1);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      group_rows<F>(w + g * group_bytes, nb, rows, 0, M, y, ldy, g * kCols, N, bias);
+    for (int64_t m0 = 0; m0 < M; m0 += block)
+      for (int64_t g = begin; g < end; ++g)
+        group_rows<F>(w + g * group_bytes, nb, rows, m0, std::min(M, m0 + block), y, ldy,
+                      g * kCols, N, bias);
   });
 }
 

@@ -178,12 +178,29 @@ inline __m256i row_sums8(const __m256i* codes, const int8_t* qx, const int8_t* l
                           block_sums8<F, J0, J1>(codes, lo));
 }
 
+// The 8 chunks of codes of the group's block record at w: codes[j] holds K positions 4 j .. 4 j + 3
+// of each of the 8 rows (one row a 32-bit lane), as block_sums8 takes them.
+template <typename F>
+inline void load_codes8(const uint8_t* w, __m256i* codes) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const uint8_t* c = w + F::kHead;
+  for (int t = 0; t < F::kChunks; ++t) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
+    if constexpr (!F::kNibbles) {
+      codes[t] = raw;
+    } else {
+      codes[t] = _mm256_and_si256(raw, low);
+      codes[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+  }
+  if constexpr (F::kHighBits) add_high_bits(w + F::kHighOffset, codes);
+}
+
 // out[r][c] = <row c of the group at w, x row r> for R rows of quantized x (AVX2 / VNNI).
 template <typename F, int R>
 inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)[kCols]) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(15);
   __m256 sd = _mm256_setzero_ps(), sm = sd;  // K4S: the super-block's d and dmin
   for (int64_t b = 0; b < nb; ++b, w += F::kRecord) {
     prefetch_ahead<F::kRecord>(w);
@@ -195,17 +212,7 @@ inline void dot_group(const uint8_t* w, int64_t nb, const QRow* xr, float (*out)
     __m256 d, e;
     block_scales8<F>(w, sd, sm, &d, &e);
     __m256i codes[8];
-    const uint8_t* c = w + F::kHead;
-    for (int t = 0; t < F::kChunks; ++t) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
-      if constexpr (!F::kNibbles) {
-        codes[t] = raw;
-      } else {
-        codes[t] = _mm256_and_si256(raw, low);
-        codes[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-      }
-    }
-    if constexpr (F::kHighBits) add_high_bits(w + F::kHighOffset, codes);
+    load_codes8<F>(w, codes);
     for (int r = 0; r < R; ++r) {
       const int8_t* qx = xr[r].q + b * kQK;
       const int8_t* lo = xr[r].lo ? xr[r].lo + b * kQK : nullptr;

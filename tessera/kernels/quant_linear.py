@@ -69,7 +69,8 @@ _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 _HEADERS = tuple(
     Path(__file__).with_name(h)
     for h in ("quant_formats.h", "quant_blocksum.h", "quant_exact.h", "quant_rows.h",
-              "quant_int8.h", "quant_int8_kinds.h", "quant_int8_avx2.h", "quant_int8_portable.h",
+              "quant_int8.h", "quant_int8_kinds.h", "quant_int8_avx2.h", "quant_int8_pairs.h",
+              "quant_int8_portable.h",
               "quant_int8_amx.h", "quant_int8_ops.h", "prefetch.h")
 )
 # fp32: the row count from which a panel is dequantized once into a dense panel and the dense

@@ -156,8 +156,10 @@ def test_rows_are_quantized_to_the_reference_codes_bit_for_bit(planes):
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K],
                          ids=lambda t: t.name)
 def test_a_row_does_not_depend_on_its_batch(qtype, dtype, planes):
-    """Also across the AMX-INT8 tiles (16 rows and more, where the CPU has them) and the
-    vpdpbusd loop (a lone row, the rows after the last 16, an odd last group of 8 outputs)."""
+    """Also across the AMX-INT8 tiles (16 rows and more, where the CPU has them), the
+    512-bit loop over pairs of groups (8 rows and more on AVX-512 VNNI without AMX: tiles of 8
+    rows, the last one partial) and the group loop (a lone row, the rows after the last 16, an
+    odd last group of 8 outputs)."""
     _kernel()
     w = random_weight(qtype, 72, 256, seed=4, int8=True)  # 9 groups of 8: the last one odd
     lin = _linear(w, dtype, torch.randn(72), planes)
