@@ -115,6 +115,9 @@ inline void dot_pair_tile(const uint8_t* wa, const uint8_t* wb, int64_t nb, cons
       codes[j] = _mm512_inserti64x4(_mm512_castsi256_si512(ca[j]), cb[j], 1);
       if constexpr (F::kSigned) codes[j] = _mm512_xor_si512(codes[j], _mm512_set1_epi8(-128));
     }
+    // unrolled, so the 8 accumulators stay in registers (a loop kept them on the stack: a
+    // store and a reload each row and block)
+#pragma GCC unroll 8
     for (int r = 0; r < kTileRows8; ++r) {
       const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(xt->d[r]));
       if constexpr (F::kGroups == 2) {  // S8F2: a sum and a scale a half
