@@ -175,8 +175,8 @@ void run_int8_pairs(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int
       tiles * nb);
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      pack_tile(rows + t * kTileRows8, std::min<int64_t>(kTileRows8, M - t * kTileRows8), nb,
-                xt + t * nb);
+      pack_tile<F::kSigned>(rows + t * kTileRows8,
+                            std::min<int64_t>(kTileRows8, M - t * kTileRows8), nb, xt + t * nb);
   });
   const bool two = rows[0].lo != nullptr;
   const int64_t block = std::max<int64_t>(

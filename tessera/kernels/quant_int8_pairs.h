@@ -40,31 +40,59 @@ struct alignas(64) TileBlock {
   int32_t bias[2][kTileRows8];
 };
 
+// v[r] (8 rows of 8 dwords) transposed in place: v[j] lane r = the old v[r] lane j.
+inline void transpose8x8_epi32(__m256i* v) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(_mm256_castsi256_ps(v[i]), _mm256_castsi256_ps(v[i + 1]));
+    t[i + 1] = _mm256_unpackhi_ps(_mm256_castsi256_ps(v[i]), _mm256_castsi256_ps(v[i + 1]));
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_castps_si256(_mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+    v[j + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+  }
+}
+
 // Rows rows[0, n) (n <= 8) of x as a tile of nb blocks; rows from n on are zeros (their outputs
-// are computed and dropped).
+// are computed and dropped). kSums: the code sums of the signed kinds' bias (else left unset).
+template <bool kSums>
 inline void pack_tile(const QRow* rows, int64_t n, int64_t nb, TileBlock* out) {
+  const bool two = rows[0].lo != nullptr;
   for (int64_t b = 0; b < nb; ++b) {
     TileBlock& t = out[b];
+    __m256i q[8], lo[8];
     for (int r = 0; r < kTileRows8; ++r) {
-      int32_t sum[2] = {0, 0};
-      if (r < n) {
-        const QRow& x = rows[r];
-        const int8_t* q = x.q + b * kQK;
-        const int8_t* lo = x.lo ? x.lo + b * kQK : nullptr;
-        for (int j = 0; j < 8; ++j) {
-          std::memcpy(&t.q[j][r], q + 4 * j, 4);
-          if (lo) std::memcpy(&t.lo[j][r], lo + 4 * j, 4);
-          for (int i = 0; i < 4; ++i)
-            sum[j / 4] += lo ? kLoScale * q[4 * j + i] + lo[4 * j + i] : q[4 * j + i];
+      const bool real = r < n;
+      auto load = [&](const int8_t* p) {
+        return real ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * kQK))
+                    : _mm256_setzero_si256();
+      };
+      q[r] = load(rows[real ? r : 0].q);
+      if (two) lo[r] = load(rows[real ? r : 0].lo);
+      t.d[r] = real ? rows[r].d[b] : 0.f;
+      t.dsum[r] = real ? rows[r].dsum[b] : 0.f;
+      if constexpr (kSums) {
+        int32_t sum[2] = {0, 0};
+        if (real) {
+          const int8_t* qr = rows[r].q + b * kQK;
+          const int8_t* lr = two ? rows[r].lo + b * kQK : nullptr;
+          for (int k = 0; k < kQK; ++k) sum[k / 16] += two ? kLoScale * qr[k] + lr[k] : qr[k];
         }
-        t.d[r] = x.d[b];
-        t.dsum[r] = x.dsum[b];
-      } else {
-        for (int j = 0; j < 8; ++j) t.q[j][r] = t.lo[j][r] = 0;
-        t.d[r] = t.dsum[r] = 0.f;
+        t.bias[0][r] = 128 * sum[0];
+        t.bias[1][r] = 128 * sum[1];
       }
-      t.bias[0][r] = 128 * sum[0];
-      t.bias[1][r] = 128 * sum[1];
+    }
+    transpose8x8_epi32(q);
+    for (int j = 0; j < 8; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(t.q[j]), q[j]);
+    if (two) {
+      transpose8x8_epi32(lo);
+      for (int j = 0; j < 8; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(t.lo[j]), lo[j]);
     }
   }
 }
