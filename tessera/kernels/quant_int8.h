@@ -212,9 +212,11 @@ void run_int8_pairs(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int
 
 // y[M, N] (row stride ldy) = x @ W^T (+ bias) for an interleaved kind: each group of 8 output
 // rows meets every row of x (group_rows), a block of rows at a time. Why blocks: group by group
-// over all rows, each group re-read every row's codes; past L2 (a 2048-row prefill chunk holds
-// 2.4 MB of them at K = 576) that was a stream from L3 per group of 8 outputs. A row's result is
-// the same either way (its own chain of fmas, whatever rows share its pass).
+// over all rows, each group re-read every row's codes, past L2 a stream from L3 per group of 8
+// outputs (a 2048-row prefill chunk holds 2.4 MB of them at K = 576). Zen 4's L3 kept up with
+// that: the AVX2 build's 2048-row linears read the same with and without blocks, within the
+// host's noise; the blocks are there for CPUs whose L3 is slower. A row's result is the same
+// either way (its own chain of fmas, whatever rows share its pass).
 template <typename F, typename T>
 void run_int8_groups(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int64_t ldy,
                      const float* bias, const QRow* rows) {
