@@ -130,14 +130,9 @@ inline void group_rows(const uint8_t* wg, int64_t nb, const QRow* rows, int64_t 
   }
 }
 
-// Bytes of x's codes (both planes) a block of rows of run_int8_groups holds: they stay in L2
-// while the thread's groups meet them (L2 is 512 KiB a core on Zen 3, 1 MiB on Zen 4).
+// Bytes of packed x a block of tiles of run_int8_pairs holds: they stay in L2 while the thread's
+// pairs of groups meet them (L2 is 1 MiB a core on Zen 4).
 constexpr int64_t kRowBlockBytes = 192 * 1024;
-
-// Rows a block of run_int8_groups: as many whole kXRows as kRowBlockBytes holds, at least one.
-inline int64_t row_block(int64_t K, int64_t planes) {
-  return std::max<int64_t>(1, kRowBlockBytes / (K * planes) / kXRows) * kXRows;
-}
 
 #if defined(TESSERA_INT8_PAIRS)
 // Tiles [t0, t1) of x (packed, xt) against the pair of groups at wa, wb (outputs n0 .. n0 + 15):
@@ -218,12 +213,8 @@ void run_int8_pairs(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int
 #endif
 
 // y[M, N] (row stride ldy) = x @ W^T (+ bias) for an interleaved kind: each group of 8 output
-// rows meets every row of x (group_rows), a block of rows at a time. Why blocks: group by group
-// over all rows, each group re-read every row's codes, past L2 a stream from L3 per group of 8
-// outputs (a 2048-row prefill chunk holds 2.4 MB of them at K = 576). Zen 4's L3 kept up with
-// that: the AVX2 build's 2048-row linears read the same with and without blocks, within the
-// host's noise; the blocks are there for CPUs whose L3 is slower. A row's result is the same
-// either way (its own chain of fmas, whatever rows share its pass).
+// rows meets every row of x (group_rows), or, from kPairsMinRows rows on an AVX-512 VNNI build,
+// the pairs loop.
 template <typename F, typename T>
 void run_int8_groups(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, int64_t ldy,
                      const float* bias, const QRow* rows) {
@@ -231,12 +222,9 @@ void run_int8_groups(int64_t M, int64_t K, const uint8_t* w, int64_t N, T* y, in
   if (M >= kPairsMinRows) return run_int8_pairs<F>(M, K, w, N, y, ldy, bias, rows);
 #endif
   const int64_t nb = K / kQK, groups = (N + kCols - 1) / kCols, group_bytes = nb * F::kRecord;
-  const int64_t block = row_block(K, rows[0].lo ? 2 : 1);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += block)
-      for (int64_t g = begin; g < end; ++g)
-        group_rows<F>(w + g * group_bytes, nb, rows, m0, std::min(M, m0 + block), y, ldy,
-                      g * kCols, N, bias);
+    for (int64_t g = begin; g < end; ++g)
+      group_rows<F>(w + g * group_bytes, nb, rows, 0, M, y, ldy, g * kCols, N, bias);
   });
 }
 
