@@ -27,7 +27,8 @@ Peers:
   llama-bench's tg128 and pp512 on the same GGUF, per TESSERA_CPU_ISA (benchmarks/llamacpp_peer.py).
 
 vLLM runs the dequantized weights (an HF checkpoint has no Q4_1); Tessera runs the GGUF as its
-default does (`--quantization auto`: `gguf_int8_a16` on x86 builds, `gguf` in bf16 on AVX-512;
+default does (`--quantization auto`: on x86 builds `gguf_int8_a16` in fp32, `gguf_int8` in bf16
+but `gguf` on AMX CPUs;
 `gguf`: exact products, which reproduce the dequantized matmuls' tokens; `gguf_int8`: integer
 products on 8-bit activations; `gguf_int8_a16`: on 16-bit ones; `none` dequantizes).
 """
