@@ -101,9 +101,23 @@ inline __m512 scores16(const float* q, const at::BFloat16* qb, const kv_t* const
 
 constexpr int64_t kMaxGroup = 16;  // query heads per kv head on the vector path
 
+// vpermt2w indices that interleave two V rows' 32 dims: word 2 k of the result is word k of the
+// first row (Hi: k + 16), word 2 k + 1 the second row's (index bit 5 picks the second operand).
+alignas(64) constexpr int16_t kPairWordsLo[32] = {
+    0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr int16_t kPairWordsHi[32] = {
+    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
 // acc[g] = acc[g] * corr[g] + sum_i p[g][i] V_i for the GG query heads of one kv head; p[g] is
-// kTile apart, acc[g] head_dim apart, V_i = vp[i] + off.
-template <int NC, int GG, typename kv_t>
+// kTile apart (zeros past n), acc[g] head_dim apart, V_i = vp[i] + off.
+// kDp (bf16 q and cache, vdpbf16ps): P rounded to bf16 for the product, as transformers' eager
+// attention and the AMX path do in bf16, and two tokens a vdpbf16ps: each lane d adds
+// p_i V_i[d] + p_i+1 V_i+1[d], the pair of V rows interleaved by one vpermt2w per 16 dims. Why:
+// widening each V row to fp32 and one fma a token and head took ~20 instructions a token and kv
+// head of the ~37 the decode spends there; this takes ~8.
+template <int NC, int GG, bool kDp, typename kv_t>
 inline void pv_group(const float* p, const float* corr, const kv_t* const* vp, int64_t off,
                      int64_t n, int64_t D, float* a) {
   __m512 acc[GG][NC];
@@ -111,12 +125,39 @@ inline void pv_group(const float* p, const float* corr, const kv_t* const* vp, i
     const __m512 vcorr = _mm512_set1_ps(corr[g]);
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(a + g * D + 16 * c), vcorr);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    __m512 v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = load16(vp[i] + off + 16 * c);
+  if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+    // p of each head as bf16 pairs: element j = tokens 2 j, 2 j + 1 (a zero pads an odd n)
+    alignas(64) int32_t pairs[GG][kTile / 2];
     for (int g = 0; g < GG; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * kTile + i]);
-      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+      const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + g * kTile + 16),
+                                             _mm512_loadu_ps(p + g * kTile));
+      _mm512_store_si512(pairs[g], (__m512i)b);
+    }
+    const __m512i lo = _mm512_load_si512(kPairWordsLo), hi = _mm512_load_si512(kPairWordsHi);
+    for (int64_t i = 0; i < n; i += 2) {
+      const kv_t* v0 = vp[i] + off;
+      const kv_t* v1 = (i + 1 < n ? vp[i + 1] : vp[i]) + off;  // times p = 0 past n
+      for (int h = 0; h < NC / 2; ++h) {
+        const __m512i r0 = _mm512_loadu_si512(v0 + 32 * h), r1 = _mm512_loadu_si512(v1 + 32 * h);
+        const __m512bh v_lo = (__m512bh)_mm512_permutex2var_epi16(r0, lo, r1);
+        const __m512bh v_hi = (__m512bh)_mm512_permutex2var_epi16(r0, hi, r1);
+        for (int g = 0; g < GG; ++g) {
+          const __m512bh pg = (__m512bh)_mm512_set1_epi32(pairs[g][i / 2]);
+          acc[g][2 * h] = _mm512_dpbf16_ps(acc[g][2 * h], pg, v_lo);
+          acc[g][2 * h + 1] = _mm512_dpbf16_ps(acc[g][2 * h + 1], pg, v_hi);
+        }
+      }
+    }
+#endif
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = load16(vp[i] + off + 16 * c);
+      for (int g = 0; g < GG; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g * kTile + i]);
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+      }
     }
   }
   for (int g = 0; g < GG; ++g)
@@ -186,12 +227,13 @@ void attend_avx512(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
       const float* p = sc.s.data() + j0 * kTile;
       const float* corr = sc.corr.data() + j0;
       switch (G * NC <= 16 ? G : 0) {
-        case 1: pv_group<NC, 1>(p, corr, vp, kv * D, n, D, a); break;
-        case 2: pv_group<NC, 2>(p, corr, vp, kv * D, n, D, a); break;
-        case 3: pv_group<NC, 3>(p, corr, vp, kv * D, n, D, a); break;
-        case 4: pv_group<NC, 4>(p, corr, vp, kv * D, n, D, a); break;
+        case 1: pv_group<NC, 1, kDp>(p, corr, vp, kv * D, n, D, a); break;
+        case 2: pv_group<NC, 2, kDp>(p, corr, vp, kv * D, n, D, a); break;
+        case 3: pv_group<NC, 3, kDp>(p, corr, vp, kv * D, n, D, a); break;
+        case 4: pv_group<NC, 4, kDp>(p, corr, vp, kv * D, n, D, a); break;
         default:  // groups too large for the registers: one head at a time
-          for (int64_t g = 0; g < G; ++g) pv_group<NC, 1>(p + g * kTile, corr + g, vp, kv * D, n, D, a + g * D);
+          for (int64_t g = 0; g < G; ++g)
+            pv_group<NC, 1, kDp>(p + g * kTile, corr + g, vp, kv * D, n, D, a + g * D);
       }
     }
   }
