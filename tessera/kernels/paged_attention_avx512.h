@@ -115,8 +115,9 @@ alignas(64) constexpr int16_t kPairWordsHi[32] = {
 // kDp (bf16 q and cache, vdpbf16ps): P rounded to bf16 for the product, as transformers' eager
 // attention and the AMX path do in bf16, and two tokens a vdpbf16ps: each lane d adds
 // p_i V_i[d] + p_i+1 V_i+1[d], the pair of V rows interleaved by one vpermt2w per 16 dims. Why:
-// widening each V row to fp32 and one fma a token and head took ~20 instructions a token and kv
-// head of the ~37 the decode spends there; this takes ~8.
+// widening each V row to fp32 for one fma a token and head was the larger part of the arithmetic;
+// on Zen 4 a 512-token prefill's attention took 0.7-0.86x the time this way, a decode 0.94-0.96x
+// (docs/cpu_kernels.md).
 template <int NC, int GG, bool kDp, typename kv_t>
 inline void pv_group(const float* p, const float* corr, const kv_t* const* vp, int64_t off,
                      int64_t n, int64_t D, float* a) {
