@@ -22,6 +22,7 @@ from tessera.core.scheduler import Scheduler
 from tessera.core.scheduler_output import SchedulerOutput
 from tessera.engine.dashboard.snapshot import DashboardRecorder
 from tessera.engine.lora_registry import LoRARegistry
+from tessera.engine.metrics_view import engine_metrics
 from tessera.engine.output_processor import OutputProcessor, RequestState
 from tessera.engine.stats import EngineStats, StatsSnapshot
 from tessera.engine.step_log import ENV_VAR as STEP_LOG_ENV
@@ -366,52 +367,10 @@ class LLMEngine:
         return apply_chat_template(self.tokenizer, messages, **options)
 
     def get_metrics(self) -> dict[str, float]:
-        """Current values keyed by the Prometheus names `/metrics` serves; a labelled sample is
-        keyed `name{label="value"}`, as Prometheus prints it."""
+        """Current values keyed by the Prometheus names `/metrics` serves (engine_metrics)."""
         lora = self.config.lora
-        s = self.scheduler.stats(detail=lora is not None)  # detail: the adapters in use
-        metrics = {
-            "tessera:num_requests_running": float(s.num_running),
-            "tessera:num_requests_waiting": float(s.num_waiting),
-            "tessera:num_requests_swapped": float(s.num_swapped),
-            "tessera:kv_cache_usage_perc": float(s.gpu_usage),
-            "tessera:cpu_cache_usage_perc": float(s.cpu_usage),
-            "tessera:num_preemptions_total": float(s.num_preemptions_total),
-            "tessera:prompt_tokens_total": float(s.num_prompt_tokens_total),
-            "tessera:generation_tokens_total": float(s.num_generation_tokens_total),
-            "tessera:prefix_cache_hits_total": float(s.num_prefix_cache_hits_total),
-            "tessera:prefix_cache_queries_total": float(s.num_prefix_cache_queries_total),
-            "tessera:prompt_tokens_cached_total": float(s.num_prefix_cache_hits_total),
-        }
-        if s.kv_transfer:  # disaggregated prefill/decode
-            metrics["tessera:kv_transfer_requests_total"] = float(s.num_kv_transfer_requests_total)
-            metrics["tessera:kv_transfer_bytes_total"] = float(s.num_kv_transfer_bytes_total)
-            metrics["tessera:kv_transfer_failures_total"] = float(s.num_kv_transfer_failures_total)
-            metrics["tessera:num_requests_waiting_for_remote_kvs"] = float(
-                s.num_waiting_for_remote_kvs
-            )
-        if lora is not None and s.detail is not None:  # vLLM's info gauge: the labels say
-            running = _label(s.detail.running_lora_adapters)
-            waiting = _label(s.detail.waiting_lora_adapters)
-            metrics[
-                f'tessera:lora_requests_info{{max_lora="{lora.max_loras}",'
-                f'running_lora_adapters="{running}",waiting_lora_adapters="{waiting}"}}'
-            ] = time.time()  # ... and the value is the time
-        spec = self.config.speculative
-        if spec is not None:  # vLLM's names; accepted per draft position as a labelled counter
-            metrics["tessera:spec_decode_num_drafts_total"] = float(s.num_spec_drafts_total)
-            metrics["tessera:spec_decode_num_draft_tokens_total"] = float(
-                s.num_spec_draft_tokens_total
-            )
-            metrics["tessera:spec_decode_num_accepted_tokens_total"] = float(
-                s.num_spec_accepted_tokens_total
-            )
-            per_pos = s.num_spec_accepted_tokens_per_pos
-            for pos in range(spec.num_speculative_tokens):
-                metrics[
-                    f'tessera:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}'
-                ] = float(per_pos[pos]) if pos < len(per_pos) else 0.0
-        return metrics
+        stats = self.scheduler.stats(detail=lora is not None)  # detail: the adapters in use
+        return engine_metrics(stats, lora, self.config.speculative)
 
     def get_stats(self) -> StatsSnapshot:
         """The histograms and labelled counters only the loop sees (see tessera/engine/stats.py)."""
@@ -431,7 +390,3 @@ class LLMEngine:
             self.step_log.close()
         self.executor.shutdown()
 
-
-def _label(names: tuple[str, ...]) -> str:
-    """Adapter names as one Prometheus label value, comma-separated (vLLM's format)."""
-    return ",".join(names).replace("\\", "\\\\").replace('"', '\\"')
