@@ -55,9 +55,9 @@ def auto_quantization(device: str, path: str | None = None, dtype: str = "float3
     decode, on AVX-512 1.7x on a 1B Q4_K_M file and faster on batches too (W1: 1.5x vLLM-CPU, the
     exact kernels 1.15x).
     bfloat16: "gguf_int8", llama.cpp's 8-bit activations. bf16 already leaves the float model's
-    greedy tokens at near-ties (W1: 34 of 64 requests identical even dequantized), and the second
-    plane would halve the integer products' rate for little: perplexity 1.0033x the float model's
-    against 1.0002x on the exact kernels, W1 1.26x their speed on Zen 4 and 1.22x the two-plane
+    greedy tokens at near-ties (W1: 39 of 64 requests identical even dequantized), and the second
+    plane would halve the integer products' rate for little: perplexity 1.0032x the float model's
+    against 1.0008x on the exact kernels, W1 1.26x their speed on Zen 4 and 1.22x the two-plane
     path's on AVX2. The exception is a CPU with AMX, whose bf16 tiles run the exact path's
     batches faster than the integer tiles ("gguf": W1 527 against 360 tok/s).
     docs/cpu_kernels.md has the figures."""
