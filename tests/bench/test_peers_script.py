@@ -34,6 +34,11 @@ def peers():
     return _load("peers")
 
 
+@pytest.fixture(scope="module")
+def vllm_setup(peers):  # peers put benchmarks/ on sys.path
+    return _load("vllm_setup")
+
+
 def test_w2_is_its_own_draw_of_32_requests(throughput):
     prompts, out_lens = throughput.build_workload("w2")
     rng = np.random.default_rng(1018)  # W2's seed, written out: the figures were measured on it
@@ -82,7 +87,7 @@ def test_dtype_list_and_argument_errors(peers, capsys):
         assert flag in capsys.readouterr().err
 
 
-def test_vllm_environment_keeps_our_settings_and_takes_overrides(peers, tmp_path):
+def test_vllm_environment_keeps_our_settings_and_takes_overrides(peers, vllm_setup, tmp_path):
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text("#!/bin/sh\n")
@@ -100,16 +105,17 @@ def test_vllm_environment_keeps_our_settings_and_takes_overrides(peers, tmp_path
             "X=a=b",
         ]
     )
-    env = peers.vllm_env(args)
+    env = vllm_setup.vllm_env(args)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_TARGET_DEVICE"] == "cpu"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and env["X"] == "a=b"
     assert "PYTHONPATH" not in env
     assert env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD")  # --vllm-no-preload: untouched
     (tmp_path / "venv" / "lib").mkdir()
     (tmp_path / "venv" / "lib" / "libiomp5.so").write_text("")
-    assert peers.vllm_preload(str(python))[-1] == str(tmp_path / "venv" / "lib" / "libiomp5.so")
+    iomp = str(tmp_path / "venv" / "lib" / "libiomp5.so")
+    assert vllm_setup.vllm_preload(str(python))[-1] == iomp
     cores = sorted(os.sched_getaffinity(0))
-    default = peers.vllm_env(peers.build_args(["--vllm-python", str(python)]))
+    default = vllm_setup.vllm_env(peers.build_args(["--vllm-python", str(python)]))
     assert default["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
     assert str(tmp_path / "venv" / "lib" / "libiomp5.so") in default["LD_PRELOAD"]
 
