@@ -34,7 +34,8 @@ import urllib.request
 from collections.abc import Iterator
 
 import torch
-from throughput import build_workload  # benchmarks/ is on sys.path when this runs as a script
+from prompt_scorer import PromptScorer  # benchmarks/ is on sys.path as a script
+from throughput import build_workload
 
 from tessera import LLM, SamplingParams
 
@@ -59,30 +60,16 @@ def run(quantization: str, prompts, out_lens, logprobs: int | None = None,
 
 @torch.inference_mode()
 def first_differences(quantization: str, prompts, ref_ids,
-                      dtype: torch.dtype = torch.float32) -> list[int | None]:
+                      dtype: str = "float32") -> list[int | None]:
     """Per request: the first output position where this setting's argmax, fed the reference's
     tokens, differs from the reference's token (None: never)."""
     from tessera.model.default_model import resolve_model_path
-    from tessera.model.llama import LlamaForCausalLM
-    from tessera.model.loader import load_model, weight_quantization
-    from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
-    from tessera.worker.model_runner import ModelRunner
-    from tessera.worker.static_batch import StaticBatch
 
-    cpu, bs = torch.device("cpu"), 16
     n = max(len(p) + len(r) for p, r in zip(prompts, ref_ids, strict=True))
-    path = resolve_model_path(None)
-    dtype_name = str(dtype).removeprefix("torch.")
-    cfg, weights = load_model(path, weight_quantization(quantization, dtype_name, "cpu", path))
-    model = LlamaForCausalLM(cfg, weights, dtype, cpu, n + bs)
-    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, dtype)
-    runner = ModelRunner(model, CacheEngine(spec, -(-n // bs) + 1, 0, cpu), bs, cpu)
+    scorer = PromptScorer(resolve_model_path(None), quantization, dtype, n)
     firsts: list[int | None] = []
     for p, r in zip(prompts, ref_ids, strict=True):
-        seq = p + r[:-1]
-        batch = StaticBatch(runner, bs)
-        logits = batch.logits([batch.new_seq(seq, len(seq))], all_positions=True)
-        top = logits[len(p) - 1 :].argmax(-1).tolist()
+        top = scorer(p + r[:-1])[len(p) - 1 :].argmax(-1).tolist()
         firsts.append(next((i for i, (a, b) in enumerate(zip(top, r, strict=True)) if a != b),
                            None))
     return firsts
@@ -163,7 +150,7 @@ def main() -> None:
     total = sum(map(len, ref))
     for q in args.quantization.split(","):
         if args.teacher_forced:
-            firsts = first_differences(q, prompts, ref, getattr(torch, args.dtype))
+            firsts = first_differences(q, prompts, ref, args.dtype)
             same = sum(f is None for f in firsts)
             prefix = sum(len(r) if f is None else f for f, r in zip(firsts, ref, strict=True))
             print(f"{q} {args.dtype}: {same}/{len(ref)} requests identical to none, "

@@ -20,6 +20,7 @@ import os
 import time
 
 import torch
+from prompt_scorer import PromptScorer  # benchmarks/ is on sys.path as a script
 
 from tessera.bench.datasets import load_sharegpt_pairs
 from tessera.model.default_model import resolve_model_path
@@ -39,23 +40,10 @@ def text_ids(tokenizer, num_tokens: int) -> list[int]:
 def score(path: str, quantization: str, windows: list[list[int]],
           dtype: str = "float32") -> tuple[float, torch.Tensor]:
     """(mean negative log-likelihood a token, argmax at every scored position)."""
-    from tessera.model.llama import LlamaForCausalLM
-    from tessera.model.loader import load_model, weight_quantization
-    from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
-    from tessera.worker.model_runner import ModelRunner
-    from tessera.worker.static_batch import StaticBatch
-
-    cpu, bs, n = torch.device("cpu"), 16, len(windows[0])
-    cfg, weights = load_model(path, weight_quantization(quantization, dtype, "cpu", path))
-    model = LlamaForCausalLM(cfg, weights, getattr(torch, dtype), cpu, n)
-    del weights
-    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
-                       getattr(torch, dtype))
-    runner = ModelRunner(model, CacheEngine(spec, -(-n // bs) + 1, 0, cpu), bs, cpu)
+    scorer = PromptScorer(path, quantization, dtype, len(windows[0]))
     nll, count, tops = 0.0, 0, []
     for w in windows:
-        batch = StaticBatch(runner, bs)
-        logits = batch.logits([batch.new_seq(w, n)], all_positions=True).float()  # [n, V]
+        logits = scorer(w)  # [n, V]
         logp = torch.log_softmax(logits[:-1], dim=-1)
         target = torch.tensor(w[1:])
         nll -= logp.gather(1, target[:, None]).sum().item()
