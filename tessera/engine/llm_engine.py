@@ -30,7 +30,7 @@ from tessera.engine.step_log import StepLog
 from tessera.engine.step_recovery import find_culprits
 from tessera.engine.step_times import StepTimes
 from tessera.executor.abstract import Executor, ExecutorDeadError
-from tessera.inputs import check_token_ids
+from tessera.inputs import prompt_token_ids
 from tessera.lora.request import LoRARequest
 from tessera.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
 from tessera.pooling_params import PoolingParams
@@ -140,7 +140,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.check_constraints(params)
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         self._check_fits(len(token_ids), params)
         if params.kv_transfer_params is not None:
             if params.n != 1:
@@ -173,7 +173,7 @@ class LLMEngine:
         no output), pooled as `--pooler-config` says unless the request overrides `normalize`."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         # one token's worth of SamplingParams keeps the scheduler's arithmetic whole; nothing is
         # sampled (the update finishes the request when its prompt is done)
         params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -232,26 +232,6 @@ class LLMEngine:
                 f"n must be at most {most} for this prompt and max_tokens: {params.n} sequences "
                 f"of up to {longest} tokens need up to {need} KV blocks, more than the "
                 f"{usable} the cache holds; lower n or max_tokens")
-
-    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
-            token_ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        else:
-            token_ids, text = list(prompt), None
-            check_token_ids(token_ids, self.vocab_size, "prompt_token_ids")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        return text, token_ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
