@@ -76,13 +76,14 @@ def test_page_and_events_need_the_key(server):
 
 
 def test_events_show_the_load_without_request_content(server):
-    prompts = [[7 + k] * (30 + 10 * k) for k in range(8)]  # 8 requests, 4 seats, 48 blocks
+    prompts = [[7 + k] * (30 + 10 * k) for k in range(8)]  # 8 requests, 4 seats, 48 blocks:
+    # 150 tokens each keep the seats full for many samples, so the queue behind them shows
     done: list[int] = []
 
     def load() -> None:
         def one(prompt):
             r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=120, json={
-                "prompt": prompt, "max_tokens": 60, "ignore_eos": True, "temperature": 0})
+                "prompt": prompt, "max_tokens": 150, "ignore_eos": True, "temperature": 0})
             done.append(r.status_code)
         threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
         for t in threads:
