@@ -216,6 +216,8 @@ def main() -> None:
         help="only profile whole engine decode steps at these batches (e.g. 8,16,32,64): "
         "ms and %% per part (benchmarks/step_profile.py)",
     )
+    ap.add_argument("--model", help="with --profile: a GGUF file or model folder in place of the "
+                    "default model (e.g. benchmarks/large_model.py's 1B files)")
     ap.add_argument("--cpu-time", action="store_true", help="with --profile: one thread, every "
                     "part in the thread's CPU time (robust to other jobs on shared cores)")
     ap.add_argument("--speculative-config", help="with --profile: the engine's speculative "
@@ -232,7 +234,7 @@ def main() -> None:
 
         spec = json.loads(args.speculative_config) if args.speculative_config else None
         main_profile([int(b) for b in args.profile.split(",")], args.dtype, args.quantization,
-                     args.ctx, args.steps, spec, cpu_time=args.cpu_time)
+                     args.ctx, args.steps, spec, cpu_time=args.cpu_time, model=args.model)
         return
     path = resolve_model_path(None)
     cfg, weights = load_model(path, weight_quantization(args.quantization, args.dtype, "cpu", path))

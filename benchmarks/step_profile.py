@@ -24,6 +24,7 @@ compare the instrumented total with the plain one.
    the plain step minus it is the kernels' own time.
 
     python benchmarks/runner.py --profile 8,16,32,64 [--dtype bfloat16] [--quantization none]
+        [--model /tmp/tessera-large-model/llama-1b-random.Q4_0.gguf]
 """
 
 from __future__ import annotations
@@ -439,7 +440,8 @@ def format_rows(rows: list[dict], title: str) -> str:
 
 
 def main_profile(batches: list[int], dtype: str, quantization: str, ctx: int, steps: int,
-                 speculative_config: dict | None = None, cpu_time: bool = False) -> None:
+                 speculative_config: dict | None = None, cpu_time: bool = False,
+                 model: str | None = None) -> None:
     from tessera.entrypoints.llm import LLM
 
     t0 = time.perf_counter()
@@ -447,8 +449,10 @@ def main_profile(batches: list[int], dtype: str, quantization: str, ctx: int, st
     if cpu_time:  # one thread: its CPU time is the step's
         set_clock(time.thread_time)
         extra["num_threads"] = 1
+    if model is not None:
+        extra["model"] = model
     llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max(batches),
-              max_model_len=max(2048, ctx + 64 * steps), kv_cache_space=1.0, **extra)
+              max_model_len=ctx + 64 * steps, kv_cache_space=1.0, **extra)
     engine = llm.llm_engine
     print(f"engine ready in {time.perf_counter() - t0:.1f} s; threads={torch.get_num_threads()}",
           flush=True)
