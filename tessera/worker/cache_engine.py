@@ -18,6 +18,7 @@ import torch
 
 from tessera.config import GiB, resolve_kv_cache_dtype
 from tessera.core.kv_cache_groups import KVCacheGroupSpec, kv_cache_groups, layer_slots
+from tessera.kernels.hugepages import zeros_in_huge_pages
 from tessera.model.config import ModelArchConfig
 from tessera.utils import kv_bytes_per_token
 
@@ -87,9 +88,10 @@ class CacheEngine:
         shape = (spec.num_slots, 2, 0, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self._layer_slots = spec.layer_slots
         # zeros, not empty: padding slots are read (then masked) by decode attention, and garbage
-        # could hold NaN/Inf that a mask does not neutralise in every kernel
-        self.gpu_cache = torch.zeros(
-            shape[:2] + (num_gpu_blocks,) + shape[3:], dtype=spec.dtype, device=device
+        # could hold NaN/Inf that a mask does not neutralise in every kernel. On the CPU, on huge
+        # pages: attention reads blocks from all over the pool (hugepages.py)
+        self.gpu_cache = zeros_in_huge_pages(
+            shape[:2] + (num_gpu_blocks,) + shape[3:], spec.dtype, device
         )
         pin = device.type == "cuda"
         # empty, not zeros: a swap block is read only after swap_out wrote it, and untouched pages

@@ -1,4 +1,5 @@
-"""Packed weights copied onto memory advised for huge pages (tessera/kernels/hugepages.py)."""
+"""Packed weights and the KV cache on memory advised for huge pages
+(tessera/kernels/hugepages.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tessera.kernels.hugepages import in_huge_pages
+from tessera.kernels.hugepages import in_huge_pages, zeros_in_huge_pages
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
@@ -28,3 +29,28 @@ def test_a_large_tensor_is_copied_onto_a_2_mib_boundary(dtype):
 def test_small_tensors_stay_where_they_are():
     small = torch.ones(1000)
     assert in_huge_pages(small) is small
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_a_large_zero_tensor_starts_on_a_2_mib_boundary():
+    out = zeros_in_huge_pages((5, 1024, 1024), torch.bfloat16, torch.device("cpu"))  # 10 MiB
+    assert out.data_ptr() % (2 << 20) == 0 and out.is_contiguous()
+    assert out.shape == (5, 1024, 1024) and out.dtype == torch.bfloat16
+    assert not out.any()
+    out[4, 1023, 1023] = 1.0  # the whole extent is writable
+    assert out.sum().item() == 1.0
+
+
+def test_small_zero_tensors_come_from_torch():
+    out = zeros_in_huge_pages((1000,), torch.float32, torch.device("cpu"))
+    assert out.dtype == torch.float32 and not out.any()
+
+
+def test_the_kv_cache_is_zero_and_on_huge_pages_where_linux_allows():
+    from tessera.worker.cache_engine import CacheEngine, KVCacheSpec
+
+    cache = CacheEngine(KVCacheSpec(4, 2, 64, 16, torch.bfloat16), 1024, 0,
+                        torch.device("cpu")).gpu_cache  # 32 MiB
+    assert not cache.any()
+    if sys.platform == "linux":
+        assert cache.data_ptr() % (2 << 20) == 0
