@@ -49,6 +49,7 @@ import torch
 from tessera.attention import SeqSpan, select_attention_backend
 from tessera.kernels import paged_attention as pa
 from tessera.kernels.build import load_extension
+from tessera.kernels.hugepages import in_huge_pages
 from tessera.kernels.paged_attention import paged_attention_available
 from tessera.utils import cdiv
 
@@ -57,8 +58,9 @@ def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype
     max_blocks = cdiv(ctx, block_size)
     num_blocks = 2 * batch * max_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    # on huge pages, as the engine's KV cache (tessera/kernels/hugepages.py)
+    k_cache = in_huge_pages(torch.randn(shape, generator=gen).to(kv_dtype))
+    v_cache = in_huge_pages(torch.randn(shape, generator=gen).to(kv_dtype))
     tables = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks)
     # Lengths spread over the last block, as decodes of one batch are.
     seq_lens = ctx - torch.randint(0, block_size, (batch,), generator=gen)
