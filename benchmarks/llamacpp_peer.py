@@ -6,7 +6,10 @@
 llama.cpp: `llama-bench -p 512 -n 128 -t THREADS` (pp512 and tg128, tok/s), built once from the
 llama-cpp-python 0.3.36 sdist's vendored llama.cpp (`build_llama_cpp`: pip download, CMake with
 GGML_NATIVE=ON and everything else off, targets llama-bench and llama-server with -j2; ~10 min on
-two cores) and cached outside the repository (default ~/.cache/tessera/llama.cpp).
+two cores) and cached outside the repository (default ~/.cache/tessera/llama.cpp). Tessera's avx2
+rows are compared with a second build for AVX2 only (GGML_NATIVE=OFF, AVX2/FMA/F16C/BMI2 on,
+AVX-512 off: what Zen 3 runs), so that on an AVX-512 machine both engines run the instruction set
+of an AVX2 CPU; `--peer-isa native` compares them with the native build instead.
 
 Tessera: the model runner on the same file (benchmarks/runner.py's `Ours`, the default engine
 settings' model, fp32 activations), each TESSERA_CPU_ISA in its own process: one 512-token
@@ -38,19 +41,31 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 ]
+# The peer of Tessera's avx2 build on a CPU that has more (`--peer-isa matched`): llama.cpp
+# built for what an AVX2 CPU such as Zen 3 has, and nothing past it, so that both engines run
+# the same instruction set; the native build would run AVX-512 (and VNNI) kernels there.
+AVX2_FLAGS = [
+    "-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
+    "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+]
+PEER_BUILDS = {"native": ("build", []), "avx2": ("build-avx2", AVX2_FLAGS)}
 
 
-def llama_bench_path(build_dir: str) -> str:
-    """llama-bench under `build_dir`: our cache's layout (build/bin), or a CMake build dir
-    itself."""
+def llama_bench_path(build_dir: str, peer: str = "native") -> str:
+    """llama-bench under `build_dir`: our cache's layout (build/bin, build-avx2/bin), or, for the
+    native build, a CMake build dir itself."""
     own = os.path.join(build_dir, "bin", "llama-bench")
-    return own if os.path.exists(own) else os.path.join(build_dir, "build", "bin", "llama-bench")
+    if peer == "native" and os.path.exists(own):
+        return own
+    return os.path.join(build_dir, PEER_BUILDS[peer][0], "bin", "llama-bench")
 
 
-def build_llama_cpp(build_dir: str = DEFAULT_BUILD_DIR) -> str:
+def build_llama_cpp(build_dir: str = DEFAULT_BUILD_DIR, peer: str = "native") -> str:
     """llama-bench (and llama-server) of the sdist's vendored llama.cpp, built once into
-    `build_dir`; returns llama-bench's path."""
-    bench = llama_bench_path(build_dir)
+    `build_dir` (`peer`: "native", or "avx2" for AVX2_FLAGS); returns llama-bench's path."""
+    bench = llama_bench_path(build_dir, peer)
     if os.path.exists(bench):
         return bench
     os.makedirs(build_dir, exist_ok=True)
@@ -78,8 +93,9 @@ def build_llama_cpp(build_dir: str = DEFAULT_BUILD_DIR) -> str:
             tar.extractall(src_root, filter="data")
     (top,) = os.listdir(src_root)
     source = os.path.join(src_root, top, "vendor", "llama.cpp")
-    out = os.path.join(build_dir, "build")
-    subprocess.run(["cmake", "-S", source, "-B", out, *CMAKE_FLAGS], check=True)
+    subdir, flags = PEER_BUILDS[peer]
+    out = os.path.join(build_dir, subdir)
+    subprocess.run(["cmake", "-S", source, "-B", out, *CMAKE_FLAGS, *flags], check=True)
     subprocess.run(
         ["cmake", "--build", out, "--target", "llama-bench", "llama-server", "-j2"], check=True
     )
@@ -178,15 +194,23 @@ def run_tessera(model: str, quantization: str, threads: int, isa: str) -> dict[s
         return json.load(open(f.name))
 
 
+def peer_build(isa: str, peer_isa: str) -> str:
+    """The llama.cpp build Tessera's `isa` is compared with: the AVX2 one for avx2 under
+    `--peer-isa matched`, else the native one."""
+    return "avx2" if peer_isa == "matched" and isa == "avx2" else "native"
+
+
 def compare(
-    models: list[str], isas: list[str], quantizations: list[str], threads: int, build_dir: str
+    models: list[str], isas: list[str], quantizations: list[str], threads: int, build_dir: str,
+    peer_isa: str = "matched",
 ) -> list[dict]:
-    """Every model: llama.cpp once, Tessera once per ISA and quantization; prints a table,
-    returns its rows."""
-    bench = build_llama_cpp(build_dir)
+    """Every model: llama.cpp once per build in use (peer_build), Tessera once per ISA and
+    quantization; prints a table, returns its rows."""
+    builds = sorted({peer_build(isa, peer_isa) for isa in isas})
+    benches = {b: build_llama_cpp(build_dir, b) for b in builds}
     rows = []
     for model in models:
-        peer = llama_bench(bench, model, threads)
+        peers = {b: llama_bench(benches[b], model, threads) for b in builds}
         for isa in isas:
             for quantization in quantizations:
                 ours = run_tessera(model, quantization, threads, isa)
@@ -197,19 +221,21 @@ def compare(
                         "quantization": quantization,
                         "threads": threads,
                         "tessera": ours,
-                        "llama.cpp": peer,
+                        "llama.cpp": peers[peer_build(isa, peer_isa)],
+                        "llama.cpp build": peer_build(isa, peer_isa),
                     }
                 )
     print(
         f"{'model':<34}{'isa':<9}{'quant':<10}{'figure':<7}{'tessera':>9}{'llama.cpp':>11}"
-        f"{'ratio':>8}  (llama.cpp repack {rows[0]['llama.cpp']['repack'] if rows else '-'})"
+        f"{'ratio':>8}  peer build (repack)"
     )
     for r in rows:
         for key, label in (("decode", "tg128"), ("prefill", "pp512")):
             ours, peer = r["tessera"][key], r["llama.cpp"][key]
             print(
                 f"{r['model']:<34}{r['isa']:<9}{r['quantization']:<10}{label:<7}{ours:>9.1f}"
-                f"{peer:>11.1f}{ours / peer:>7.2f}x"
+                f"{peer:>11.1f}{ours / peer:>7.2f}x  {r['llama.cpp build']} "
+                f"({r['llama.cpp']['repack']})"
             )
     bandwidth = dram_read_bandwidth()
     print(f"decode against the DRAM roofline (streaming read {bandwidth / 1e9:.1f} GB/s, "
@@ -237,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                          "none), comma list")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--build-dir", default=DEFAULT_BUILD_DIR)
+    ap.add_argument("--peer-isa", choices=("matched", "native"), default="matched",
+                    help="matched: Tessera's avx2 rows against llama.cpp built for AVX2 only, as "
+                         "on an AVX2 CPU; native: every row against the -march=native build")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -257,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if q not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization {q!r}: expected one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}")
-    rows = compare(models, isas, quantizations, args.threads, args.build_dir)
+    rows = compare(models, isas, quantizations, args.threads, args.build_dir, args.peer_isa)
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(rows, f, indent=1)
