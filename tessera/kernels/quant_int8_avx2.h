@@ -125,16 +125,19 @@ inline void prefetch_ahead(const uint8_t* w) {
 template <typename F, int J0 = 0, int J1 = 8>
 inline __m256i block_sums8(const __m256i* codes, const int8_t* qx) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  __m256i s = _mm256_setzero_si256();
+  // two chains (even and odd chunks), added at the end: the integer sums are exact, so the
+  // result is the same, and a block's dependent vpdpbusd halve
+  __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int j = J0; j < J1; ++j) {
     const __m256i x = broadcast4(qx + 4 * j);
     if constexpr (F::kSigned) {
-      s = _mm256_dpbusd_epi32(s, _mm256_sign_epi8(codes[j], codes[j]), _mm256_sign_epi8(x, codes[j]));
+      s[j & 1] = _mm256_dpbusd_epi32(s[j & 1], _mm256_sign_epi8(codes[j], codes[j]),
+                                     _mm256_sign_epi8(x, codes[j]));
     } else {
-      s = _mm256_dpbusd_epi32(s, codes[j], x);
+      s[j & 1] = _mm256_dpbusd_epi32(s[j & 1], codes[j], x);
     }
   }
-  return s;
+  return _mm256_add_epi32(s[0], s[1]);
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (F::kSigned) {  // pairs up to 2 * 128 * 127: widened to int32 every step
