@@ -105,8 +105,10 @@ inline __m512 join8(__m256 a, __m256 b) {
 // codes of signed kinds biased, see above; the bias is not yet taken off).
 template <bool kLo, int J0, int J1>
 inline __m512i tile_sums16(const __m512i* codes, const TileBlock* t, int r) {
-  __m512i s = _mm512_setzero_si512();
-  for (int j = J0; j < J1; ++j) s = _mm512_dpbusd_epi32(s, codes[j], _mm512_set1_epi32(t->q[j][r]));
+  __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int j = J0; j < J1; ++j)
+    s2[j & 1] = _mm512_dpbusd_epi32(s2[j & 1], codes[j], _mm512_set1_epi32(t->q[j][r]));
+  const __m512i s = _mm512_add_epi32(s2[0], s2[1]);
   if constexpr (!kLo) {
     return s;
   } else {
