@@ -17,6 +17,7 @@ bfloat16 --layers 30`): 1.08 ms a layer on 4 KiB pages, 0.99-1.00 on huge pages.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 
@@ -55,15 +56,12 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _huge_pages_tensor(shape, dtype: torch.dtype) -> torch.Tensor | None:
+def _huge_pages_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """A CPU tensor of `shape` in an anonymous mapping advised MADV_HUGEPAGE before anything
     touched it (zeros), starting on a 2 MiB boundary so that only its last partial page is small;
     None where that does not apply. The mapping lives as long as the tensor (torch.frombuffer
     keeps it)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < _MIN_BYTES or advice is None or sys.platform != "linux":
         return None
