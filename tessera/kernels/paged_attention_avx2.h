@@ -123,6 +123,8 @@ void attend_avx2(const q_t* q, const kv_t* k, const kv_t* v, const index_t* tabl
     for (int u = 0; u < 4; ++u)
       live[u] = _mm256_castsi256_ps(
           _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * u)), iota));
+    __m256 prev_max = _mm256_setzero_ps(), new_max = _mm256_setzero_ps();
+    __m256 psum = _mm256_setzero_ps();
     for (int64_t j = 0; j < nh; ++j) {
       const float* qj = sc.q.data() + j * D;
       const int64_t off = (j / G) * D;
@@ -137,7 +139,10 @@ void attend_avx2(const q_t* q, const kv_t* k, const kv_t* v, const index_t* tabl
         mx = _mm256_max_ps(mx, s[u]);
       }
       const float m_new = std::max(sc.m[j], hmax8(mx));
-      const float corr = std::exp(sc.m[j] - m_new);  // exp(-inf) = 0 on the first tile
+      const __m256 lane =
+          _mm256_castsi256_ps(_mm256_cmpeq_epi32(iota, _mm256_set1_epi32(static_cast<int>(j % 8))));
+      prev_max = _mm256_blendv_ps(prev_max, _mm256_set1_ps(sc.m[j]), lane);
+      new_max = _mm256_blendv_ps(new_max, _mm256_set1_ps(m_new), lane);
       sc.m[j] = m_new;
       const __m256 vm = _mm256_set1_ps(m_new);
       float* ps = sc.s.data() + j * kTile;
@@ -147,8 +152,16 @@ void attend_avx2(const q_t* q, const kv_t* k, const kv_t* v, const index_t* tabl
         sum = _mm256_add_ps(sum, p);
         _mm256_storeu_ps(ps + 8 * u, p);
       }
-      sc.l[j] = sc.l[j] * corr + hadd8(sum);
-      sc.corr[j] = corr;
+      psum = _mm256_blendv_ps(psum, _mm256_set1_ps(hadd8(sum)), lane);
+      if (j % 8 == 7 || j + 1 == nh) {  // the chunk's rescaling, as in attend_avx512
+        const int64_t j0 = j - j % 8;
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(j % 8 + 1)), iota);
+        const __m256 corr = exp8(_mm256_sub_ps(prev_max, new_max));
+        const __m256 l =
+            _mm256_add_ps(_mm256_mul_ps(_mm256_maskload_ps(sc.l.data() + j0, k), corr), psum);
+        _mm256_maskstore_ps(sc.corr.data() + j0, k, corr);
+        _mm256_maskstore_ps(sc.l.data() + j0, k, l);
+      }
     }
     for (int64_t kv = 0; kv < nkv; ++kv) {
       const int64_t j0 = kv * G;
