@@ -10,8 +10,10 @@ ms/layer for each path, the speedup, and the K/V bytes read once at the kernel's
                                    [--threads N] [--layers 30]
 
 `--layers N` gives each of N layers its own cache and times a pass over all of them, as a model
-step does: with 30 layers the K/V come from DRAM, with one they stay in L3 (the default, the
-kernel's arithmetic alone).
+step does: with 30 layers the K/V come from DRAM, with one they stay in L3 (the default).
+`--tables consecutive` gives each sequence consecutive blocks, as a fresh engine's prompts get;
+`--tables shared` puts every row on row 0's blocks, whose K/V stay in L2: the kernel's arithmetic
+alone.
 
 A dtype entry may name the cache's dtype after a slash: `float32/bfloat16` is fp32 activations
 over a bf16 KV cache (--kv-cache-dtype bfloat16), half the bytes of `float32`.
@@ -53,15 +55,27 @@ from tessera.kernels.hugepages import in_huge_pages
 from tessera.kernels.paged_attention import paged_attention_available
 from tessera.utils import cdiv
 
+TABLES = ("random", "consecutive", "shared")
 
-def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype, gen):
+
+def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype, gen,
+                tables_kind: str = "random"):
+    """q, caches, tables and lengths of one decode step. `tables_kind`: each sequence on random
+    blocks (a long-running server), on consecutive ones (a fresh engine's prompts), or every row
+    on row 0's blocks (`shared`: one sequence's K/V, which stays in L2, so the kernel's arithmetic
+    alone)."""
     max_blocks = cdiv(ctx, block_size)
     num_blocks = 2 * batch * max_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # on huge pages, as the engine's KV cache (tessera/kernels/hugepages.py)
     k_cache = in_huge_pages(torch.randn(shape, generator=gen).to(kv_dtype))
     v_cache = in_huge_pages(torch.randn(shape, generator=gen).to(kv_dtype))
-    tables = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks)
+    order = {
+        "random": lambda: torch.randperm(num_blocks, generator=gen),
+        "consecutive": lambda: torch.arange(num_blocks),
+        "shared": lambda: torch.arange(max_blocks).repeat(2 * batch),
+    }[tables_kind]()
+    tables = order[: batch * max_blocks].view(batch, max_blocks)
     # Lengths spread over the last block, as decodes of one batch are.
     seq_lens = ctx - torch.randint(0, block_size, (batch,), generator=gen)
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
@@ -103,6 +117,9 @@ def main() -> None:
     ap.add_argument("--heads", default="9,3", help="num_heads,num_kv_heads")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tables", choices=TABLES, default="random",
+                    help="each sequence's blocks: random (a long-running server's), consecutive "
+                         "(a fresh engine's), shared (every row row 0's: the arithmetic alone)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--layers", type=int, default=1,
@@ -151,13 +168,16 @@ def main() -> None:
         kv_dtype = getattr(torch, kv_name) if kv_name else dtype
         for ctx in (int(c) for c in args.contexts.split(",")):
             geometry = (num_heads, num_kv_heads, args.head_dim, args.block_size)
-            bench_case(args.batch, ctx, geometry, dtype, kv_dtype, args.reps, gen, args.layers)
+            bench_case(args.batch, ctx, geometry, dtype, kv_dtype, args.reps, gen, args.layers,
+                       args.tables)
 
 
-def bench_case(batch, ctx, geometry, dtype, kv_dtype, reps, gen, layers: int = 1) -> None:
+def bench_case(batch, ctx, geometry, dtype, kv_dtype, reps, gen, layers: int = 1,
+               tables_kind: str = "random") -> None:
     """ms per layer of each path, over `layers` caches in turn (one table for all of them)."""
     num_heads, num_kv_heads, head_dim, block_size = geometry
-    q, k_cache, v_cache, tables, seq_lens = make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen)
+    q, k_cache, v_cache, tables, seq_lens = make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen,
+                                                        tables_kind)
     caches = [(k_cache, v_cache)] + [
         make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen)[1:3] for _ in range(layers - 1)
     ]
@@ -229,7 +249,7 @@ def compare_with_baseline(args, baseline, heads: tuple[int, int]) -> None:
                 geometry = (*heads, args.head_dim, args.block_size)
                 touched = 2 * batch * ctx * heads[1] * args.head_dim * kv_dtype.itemsize
                 layers = max(args.layers, -(-96 * 2**20 // touched))
-                cases = [make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen)
+                cases = [make_inputs(batch, ctx, *geometry, dtype, kv_dtype, gen, args.tables)
                          for _ in range(layers)]
                 reps = max(2, 2000 // layers)
 
