@@ -13,7 +13,7 @@
 
 namespace tessera_paged {
 
-constexpr int64_t kTile = 32;
+constexpr int64_t kTile = 32;  // tokens per online-softmax update (two score vectors of 16)
 
 // The vector paths' exp (exp16, exp8) for the softmax: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
 // degree-7 Taylor polynomial (relative error < 1e-8 before fp32 rounding; coefficients from r^7
@@ -21,7 +21,7 @@ constexpr int64_t kTile = 32;
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187045e-06f;
 constexpr float kExpTaylor[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f,
-                                 1.f / 6.f,    0.5f,        1.f,         1.f};  // tokens per online-softmax update (two score vectors of 16)
+                                 1.f / 6.f,    0.5f,        1.f,         1.f};
 
 #ifndef TESSERA_ATTN_PARTITION
 #define TESSERA_ATTN_PARTITION 128
