@@ -155,12 +155,13 @@ void attend_avx2(const q_t* q, const kv_t* k, const kv_t* v, const index_t* tabl
       psum = _mm256_blendv_ps(psum, _mm256_set1_ps(hadd8(sum)), lane);
       if (j % 8 == 7 || j + 1 == nh) {  // the chunk's rescaling, as in attend_avx512
         const int64_t j0 = j - j % 8;
-        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(j % 8 + 1)), iota);
+        const __m256i done =  // lanes of heads j0..j
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(j % 8 + 1)), iota);
         const __m256 corr = exp8(_mm256_sub_ps(prev_max, new_max));
         const __m256 l =
-            _mm256_add_ps(_mm256_mul_ps(_mm256_maskload_ps(sc.l.data() + j0, k), corr), psum);
-        _mm256_maskstore_ps(sc.corr.data() + j0, k, corr);
-        _mm256_maskstore_ps(sc.l.data() + j0, k, l);
+            _mm256_add_ps(_mm256_mul_ps(_mm256_maskload_ps(sc.l.data() + j0, done), corr), psum);
+        _mm256_maskstore_ps(sc.corr.data() + j0, done, corr);
+        _mm256_maskstore_ps(sc.l.data() + j0, done, l);
       }
     }
     for (int64_t kv = 0; kv < nkv; ++kv) {

@@ -232,12 +232,12 @@ void attend_avx512(const q_t* q, const kv_t* k, const kv_t* v, const index_t* ta
       _mm512_storeu_ps(s + 16, p1);
       if (j % 16 == 15 || j + 1 == nh) {
         const int64_t j0 = j - j % 16;
-        const __mmask16 k = __mmask16((2u << (j % 16)) - 1);
+        const __mmask16 done = __mmask16((2u << (j % 16)) - 1);  // lanes of heads j0..j
         const __m512 corr = exp16(_mm512_sub_ps(prev_max, new_max));
         const __m512 l =
-            _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc.l.data() + j0), corr), psum);
-        _mm512_mask_storeu_ps(sc.corr.data() + j0, k, corr);
-        _mm512_mask_storeu_ps(sc.l.data() + j0, k, l);
+            _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(done, sc.l.data() + j0), corr), psum);
+        _mm512_mask_storeu_ps(sc.corr.data() + j0, done, corr);
+        _mm512_mask_storeu_ps(sc.l.data() + j0, done, l);
       }
     }
     // acc_j = acc_j * corr_j + sum_i p_ij V_i, a kv head's whole query group at a time: each V row
