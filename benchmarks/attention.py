@@ -70,12 +70,13 @@ def make_inputs(batch, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype
     # on huge pages, as the engine's KV cache (tessera/kernels/hugepages.py)
     k_cache = in_huge_pages(torch.randn(shape, generator=gen).to(kv_dtype))
     v_cache = in_huge_pages(torch.randn(shape, generator=gen).to(kv_dtype))
-    order = {
-        "random": lambda: torch.randperm(num_blocks, generator=gen),
-        "consecutive": lambda: torch.arange(num_blocks),
-        "shared": lambda: torch.arange(max_blocks).repeat(2 * batch),
-    }[tables_kind]()
-    tables = order[: batch * max_blocks].view(batch, max_blocks)
+    if tables_kind == "random":
+        order = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks]
+    elif tables_kind == "consecutive":
+        order = torch.arange(batch * max_blocks)
+    else:  # shared
+        order = torch.arange(max_blocks).repeat(batch)
+    tables = order.view(batch, max_blocks)
     # Lengths spread over the last block, as decodes of one batch are.
     seq_lens = ctx - torch.randint(0, block_size, (batch,), generator=gen)
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)

@@ -212,6 +212,7 @@ def compare(
     for model in models:
         peers = {b: llama_bench(benches[b], model, threads) for b in builds}
         for isa in isas:
+            build = peer_build(isa, peer_isa)
             for quantization in quantizations:
                 ours = run_tessera(model, quantization, threads, isa)
                 rows.append(
@@ -221,8 +222,8 @@ def compare(
                         "quantization": quantization,
                         "threads": threads,
                         "tessera": ours,
-                        "llama.cpp": peers[peer_build(isa, peer_isa)],
-                        "llama.cpp build": peer_build(isa, peer_isa),
+                        "llama.cpp": peers[build],
+                        "llama.cpp build": build,
                     }
                 )
     print(

@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 
-import step_instruments as si  # benchmarks/step_instruments.py
+import step_instruments as si  # benchmarks/step_instruments.py; si.CLOCK: set_clock rebinds
 import torch
 from step_instruments import CATEGORIES, ExclusiveTimers, instrument, stub_kernels
 
