@@ -26,9 +26,28 @@ def test_a_large_tensor_is_copied_onto_a_2_mib_boundary(dtype):
     assert out.sum().item() != 0  # the mapping outlives the source
 
 
-def test_small_tensors_stay_where_they_are():
+def test_tiny_tensors_stay_where_they_are():
     small = torch.ones(1000)
     assert in_huge_pages(small) is small
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_tensors_below_8_mib_share_huge_page_mappings_in_copy_order():
+    a = torch.randn(300, 1024)  # 1.2 MB
+    b = torch.randint(0, 255, (70_001,), dtype=torch.uint8)  # odd size: the next stays aligned
+    c = torch.randn(100, 1024).to(torch.bfloat16)
+    outs = [in_huge_pages(t) for t in (a, b, c)]
+    for t, out in zip((a, b, c), outs, strict=True):
+        assert out is not t and out.shape == t.shape and out.dtype == t.dtype
+        assert torch.equal(out, t) and out.data_ptr() % 64 == 0
+    # consecutive slices of one mapping (a new one only where the last is full)
+    starts = [out.data_ptr() for out in outs]
+    assert starts[1] == starts[0] + a.nbytes or starts[1] % (2 << 20) == 0
+    a.zero_()
+    del a
+    assert outs[0].abs().sum().item() > 0  # a copy that outlives the source
+    outs[1].zero_()  # writing one slice leaves its neighbours alone
+    assert torch.equal(outs[2], c) and outs[0].abs().sum().item() > 0
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
