@@ -33,15 +33,10 @@ def _default_gguf() -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_reference():
-    """HF transformers' model loaded from the same GGUF: its state dict and config (≈15 s)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    path = _default_gguf()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    return model.state_dict(), model.config
+def hf_reference(hf_model):
+    """HF transformers' model loaded from the same GGUF (the session's, tests/conftest.py): its
+    state dict and config."""
+    return hf_model.state_dict(), hf_model.config
 
 
 @pytest.fixture(scope="module")
