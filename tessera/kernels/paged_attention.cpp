@@ -11,8 +11,9 @@
 // A row's context is attended in partitions of kPartition tokens, each an online softmax of its own,
 // folded in order (paged_attention_common.h says why, and why that keeps rows independent of the
 // batch). Work item = a whole row when there are enough rows to keep the threads busy (its
-// partitions folded on one thread), else one partition of a row (folded after the threads). Either
-// way an item covers all kv heads, so each token's K/V rows are one contiguous stretch of memory
+// partitions folded on one thread), else one partition of a row (folded after the threads), and
+// with fewer partitions than threads a slice of a partition's kv heads. Short of that an item
+// covers all kv heads, so each token's K/V rows are one contiguous stretch of memory
 // that the touch pass loads ahead (1.15-1.2x faster than one kv head per item at B=64, ctx 512, one
 // thread; 1.4-1.7x at batch 1-6, where items were single kv heads before the partitions). All
 // `group` query heads of a kv head are processed together, so every K/V row is read from memory
@@ -198,24 +199,35 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     first[b + 1] = first[b] + num_partitions(lens[b]) - first_partition(geo.start(b));
   const int64_t stride = H * (D + 2);  // per partition: m [H], l [H], acc [H][D]
   std::vector<float> partial(first[geo.num_seqs] * stride);
-  const int64_t num_items = first[geo.num_seqs];
+  const int64_t num_parts = first[geo.num_seqs];
+  // Fewer partitions than threads (batch-1 decode up to kPartition tokens: one): each partition
+  // split into slices of its kv heads, so that every thread has one. A head's softmax state is
+  // its own, so the split changes no bit of any head's result. Not on the AMX path, whose tiles
+  // span a row's kv heads.
+  const int64_t slices =
+      amx ? 1 : std::min(geo.num_kv_heads, (num_threads + num_parts - 1) / num_parts);
+  const int64_t num_items = num_parts * slices;
   const int64_t num_workers = std::min(num_threads, num_items);
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     begin_worker();
     Scratch sc(geo);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
-        const int64_t part = item;  // row b's partition part - first[b]
+        const int64_t part = item / slices;  // row b's partition part - first[b]
+        const int64_t slice = item % slices;
+        const int64_t kv0 = slice * geo.num_kv_heads / slices;
+        const int64_t kv1 = (slice + 1) * geo.num_kv_heads / slices;
         const int64_t b = std::upper_bound(first.begin(), first.end(), part) - first.begin() - 1;
         const int64_t p = first_partition(geo.start(b)) + part - first[b];
         const int64_t t_begin = std::max(geo.start(b), p * kPartition);
         const int64_t t_end = std::min(lens[b], (p + 1) * kPartition);
-        attend(qp, kp, vp, tables + b * geo.max_blocks, t_begin, t_end, b, fscale, true, 0, geo,
-               sc);
+        const int64_t h0 = kv0 * geo.group, nh = (kv1 - kv0) * geo.group;
+        attend(qp + h0 * geo.q_stride_h, kp + kv0 * D, vp + kv0 * D, tables + b * geo.max_blocks,
+               t_begin, t_end, b, fscale, true, 0, heads_of(geo, kv0, kv1), sc);
         float* rec = partial.data() + part * stride;
-        std::copy(sc.m.begin(), sc.m.begin() + H, rec);
-        std::copy(sc.l.begin(), sc.l.begin() + H, rec + H);
-        std::copy(sc.acc.begin(), sc.acc.begin() + H * D, rec + 2 * H);
+        std::copy(sc.m.begin(), sc.m.begin() + nh, rec + h0);
+        std::copy(sc.l.begin(), sc.l.begin() + nh, rec + H + h0);
+        std::copy(sc.acc.begin(), sc.acc.begin() + nh * D, rec + 2 * H + h0 * D);
       }
     }
   });

@@ -61,8 +61,24 @@ struct Geometry {
   int64_t q_stride_b, q_stride_h, out_stride_b, out_stride_h;
   // sliding window: row b attends to tokens [starts[b], seq_lens[b]); nullptr = from 0
   const int64_t* starts = nullptr;
+  // elements from one token's K (V) row to the next in the cache; 0: num_kv_heads x head_dim.
+  // Set where a call attends a subset of the kv heads (heads_of), the cache keeping all of them.
+  int64_t cache_row = 0;
   int64_t start(int64_t b) const { return starts == nullptr ? 0 : starts[b]; }
+  int64_t row_stride() const { return cache_row > 0 ? cache_row : num_kv_heads * head_dim; }
 };
+
+// The geometry of kv heads [kv0, kv1) alone: their query heads and rows of the cache. With q and
+// the caches advanced to kv head kv0 (q by kv0 x group heads, the caches by kv0 x head_dim), an
+// attend call computes those heads exactly as in a call over all of them: each head's state is
+// its own.
+inline Geometry heads_of(const Geometry& geo, int64_t kv0, int64_t kv1) {
+  Geometry sub = geo;
+  sub.cache_row = geo.row_stride();
+  sub.num_kv_heads = kv1 - kv0;
+  sub.num_heads = (kv1 - kv0) * geo.group;
+  return sub;
+}
 
 // A row's partitions are fixed by position, [p * kPartition, (p + 1) * kPartition), whatever its
 // window: the first one it attends is the one holding its first visible token.
@@ -75,7 +91,7 @@ inline void for_each_row(const index_t* table, int64_t t0, int64_t n, const Geom
                          Row row) {
   // One division per call, not per token (a 64-bit divide costs as much as a head's dot product).
   int64_t idx = t0 / geo.block_size, in_block = t0 % geo.block_size;
-  const int64_t row_stride = geo.num_kv_heads * geo.head_dim;
+  const int64_t row_stride = geo.row_stride();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t block = static_cast<int64_t>(table[idx]);
     row(i, (block * geo.block_size + in_block) * row_stride);
