@@ -1,7 +1,8 @@
 """llama.cpp as a peer: batch-1 decode and 512-token prefill on the same GGUF, in one run.
 
     flock -x /work/cpu.lock python benchmarks/llamacpp_peer.py [--model FILE.gguf ...] \\
-        [--isa avx2,avx512] [--quantization gguf,gguf_int8] [--threads 2] [--build-dir DIR]
+        [--isa avx2,avx512] [--quantization gguf,gguf_int8] [--threads 2] [--build-dir DIR] \\
+        [--rounds 3]
 
 llama.cpp: `llama-bench -p 512 -n 128 -t THREADS` (pp512 and tg128, tok/s), built once from the
 llama-cpp-python 0.3.36 sdist's vendored llama.cpp (`build_llama_cpp`: pip download, CMake with
@@ -13,8 +14,10 @@ of an AVX2 CPU; `--peer-isa native` compares them with the native build instead.
 
 Tessera: the model runner on the same file (benchmarks/runner.py's `Ours`, the default engine
 settings' model, fp32 activations), each TESSERA_CPU_ISA in its own process: one 512-token
-prefill after a warm-up, then 128 decode steps at batch 1 from a 16-token prompt. Printed: both
-figures per engine and the ratios Tessera / llama.cpp; then each decode's share of the DRAM
+prefill after a warm-up, then 128 decode steps at batch 1 from a 16-token prompt. The two engines
+take turns `--rounds` times (a two-core cloud host's speed drifts by 10-20% within minutes, and
+a round's two figures drift together). Printed: both engines' median figures, the median of the
+rounds' ratios Tessera / llama.cpp and their range; then each decode's share of the DRAM
 roofline: the weight bytes a decode token streams (every projection and the lm_head) times its
 tok/s, over the streaming-read bandwidth benchmarks/w1_ceiling.py measures.
 benchmarks/peers.py --llama-cpp runs this.
@@ -26,6 +29,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -200,43 +204,62 @@ def peer_build(isa: str, peer_isa: str) -> str:
     return "avx2" if peer_isa == "matched" and isa == "avx2" else "native"
 
 
+def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
+    """One engine's figures over rounds: the median of each (the other entries, such as the
+    weight bytes or llama.cpp's repack flag, are the same in every round)."""
+    out = dict(runs[0])
+    for key in ("decode", "prefill"):
+        out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
 def compare(
     models: list[str], isas: list[str], quantizations: list[str], threads: int, build_dir: str,
-    peer_isa: str = "matched",
+    peer_isa: str = "matched", rounds: int = 3,
 ) -> list[dict]:
-    """Every model: llama.cpp once per build in use (peer_build), Tessera once per ISA and
-    quantization; prints a table, returns its rows."""
+    """Every model, `rounds` times in turn: llama.cpp once per build in use (peer_build), then
+    Tessera once per ISA and quantization. A host whose speed drifts within minutes moves both
+    engines of a round alike, so a row's ratio is the median of its rounds' own ratios (its
+    figures the medians of each engine's). Prints a table, returns its rows."""
     builds = sorted({peer_build(isa, peer_isa) for isa in isas})
     benches = {b: build_llama_cpp(build_dir, b) for b in builds}
     rows = []
     for model in models:
-        peers = {b: llama_bench(benches[b], model, threads) for b in builds}
+        runs = []  # per round: (llama.cpp by build, Tessera by (isa, quantization))
+        for _ in range(rounds):
+            peers = {b: llama_bench(benches[b], model, threads) for b in builds}
+            ours = {(isa, q): run_tessera(model, q, threads, isa)
+                    for isa in isas for q in quantizations}
+            runs.append((peers, ours))
         for isa in isas:
             build = peer_build(isa, peer_isa)
             for quantization in quantizations:
-                ours = run_tessera(model, quantization, threads, isa)
+                pairs = [(ours[(isa, quantization)], peers[build]) for peers, ours in runs]
                 rows.append(
                     {
                         "model": os.path.basename(model),
                         "isa": isa,
                         "quantization": quantization,
                         "threads": threads,
-                        "tessera": ours,
-                        "llama.cpp": peers[build],
+                        "tessera": median_figures([o for o, _ in pairs]),
+                        "llama.cpp": median_figures([p for _, p in pairs]),
                         "llama.cpp build": build,
+                        "ratios": {key: [o[key] / p[key] for o, p in pairs]
+                                   for key in ("decode", "prefill")},
                     }
                 )
     print(
         f"{'model':<34}{'isa':<9}{'quant':<10}{'figure':<7}{'tessera':>9}{'llama.cpp':>11}"
-        f"{'ratio':>8}  peer build (repack)"
+        f"{'ratio':>8}  {'rounds':<13}  peer build (repack)"
     )
     for r in rows:
         for key, label in (("decode", "tg128"), ("prefill", "pp512")):
-            ours, peer = r["tessera"][key], r["llama.cpp"][key]
+            ours, peer, ratios = r["tessera"][key], r["llama.cpp"][key], r["ratios"][key]
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}x"
             print(
                 f"{r['model']:<34}{r['isa']:<9}{r['quantization']:<10}{label:<7}{ours:>9.1f}"
-                f"{peer:>11.1f}{ours / peer:>7.2f}x  {r['llama.cpp build']} "
-                f"({r['llama.cpp']['repack']})"
+                f"{peer:>11.1f}{statistics.median(ratios):>7.2f}x  {spread:<13}  "
+                f"{r['llama.cpp build']} ({r['llama.cpp']['repack']})"
             )
     bandwidth = dram_read_bandwidth()
     print(f"decode against the DRAM roofline (streaming read {bandwidth / 1e9:.1f} GB/s, "
@@ -267,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-isa", choices=("matched", "native"), default="matched",
                     help="matched: Tessera's avx2 rows against llama.cpp built for AVX2 only, as "
                          "on an AVX2 CPU; native: every row against the -march=native build")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="llama.cpp and Tessera in turn this many times; medians")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -287,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         if q not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization {q!r}: expected one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}")
-    rows = compare(models, isas, quantizations, args.threads, args.build_dir, args.peer_isa)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    rows = compare(models, isas, quantizations, args.threads, args.build_dir, args.peer_isa,
+                   args.rounds)
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(rows, f, indent=1)
