@@ -186,8 +186,8 @@ def test_cache_dtype_differs_from_q(kernel, dtypes, head_dim):
 def test_row_independent_bitwise(kernel, dtypes):
     """A row's result never depends on its batch neighbours, nor on how the rows are split into work
     items (a row's 128-token partitions, or slices of their kv heads, spread over the threads at
-    small batches, folded on one thread at large ones): bitwise. Contexts on both sides of the partition bounds and past
-    several of them."""
+    small batches, folded on one thread at large ones): bitwise. Contexts on both sides of the
+    partition bounds and past several of them."""
     q_dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(3)
     edges = [1, 127, 128, 129, 256, 257, 1000]
