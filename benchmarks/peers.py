@@ -137,16 +137,17 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-space", type=int, default=1, help="GiB, both engines")
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--rounds", type=int, default=None,
                     help="run the peers in turn this many times: median times, and each ratio "
-                         "the median of the rounds' own")
+                         "the median of the rounds' own (default 1; with --llama-cpp, "
+                         "llamacpp_peer.py's 3)")
     ap.add_argument("--result-file", default=None, help="JSON with every figure")
     args = ap.parse_args(argv)
     try:
         args.dtypes = parse_dtypes(args.dtype)
         if args.hf_batch < 0:
             raise ValueError(f"--hf-batch must be >= 0 (0: no HF), got {args.hf_batch}")
-        if args.rounds < 1:
+        if args.rounds is not None and args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
         if args.kv_cache_space < 1:
             raise ValueError(f"--kv-cache-space must be >= 1 GiB, got {args.kv_cache_space}")
@@ -329,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             llama_argv += ["--model", model]
         if args.llama_cpp_build_dir:
             llama_argv += ["--build-dir", args.llama_cpp_build_dir]
+        if args.rounds is not None:
+            llama_argv += ["--rounds", str(args.rounds)]
         if args.result_file:
             llama_argv += ["--result-file", args.result_file]
         return llamacpp_peer.main(llama_argv)
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = stack.enter_context(baseline_worktree(args.baseline)) if args.baseline else None
         for dtype in args.dtypes:
             # the peers in turn, `--rounds` times: a drifting host moves a round's peers alike
-            rounds = [run_peers(args, dtype, work, baseline) for _ in range(args.rounds)]
+            rounds = [run_peers(args, dtype, work, baseline) for _ in range(args.rounds or 1)]
             results = [median_result(list(runs)) for runs in zip(*rounds, strict=True)]
             block = summarize(results, out_lens, dtype, args.workload, rounds)
             print("\n".join(block), flush=True)

