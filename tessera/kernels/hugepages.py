@@ -71,7 +71,7 @@ class _SharedPages:
     `_MIN_BYTES`: the weights a model packs one after another lie in the order its step reads
     them. A mapping lives while any slice of it does; only the pages written are resident."""
 
-    _CHUNK_BYTES = 16 * _HUGE_PAGE
+    _CHUNK_BYTES = 16 * _HUGE_PAGE  # above _MIN_BYTES: a mapping of its own
     _MIN_TAKE = 64 << 10  # below this a tensor spans a few small pages at most: left as is
     _ALIGN = 64  # a cache line
 
@@ -86,7 +86,7 @@ class _SharedPages:
             return None
         with self._lock:
             if self._chunk is None or self._used + nbytes > self._CHUNK_BYTES:
-                self._chunk = _huge_pages_tensor((self._CHUNK_BYTES,), torch.uint8, min_bytes=0)
+                self._chunk = _huge_pages_tensor((self._CHUNK_BYTES,), torch.uint8)
                 self._used = 0
                 if self._chunk is None:
                     return None
@@ -98,15 +98,14 @@ class _SharedPages:
 _SHARED = _SharedPages()
 
 
-def _huge_pages_tensor(shape: tuple[int, ...], dtype: torch.dtype,
-                       min_bytes: int = _MIN_BYTES) -> torch.Tensor | None:
+def _huge_pages_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """A CPU tensor of `shape` in an anonymous mapping advised MADV_HUGEPAGE before anything
     touched it (zeros), starting on a 2 MiB boundary so that only its last partial page is small;
     None where that does not apply. The mapping lives as long as the tensor (torch.frombuffer
     keeps it)."""
     nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < min_bytes or advice is None or sys.platform != "linux":
+    if nbytes < _MIN_BYTES or advice is None or sys.platform != "linux":
         return None
     region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
