@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from llamacpp_peer import DEFAULT_BUILD_DIR, llama_bench, llama_bench_path  # noqa: E402
+from llamacpp_build import DEFAULT_BUILD_DIR, llama_bench, llama_bench_path  # noqa: E402
 from throughput import workload  # noqa: E402  (W1's prompts and output lengths)
 
 from tessera import LLM, SamplingParams  # noqa: E402

@@ -78,7 +78,7 @@ def first_differences(quantization: str, prompts, ref_ids,
 @contextlib.contextmanager
 def llama_server(build_dir: str, model: str, threads: int) -> Iterator[str]:
     """A llama-server on a free 127.0.0.1 port for the duration; yields its base URL."""
-    from llamacpp_peer import llama_bench_path
+    from llamacpp_build import llama_bench_path
 
     server = os.path.join(os.path.dirname(llama_bench_path(build_dir)), "llama-server")
     with socket.socket() as s:
@@ -165,7 +165,7 @@ def main() -> None:
               f"({100 * same / len(ref):.1f}%), "
               f"{prefix}/{total} tokens before the first difference; {tps:.1f} output tok/s")
     if args.llama_cpp:
-        from llamacpp_peer import DEFAULT_BUILD_DIR
+        from llamacpp_build import DEFAULT_BUILD_DIR
 
         start = time.perf_counter()
         ids = run_llama_cpp(args.build_dir or DEFAULT_BUILD_DIR, prompts, out_lens, args.threads)

@@ -249,7 +249,7 @@ def measure(path: str, steps: int) -> dict:
 
 
 def model_bench(workdir: str, steps: int, threads: int) -> None:
-    from benchmarks.llamacpp_peer import llama_bench_path
+    from benchmarks.llamacpp_build import llama_bench_path
 
     paths = build_models(workdir)
     rows = {}
