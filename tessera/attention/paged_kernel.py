@@ -129,12 +129,16 @@ class PagedKernelBackend(AttentionBackend):
         ]
         dev = self.device
         seq_tables = torch.tensor(per_seq, dtype=torch.long, device=dev)
-        new_tokens = torch.tensor([s.num_new_tokens for s in spans], device=dev)
-        of_token = torch.repeat_interleave(torch.arange(len(spans), device=dev), new_tokens)
-        lens = torch.tensor(positions, dtype=torch.long, device=dev) + 1
+        if all(s.num_new_tokens == 1 for s in spans):  # decodes: a row's table is its sequence's
+            token_tables = seq_tables
+        else:
+            new_tokens = torch.tensor([s.num_new_tokens for s in spans], device=dev)
+            of_token = torch.repeat_interleave(torch.arange(len(spans), device=dev), new_tokens)
+            token_tables = seq_tables.index_select(0, of_token)
+        lens = torch.tensor([p + 1 for p in positions], dtype=torch.long, device=dev)
         return PagedKernelMetadata(
             slot_mapping=slot_mapping,
-            token_block_tables=seq_tables.index_select(0, of_token),
+            token_block_tables=token_tables,
             token_seq_lens=lens,
             spans=spans,
             block_size=bs,

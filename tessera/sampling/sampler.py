@@ -31,6 +31,7 @@ first sequence's generator, seeded `seed`, draws all n first tokens at the fork 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -80,6 +81,16 @@ class Sampler:
     the distribution the token was drawn from (vLLM's default, and what OpenAI clients expect).
     """
 
+    def __init__(self) -> None:
+        self._fused: dict[torch.device, ModuleType | None] = {}
+
+    def _fused_ops(self, device: torch.device) -> ModuleType | None:
+        """The fused C++ ops for fp32 rows on `device`, looked up once (the lookup asks which
+        build serves this CPU: ~10 us, a step's)."""
+        if device not in self._fused:
+            self._fused[device] = fused_ops_for(device, torch.float32)
+        return self._fused[device]
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # logits: [num_rows, vocab], any float dtype, on any device
         # A step that raises is re-run without its culprit (engine/step_recovery.py); the seeded
@@ -107,15 +118,18 @@ class Sampler:
         for i in range(1, num_rows):
             starts[i] = starts[i - 1] + num_samples[i - 1]
         total = starts[-1] + num_samples[-1]
-        row_of_sample = torch.repeat_interleave(
-            torch.arange(num_rows, device=device), torch.tensor(num_samples, device=device))
+        if total == num_rows:  # one sample a row (all but a step that forks n > 1)
+            row_of_sample = torch.arange(num_rows, device=device)
+        else:
+            row_of_sample = torch.repeat_interleave(
+                torch.arange(num_rows, device=device), torch.tensor(num_samples, device=device))
 
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         randoms = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         # raw argmax and logsumexp [R] in one kernel call (two reads of each row, nothing written)
-        fused = _fused_argmax_lse(raw)
+        fused = _fused_argmax_lse(raw, self._fused_ops(device))
         if not randoms and fused is not None and logits is raw:  # the common greedy step
-            chosen = fused[0][row_of_sample]  # [S]
+            chosen = fused[0] if total == num_rows else fused[0][row_of_sample]  # [S]
         elif not randoms:  # fast path: no temperature, sort or noise
             chosen = logits.argmax(dim=-1)[row_of_sample]  # [S]
         else:
@@ -137,7 +151,8 @@ class Sampler:
             chosen_lp = raw_lp[row_of_sample, chosen]  # [S]
             want_lp = _rows(raw_lp, want) if want else raw_lp
         else:
-            chosen_lp = raw[row_of_sample, chosen] - fused[1][row_of_sample]  # [S]
+            lse = fused[1] if total == num_rows else fused[1][row_of_sample]
+            chosen_lp = raw[row_of_sample, chosen] - lse  # [S]
             want_lp = _rows(raw, want).log_softmax(dim=-1) if want else raw
             for w, i in enumerate(want):
                 for s in range(starts[i], starts[i] + num_samples[i]):
@@ -305,15 +320,16 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return out
 
 
-def _fused_argmax_lse(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(argmax [R], logsumexp [R]) of float32 rows from the fused C++ kernel, or None where it does
-    not serve them (another device, no AVX-512 build). Measured on 64 x 49152 logits here: 10 ms,
-    against 41 ms for argmax + log_softmax + gather; the greedy step's sampler was 3-4% of a
-    decode step at batch 8-16 (benchmarks/step_profile.py)."""
-    if raw.stride(-1) != 1:
+def _fused_argmax_lse(
+    raw: torch.Tensor, ops: ModuleType | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(argmax [R], logsumexp [R]) of float32 rows from the fused C++ kernel `ops`, or None where
+    it does not serve them (another device, no build). Measured on 64 x 49152 logits here:
+    10 ms, against 41 ms for argmax + log_softmax + gather; the greedy step's sampler was 3-4% of
+    a decode step at batch 8-16 (benchmarks/step_profile.py)."""
+    if raw.stride(-1) != 1 or ops is None:
         return None
-    ops = fused_ops_for(raw.device, torch.float32)
-    return None if ops is None else ops.argmax_lse(raw)
+    return ops.argmax_lse(raw)
 
 
 def _rows(x: torch.Tensor, row_ids: list[int]) -> torch.Tensor:

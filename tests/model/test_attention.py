@@ -28,16 +28,18 @@ HEADS = [(6, 2), (4, 4)]  # (num_heads, num_kv_heads): GQA group 3, and none
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def make_step(seed, block_size, num_heads, num_kv_heads, dtype, head_dim=16):
+def make_step(seed, block_size, num_heads, num_kv_heads, dtype, head_dim=16, decodes_only=False):
     """A step in the runner's order: 4 decodes, then a fresh prefill, a continuing chunk (context
-    ending mid-block), a continuing chunk starting on a block boundary, a one-token fresh prompt.
-    The context is already in the cache; the new tokens' K/V arrive with the batch."""
+    ending mid-block), a continuing chunk starting on a block boundary, a one-token fresh prompt
+    (`decodes_only`: the decodes alone, a step of one token a sequence). The context is already
+    in the cache; the new tokens' K/V arrive with the batch."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     # (num_computed_tokens, num_new_tokens)
     shapes = [(rng.randint(1, 70), 1) for _ in range(4)]
-    shapes += [(0, rng.randint(2, 40)), (rng.randint(1, 50), rng.randint(2, 30))]
-    shapes += [(2 * block_size, rng.randint(2, 20)), (0, 1)]
+    if not decodes_only:
+        shapes += [(0, rng.randint(2, 40)), (rng.randint(1, 50), rng.randint(2, 30))]
+        shapes += [(2 * block_size, rng.randint(2, 20)), (0, 1)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 3
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
@@ -111,6 +113,15 @@ def test_backend_matches_reference(name, block_size, heads, dtype):
     flat_k = step["k_cache"].view(-1, *step["k"].shape[1:])
     flat_v = step["v_cache"].view(-1, *step["v"].shape[1:])
     assert torch.equal(flat_k[slots], step["k"]) and torch.equal(flat_v[slots], step["v"])
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_decode_only_step_matches_reference(name, block_size):
+    """One token a sequence (the paged backend takes each sequence's table as its row's)."""
+    step = make_step(3 + block_size, block_size, 6, 2, torch.float32, decodes_only=True)
+    _, out = run_backend(name, step, block_size)
+    torch.testing.assert_close(out, reference(step), atol=TOL[torch.float32], rtol=0)
 
 
 @pytest.mark.skipif(not HAVE_KERNEL, reason="C++ paged-attention kernel not built")

@@ -32,6 +32,26 @@ def test_greedy_is_argmax(logits):
     assert tokens(Sampler()(logits, rows)) == [[t] for t in logits.argmax(-1).tolist()]
 
 
+def test_greedy_step_gives_raw_logprobs_and_looks_up_its_kernel_once(logits, monkeypatch):
+    """The common step (greedy, one sample a row): argmax and logprobs of the raw rows; the
+    fused kernel is looked up on the first call only."""
+    from tessera.sampling import sampler as sampler_module
+
+    lookups = []
+    real = sampler_module.fused_ops_for
+    monkeypatch.setattr(sampler_module, "fused_ops_for",
+                        lambda *a: lookups.append(a) or real(*a))
+    sampler = Sampler()
+    rows = [row(SamplingParams(temperature=0)) for _ in range(8)]
+    ref = logits.log_softmax(-1)
+    for _ in range(3):
+        out = sampler(logits, rows)
+        assert tokens(out) == [[t] for t in logits.argmax(-1).tolist()]
+        for i, samples in enumerate(out.samples):
+            assert samples[0].logprob == pytest.approx(ref[i].max().item(), abs=1e-5)
+    assert len(lookups) == 1
+
+
 def test_greedy_any_float_dtype(logits):
     rows = [row(SamplingParams(temperature=0)) for _ in range(8)]
     out = Sampler()(logits.bfloat16(), rows)

@@ -71,6 +71,17 @@ def test_kv_caches_are_views_of_the_device_pool():
     assert (engine.gpu_cache[2, 1, 5, 3, 1] == 7.0).all()
 
 
+def test_kv_caches_views_are_built_once_per_pool_tensor():
+    engine = filled(torch.float32)
+    assert engine.kv_caches is engine.kv_caches  # not rebuilt every step
+    # a pool replaced by a larger one (a draft model's cache grows so): views of the new one
+    engine.gpu_cache = torch.cat([engine.gpu_cache, torch.zeros_like(engine.gpu_cache)], dim=2)
+    k, v = engine.kv_caches[1]
+    assert k.shape[0] == 2 * NUM_GPU_BLOCKS
+    assert k.data_ptr() == engine.gpu_cache[1, 0].data_ptr()
+    assert v.data_ptr() == engine.gpu_cache[1, 1].data_ptr()
+
+
 @DTYPES
 def test_swap_out_then_in_restores_blocks_into_other_device_blocks(dtype):
     engine = filled(dtype)
