@@ -85,8 +85,8 @@ class Sampler:
         self._fused: dict[torch.device, ModuleType | None] = {}
 
     def _fused_ops(self, device: torch.device) -> ModuleType | None:
-        """The fused C++ ops for fp32 rows on `device`, looked up once (the lookup asks which
-        build serves this CPU: ~10 us, a step's)."""
+        """The fused C++ ops for fp32 rows on `device`, looked up once (each lookup asks which
+        build serves this CPU: ~10 us, every step before)."""
         if device not in self._fused:
             self._fused[device] = fused_ops_for(device, torch.float32)
         return self._fused[device]
