@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tessera.sampling.params import SamplingParams
+from tessera.sampling.penalties import penalize
 from tessera.sampling.sampler import Sampler, SamplingRow, token_logprobs
 
 VOCAB = 64
@@ -158,7 +159,7 @@ def test_penalties_match_hand_computation():
     lg = torch.tensor([[2.0, -1.0, 0.5, 1.0, -0.5, 0.0]])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     r = row(p, prompt=[1, 4], output=[2, 2, 0])
-    got = Sampler._penalize(lg.clone(), [r])
+    got = penalize(lg.clone(), [r])
     expected = torch.tensor([[
         2.0 / 2 - 0.5 * 1 - 0.25,   # 0: output once, positive -> divided
         -1.0 * 2,                   # 1: prompt only, negative -> multiplied, no freq/presence
@@ -284,11 +285,11 @@ def test_seeded_row_with_filters_ignores_the_batch():
 
 
 def test_inverse_cdf_never_picks_a_zero_weight():
-    from tessera.sampling.sampler import _inverse_cdf
+    from tessera.sampling.random_draws import inverse_cdf
 
     w = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]] * 4)
     u = torch.tensor([0.0, 0.3, 0.9999, 1.0 - 2**-24])
-    assert _inverse_cdf(w, u).tolist() == [1, 3, 3, 3]
+    assert inverse_cdf(w, u).tolist() == [1, 3, 3, 3]
 
 
 def test_greedy_logprobs_on_a_real_vocabulary():

@@ -1,10 +1,11 @@
 """The widened top-k/top-p/min-p filter against a naive reference that sorts the whole vocabulary.
 
 The sampler filters only the top 64 (then 1024) candidates and widens for rows whose kept set may
-reach past them (`_sample`, `_apply_filters`). The reference here sorts everything and applies
-top-k, then top-p on the top-k-renormalised distribution (a token stays while the mass strictly
-above it is below top_p; top_p == 1 is off), then min-p (p >= min_p * p_max), always keeping the
-most likely token: vLLM's order and tie rules.
+reach past them (`sample_random`, `apply_filters` in tessera/sampling/random_draws.py). The
+reference here sorts everything and applies top-k, then top-p on the top-k-renormalised
+distribution (a token stays while the mass strictly above it is below top_p; top_p == 1 is off),
+then min-p (p >= min_p * p_max), always keeping the most likely token: vLLM's order and tie
+rules.
 
 Kept sets are compared by sorted position, so tied tokens (which either side may order
 differently) compare equal by value. The reference works in float64 and the sampler in float32:
@@ -18,9 +19,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tessera.sampling.sampler as sampler_mod
+import tessera.sampling.random_draws as draws_mod
 from tessera.sampling.params import SamplingParams
-from tessera.sampling.sampler import Sampler, SamplingRow, _apply_filters, _inverse_cdf
+from tessera.sampling.random_draws import apply_filters, inverse_cdf
+from tessera.sampling.sampler import Sampler, SamplingRow
 
 _TOL = 2e-6  # relative rounding of float32 thresholds (top_p, min_p and the prefix sums)
 
@@ -103,7 +105,7 @@ def filter_params(draw, sorted_probs: torch.Tensor, boundaries: bool) -> Samplin
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_filter_on_the_first_candidates_matches_the_full_sort(data):
-    """Whenever `_apply_filters` calls a row resolved from its first K candidates, the kept
+    """Whenever `apply_filters` calls a row resolved from its first K candidates, the kept
     prefix is the full-sort reference's; given every candidate, it always resolves."""
     num_rows = data.draw(st.integers(1, 4))
     logits = data.draw(logits_rows(num_rows))
@@ -113,7 +115,7 @@ def test_filter_on_the_first_candidates_matches_the_full_sort(data):
     ks = {min(k, vocab) for k in (1, 64, 1024, vocab)} | {data.draw(st.integers(1, vocab))}
     for k in sorted(ks):
         cand = probs[:, :k]
-        kept, resolved = _apply_filters(cand, params, vocab, probs.sum(dim=-1))
+        kept, resolved = apply_filters(cand, params, vocab, probs.sum(dim=-1))
         for i, p in enumerate(params):
             if not resolved[i]:
                 assert k < vocab, "the complete vocabulary must resolve every row"
@@ -150,7 +152,7 @@ def test_sampler_draws_from_the_full_sort_reference(data):
     rows = [SamplingRow(p, [1], [], num_samples=len(_GRID)) for p in params]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sampler_mod, "_uniforms", lambda rs, device: _GRID.repeat(len(rs)))
+        mp.setattr(draws_mod, "_uniforms", lambda rs, device: _GRID.repeat(len(rs)))
         out = Sampler()(logits, rows)
 
     for i, p in enumerate(params):
@@ -160,14 +162,14 @@ def test_sampler_draws_from_the_full_sort_reference(data):
             continue
         if not (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0):
             # no filter: the draw is over the whole distribution in token-id order
-            want = _inverse_cdf(probs[i].expand(len(_GRID), vocab), _GRID).tolist()
+            want = inverse_cdf(probs[i].expand(len(_GRID), vocab), _GRID).tolist()
             assert got == want, f"row {i}: unfiltered draw differs"
             continue
         lo, hi = reference_prefix(sorted_probs[i], p)
         if lo != hi:
             continue  # a threshold within rounding; the filter test covers such rows
         weights = sorted_probs[i].double() * (torch.arange(vocab) < lo)
-        want = _inverse_cdf(weights.expand(len(_GRID), vocab), _GRID)
+        want = inverse_cdf(weights.expand(len(_GRID), vocab), _GRID)
         assert probs[i, got].tolist() == sorted_probs[i, want].tolist(), (
             f"row {i} ({p.top_k=}, {p.top_p=}, {p.min_p=}, vocab {vocab}, reference keeps {lo})")
 
@@ -180,7 +182,7 @@ def test_boundary_rules():
     cand = torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 5)
     params = [SamplingParams(top_p=0.75), SamplingParams(min_p=0.25), SamplingParams(top_k=3),
               SamplingParams(top_p=1e-9), SamplingParams(top_k=2, top_p=0.6)]
-    kept, resolved = _apply_filters(cand, params, 4)
+    kept, resolved = apply_filters(cand, params, 4)
     assert resolved.all()
     assert [kept_prefix(w, c) for w, c in zip(kept, cand, strict=True)] == [2, 4, 3, 1, 1]
 
@@ -199,5 +201,5 @@ def test_top_p_of_one_keeps_a_negligible_tail():
     # not drop them (it once did), only top_k=50 does
     lg = torch.tensor([[30.0] + [0.0] * 99])
     probs = lg.softmax(-1).sort(descending=True).values
-    kept, resolved = _apply_filters(probs[:, :64], [SamplingParams(top_k=50)], 100)
+    kept, resolved = apply_filters(probs[:, :64], [SamplingParams(top_k=50)], 100)
     assert resolved.item() and kept_prefix(kept[0], probs[0, :64]) == 50
