@@ -47,7 +47,7 @@ def sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
         sub_params = [params[i] for i in todo]
         cand_probs, cand_ids = select_rows(probs, todo).topk(k, dim=-1)  # [T, k] sorted descending
         kept, resolved = apply_filters(cand_probs, sub_params, vocab,
-                                        row_mass[torch.tensor(todo, device=device)])
+                                       row_mass[torch.tensor(todo, device=device)])
         done = [j for j, ok in enumerate(resolved.tolist()) if ok]
         if done:
             sel = torch.tensor(done, device=device)

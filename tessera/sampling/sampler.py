@@ -224,7 +224,7 @@ def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         k = min(k, vocab)
         cand_probs, cand_ids = select_rows(probs, todo).topk(k, dim=-1)  # [T, k]
         kept, resolved = apply_filters(cand_probs, [params[j] for j in todo], vocab,
-                                        row_mass[torch.tensor(todo, device=device)])
+                                       row_mass[torch.tensor(todo, device=device)])
         ok = resolved.tolist()
         for t, j in enumerate(todo):
             if ok[t]:
