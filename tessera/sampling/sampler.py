@@ -90,7 +90,8 @@ class Sampler:
         for i in range(1, num_rows):
             starts[i] = starts[i - 1] + num_samples[i - 1]
         total = starts[-1] + num_samples[-1]
-        if total == num_rows:  # one sample a row (all but a step that forks n > 1)
+        one_each = total == num_rows  # one sample a row (all but a step that forks n > 1)
+        if one_each:
             row_of_sample = torch.arange(num_rows, device=device)
         else:
             row_of_sample = torch.repeat_interleave(
@@ -101,7 +102,7 @@ class Sampler:
         # raw argmax and logsumexp [R] in one kernel call (two reads of each row, nothing written)
         fused = _fused_argmax_lse(raw, self._fused_ops(device))
         if not randoms and fused is not None and logits is raw:  # the common greedy step
-            chosen = fused[0] if total == num_rows else fused[0][row_of_sample]  # [S]
+            chosen = fused[0] if one_each else fused[0][row_of_sample]  # [S]
         elif not randoms:  # fast path: no temperature, sort or noise
             chosen = logits.argmax(dim=-1)[row_of_sample]  # [S]
         else:
@@ -125,7 +126,7 @@ class Sampler:
             chosen_lp = raw_lp[row_of_sample, chosen]  # [S]
             want_lp = select_rows(raw_lp, want) if want else raw_lp
         else:
-            lse = fused[1] if total == num_rows else fused[1][row_of_sample]
+            lse = fused[1] if one_each else fused[1][row_of_sample]
             chosen_lp = raw[row_of_sample, chosen] - lse  # [S]
             want_lp = select_rows(raw, want).log_softmax(dim=-1) if want else raw
             for w, i in enumerate(want):
