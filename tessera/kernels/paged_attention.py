@@ -33,8 +33,8 @@ from tessera.kernels.build import load_extension
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 _HEADERS = tuple(Path(__file__).with_name(h) for h in (
     "paged_attention_common.h", "paged_attention_avx2.h", "paged_attention_avx512.h",
-    "paged_attention_amx.h", "paged_attention_fold.h", "paged_attention_scalar.h",
-    "paged_kv_store.h", "linear_amx.h", "linear_tiles.h"))
+    "paged_attention_amx.h", "paged_attention_fold.h", "paged_attention_partitions.h",
+    "paged_attention_scalar.h", "paged_kv_store.h", "linear_amx.h", "linear_tiles.h"))
 _module: ModuleType | None = None
 
 

@@ -174,6 +174,27 @@ inline void touch_rows(const kv_t* k, const kv_t* v, const index_t* table, int64
   });
 }
 
+// Every block the kernel will touch lies in the cache (`num_blocks` of them), and every row's
+// length and window start fit its table: a bad index would read outside the cache.
+template <typename index_t>
+void check_tables(const index_t* tables, const int64_t* lens, int64_t num_blocks,
+                  const Geometry& geo) {
+  for (int64_t b = 0; b < geo.num_seqs; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= geo.max_blocks * geo.block_size, "seq_lens[", b,
+                "] = ", lens[b], " does not fit in ", geo.max_blocks, " blocks of ",
+                geo.block_size);
+    TORCH_CHECK(geo.start(b) >= 0 && (geo.start(b) < lens[b] || geo.start(b) == 0),
+                "seq_starts[", b, "] = ", geo.start(b), " is not within seq_lens ", lens[b]);
+    const int64_t used = (lens[b] + geo.block_size - 1) / geo.block_size;
+    // blocks before the window are never read (the block manager may have released them)
+    for (int64_t i = geo.start(b) / geo.block_size; i < used; ++i) {
+      const int64_t blk = static_cast<int64_t>(tables[b * geo.max_blocks + i]);
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", b, "][", i, "] = ", blk,
+                  " is outside the cache (", num_blocks, " blocks)");
+    }
+  }
+}
+
 // Work units of a call, [units[u], units[u + 1]): single rows, or up to `max_rows` consecutive
 // rows that share their table and window start (a prompt chunk's tokens) to attend together.
 template <typename index_t>
